@@ -1,0 +1,207 @@
+"""The Python API: `attention` runs a schedule, `predict_traffic` evaluates its model.
+
+Every argument is checked before any launch; bad input raises ValueError or TypeError whose
+message starts with the argument's name and states the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import runtime
+from .ledger import N_SLOTS, Ledger
+from .schedule import (
+    MAX_BLOCK_K,
+    MAX_BLOCK_Q,
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    Problem,
+    Schedule,
+    get_schedule,
+)
+
+
+@dataclass
+class Result:
+    """What `attention` returns. `out` (and `lse`) are the same kind of array as q."""
+
+    out: Any
+    lse: Any
+    counts: Ledger | None
+    problem: Problem
+    schedule: str
+    backend: str
+    ms: float
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"{low} <= {name} <= {high}" if high is not None else f"{name} >= {low}"
+        raise ValueError(f"{name}: got {value}, allowed {bound}")
+    return value
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: must be True or False, got {value!r}")
+    return bool(value)
+
+
+def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1, heads=1,
+                 block_q, block_k, causal=False, save_lse=False, dtype="float32") -> Problem:
+    """Validate sizes and options for `schedule` and return the Problem they describe."""
+    if isinstance(schedule, str):
+        get_schedule(schedule)  # refuses an unknown name, listing the known ones
+    n_k = n_q if n_k is None else n_k
+    dv = d if dv is None else dv
+    dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype: {dtype} is not supported; use one of {list(SUPPORTED_DTYPES)}")
+    p = Problem(
+        n_q=_check_int("n", n_q, 1), n_k=_check_int("n_k", n_k, 1),
+        d=_check_int("d", d, 1, MAX_HEAD_DIM), dv=_check_int("dv", dv, 1, MAX_HEAD_DIM),
+        batch=_check_int("batch", batch, 1), heads=_check_int("heads", heads, 1),
+        block_q=_check_int("block_q", block_q, 1, MAX_BLOCK_Q),
+        block_k=_check_int("block_k", block_k, 1, MAX_BLOCK_K),
+        causal=_check_bool("causal", causal), save_lse=_check_bool("save_lse", save_lse),
+        dtype=dtype,
+    )
+    if p.causal and p.n_q != p.n_k:
+        raise ValueError(f"causal: needs as many queries as keys, got n_q={p.n_q}, n_k={p.n_k}")
+    return p
+
+
+def check_launch(sched: Schedule, p: Problem, count: bool) -> None:
+    """Refuse what the kernels cannot launch: shared memory and grid limits."""
+    sched.check(p)
+    need = sched.shared_bytes(p, count)
+    if need > runtime.SHARED_BYTES_LIMIT:
+        raise ValueError(
+            f"block_k: {sched.name} needs {need} bytes of shared memory per CTA for "
+            f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is "
+            f"{runtime.SHARED_BYTES_LIMIT} bytes (about 4*block_k*(d+dv) must fit): "
+            f"use a smaller block_k")
+    if p.bh > runtime.MAX_GRID_Y:
+        raise ValueError(f"batch: batch*heads = {p.bh} exceeds {runtime.MAX_GRID_Y}")
+
+
+def _shape_of(name: str, x) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array (NumPy, Numba device array or any "
+                        f"__cuda_array_interface__ object), got {type(x).__name__}")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (2, 4):
+        raise ValueError(f"{name}: expected shape (n, d) or (batch, heads, n, d), "
+                         f"got {len(shape)} dimensions {shape}")
+    return shape
+
+
+def _dtype_name(x) -> str:
+    try:
+        return np.dtype(x.dtype).name
+    except TypeError:
+        return str(x.dtype).replace("torch.", "")
+
+
+def _is_contiguous(x) -> bool:
+    if isinstance(x, np.ndarray):
+        return True  # copied to the device contiguously
+    if hasattr(x, "is_c_contiguous"):
+        return bool(x.is_c_contiguous())
+    iface = getattr(x, "__cuda_array_interface__", None)
+    if iface is None or iface.get("strides") is None:
+        return True
+    expected, step = [], np.dtype(iface["typestr"]).itemsize
+    for extent in reversed(iface["shape"]):
+        expected.append(step)
+        step *= extent
+    return tuple(reversed(expected)) == tuple(iface["strides"])
+
+
+def _check_inputs(q, k, v):
+    shapes = {name: _shape_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
+    ranks = {len(s) for s in shapes.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"q, k, v: must have the same number of dimensions, got shapes "
+                         f"q{shapes['q']} k{shapes['k']} v{shapes['v']}")
+    qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
+    if not (qs[:-2] == ks[:-2] == vs[:-2]):
+        raise ValueError(f"k, v: batch and heads must match q's, got q{qs} k{ks} v{vs}")
+    if ks[-1] != qs[-1]:
+        raise ValueError(f"k: head dim d must equal q's ({qs[-1]}), got k{ks}")
+    if vs[-2] != ks[-2]:
+        raise ValueError(f"v: must have as many rows as k ({ks[-2]}), got v{vs}")
+    dtypes = {name: _dtype_name(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, dt in dtypes.items():
+        if dt not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {dt} is not supported; use one of "
+                            f"{list(SUPPORTED_DTYPES)}")
+    if len(set(dtypes.values())) != 1:
+        raise TypeError(f"q, k, v: dtypes must match, got {dtypes}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not _is_contiguous(x):
+            raise ValueError(f"{name}: device arrays must be C-contiguous; copy it first")
+    batch, heads = qs[:2] if len(qs) == 4 else (1, 1)
+    return batch, heads, qs[-2], ks[-2], qs[-1], vs[-1], dtypes["q"]
+
+
+def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
+              causal: bool = False, scale: float | None = None, save_lse: bool = False,
+              count: bool = False) -> Result:
+    """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
+
+    q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
+    float32 or float16 (accumulation is float32). NumPy in gives NumPy out; a device array
+    (anything with __cuda_array_interface__) gives a Numba device array out. With `count`,
+    the counted build of the kernels runs and `Result.counts` holds the measured Ledger.
+    """
+    sched = get_schedule(schedule)
+    batch, heads, n_q, n_k, d, dv, dtype = _check_inputs(q, k, v)
+    p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
+                     block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
+                     dtype=dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+            math.isfinite(scale) and scale != 0):
+        raise ValueError(f"scale: must be a finite non-zero real number, got {scale!r}")
+    count = _check_bool("count", count)
+    check_launch(sched, p, count)
+
+    host_in = isinstance(q, np.ndarray)
+    dq, dk, dvv = (runtime.to_device(x).reshape(p.bh, n, width)
+                   for x, n, width in ((q, n_q, d), (k, n_k, d), (v, n_k, dv)))
+    out = runtime.device_empty((p.bh, n_q, dv), np.dtype(dtype))
+    lse = runtime.device_empty((p.bh, n_q) if save_lse else (1, 1), np.float32)
+    counts = runtime.device_zeros(N_SLOTS if count else 1, np.int64)
+    with runtime.launching(), runtime.Timer() as timer:
+        sched.launch(p, dq, dk, dvv, out, lse, counts, scale=float(scale), count=count)
+
+    out_shape = _shape_of("q", q)[:-1] + (dv,)
+    out = out.reshape(*out_shape)
+    lse = lse.reshape(*out_shape[:-1]) if save_lse else None
+    if host_in:
+        out = runtime.to_host(out)
+        lse = runtime.to_host(lse) if save_lse else None
+    ledger = Ledger.from_array(runtime.to_host(counts)) if count else None
+    return Result(out=out, lse=lse, counts=ledger, problem=p, schedule=sched.name,
+                  backend=runtime.backend_name(), ms=timer.ms)
+
+
+def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch: int = 1,
+                    heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
+                    save_lse: bool = False, n_k: int | None = None) -> Ledger:
+    """The schedule's exact traffic model (elements moved through HBM) for these sizes."""
+    sched = get_schedule(schedule)
+    p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
+                     block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse)
+    return sched.model(p)

@@ -1,0 +1,104 @@
+"""What every schedule computes: exact attention in float64 NumPy.
+
+    O = softmax(scale * Q K^T + mask) V,   lse = log(sum(exp(scale * Q K^T + mask)))
+
+`attention_reference` materialises the scores (it is the specification, not a schedule);
+`online_row` is the online-softmax recurrence of the FlashAttention papers for one query row,
+which the explainer walkthrough and the tests use to show that tiling is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def default_scale(d: int) -> float:
+    return 1.0 / float(np.sqrt(d))
+
+
+def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = False):
+    """Dense float64 attention over the last two axes; returns (out, lse).
+
+    q: (..., n_q, d), k: (..., n_k, d), v: (..., n_k, dv). With `causal`, query row r attends
+    keys c <= r. lse is the natural-log normaliser of each row, shape (..., n_q).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    scores = scale * np.einsum("...qd,...kd->...qk", q, k)
+    if causal:
+        n_q, n_k = scores.shape[-2:]
+        scores = np.where(np.tril(np.ones((n_q, n_k), dtype=bool)), scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - row_max)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    out = np.einsum("...qk,...kd->...qd", weights / row_sum, v)
+    lse = (row_max + np.log(row_sum))[..., 0]
+    return out, lse
+
+
+FLOAT32_TOLERANCE = 1e-5
+
+
+def relative_error(out, ref) -> float:
+    """max |out - ref| / max |ref|: the error every schedule is checked with."""
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def tolerance(dtype, roundings: int, v, ref) -> float:
+    """Largest acceptable `relative_error` of a schedule's output.
+
+    float32 inputs: 1e-5 (float32 accumulation over the key sum stays far below it).
+    float16 inputs: the reference sees the same float16-rounded inputs, so the only extra error
+    is rounding the output to float16, at most 2^-11 of an element's magnitude each time. Every
+    intermediate output row is a convex combination of V's rows, so one rounding costs at most
+    2^-11 max|V|; a schedule that rounds O `roundings` times (kv_outer stores O after every K/V
+    block) may lose `roundings` times that, relative to max|ref|.
+    """
+    if np.dtype(dtype) == np.float32:
+        return FLOAT32_TOLERANCE
+    v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
+    ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
+    return FLOAT32_TOLERANCE + roundings * 2.0**-11 * v_max / ref_max
+
+
+@dataclass(frozen=True)
+class OnlineStep:
+    """State of one query row after a key tile: running max m, denominator l, numerator a."""
+
+    keys_seen: int
+    m: float
+    l: float  # noqa: E741 - the paper's name
+    a: np.ndarray
+
+    @property
+    def partial_output(self) -> np.ndarray:
+        """a / l: attention over the keys seen so far."""
+        return self.a / self.l
+
+
+def online_row(q_row, k, v, key_block: int, *, scale: float | None = None) -> list[OnlineStep]:
+    """Run the online-softmax recurrence for one query row over key tiles of `key_block`.
+
+    Start with m = -inf, l = 0, a = 0; for a tile of scores t and values V_t:
+    m' = max(m, max t), alpha = exp(m - m') (0 before any key), l' = alpha l + sum exp(t - m'),
+    a' = alpha a + exp(t - m') V_t. After the last tile a / l is the exact output row.
+    """
+    q_row, k, v = (np.asarray(x, dtype=np.float64) for x in (q_row, k, v))
+    if key_block < 1:
+        raise ValueError(f"key_block must be >= 1, got {key_block}")
+    scale = default_scale(q_row.shape[-1]) if scale is None else float(scale)
+    m, l, a = -np.inf, 0.0, np.zeros(v.shape[1])  # noqa: E741
+    steps = []
+    for start in range(0, len(k), key_block):
+        t = scale * (k[start:start + key_block] @ q_row)
+        m_new = max(m, float(t.max()))
+        alpha = 0.0 if m == -np.inf else float(np.exp(m - m_new))
+        p = np.exp(t - m_new)
+        l = alpha * l + float(p.sum())  # noqa: E741
+        a = alpha * a + p @ v[start:start + key_block]
+        m = m_new
+        steps.append(OnlineStep(min(start + key_block, len(k)), m, l, a.copy()))
+    return steps

@@ -1,0 +1,176 @@
+"""Where kernels run and how arrays get there.
+
+Backend: a real CUDA GPU when one is present, else the Numba CUDA simulator. The choice is made
+once, before numba.cuda is first imported, because Numba reads NUMBA_ENABLE_CUDASIM at import.
+Set NUMBA_ENABLE_CUDASIM=1 (simulator) or =0 (GPU) yourself to override the detection.
+
+numpy >= 2.5 removed `np.row_stack`, which numba-cuda 0.30.4 still touches when it compiles
+its first GPU kernel. Our pyproject pins numpy < 2.5; for environments that already ship a
+newer numpy (the H200 image has 2.5.2) `_numpy_compat` restores the alias, documented in
+README.md. The simulator never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _gpu_present() -> bool:
+    """A CUDA driver device node exists (no CUDA call: numba.cuda is not imported yet)."""
+    return any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/dxg").exists()
+
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _gpu_present() else "1"
+
+
+def _numpy_compat() -> None:
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack  # numba-cuda 0.30.4 vs numpy >= 2.5 (see module docstring)
+
+
+_numpy_compat()
+
+from numba import cuda  # noqa: E402  (must follow the backend choice above)
+
+SIMULATOR: bool = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+
+
+def _fix_simulator_shared_race() -> None:
+    """Make the simulator's shared-array allocation atomic.
+
+    numba-cuda 0.30.4's simulator gives each CUDA thread a Python thread; the first thread to
+    reach `cuda.shared.array` on a line creates the block's array, checking then setting a
+    dict without a lock. Two threads that interleave there get different arrays, so the CTA
+    silently stops sharing memory (we saw lost counter updates). Same keys as upstream: the
+    calling file and line.
+    """
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    upstream = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return upstream(self, shape, dtype, alignment)  # dynamic: one buffer, no race
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            found = self._allocations.get(key)
+            if found is None:
+                if isinstance(dtype, types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                found = self._allocations[key] = np.empty(shape, dtype)
+        return found
+
+    FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _fix_simulator_shared_race()
+
+# Static shared memory a CTA may declare without opting in to more (bytes).
+SHARED_BYTES_LIMIT = 48 * 1024
+MAX_THREADS_PER_BLOCK = 1024
+MAX_GRID_Y = 65535
+
+# `cuda.shared.array(0, dtype)` (dynamic shared memory) needs a NumPy dtype under the simulator
+# and a Numba type on the GPU.
+if SIMULATOR:
+    SHARED_F32 = np.dtype(np.float32)
+else:
+    pass  # noqa: N812
+
+
+def backend_name() -> str:
+    return "simulator" if SIMULATOR else "gpu"
+
+
+def device_name() -> str:
+    if SIMULATOR:
+        return "Numba CUDA simulator"
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def is_device_array(x) -> bool:
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def to_device(x):
+    """A Numba device array viewing or holding `x` (NumPy arrays are copied to the device)."""
+    if hasattr(x, "copy_to_host"):
+        return x
+    if not SIMULATOR and cuda.is_cuda_array(x):
+        return cuda.as_cuda_array(x)
+    return cuda.to_device(np.ascontiguousarray(x))
+
+
+def device_empty(shape, dtype):
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def device_zeros(shape, dtype):
+    return cuda.to_device(np.zeros(shape, dtype=dtype))
+
+
+def to_host(x) -> np.ndarray:
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+def synchronize() -> None:
+    cuda.synchronize()
+
+
+@contextlib.contextmanager
+def launching():
+    """Wrap kernel launches. Under the simulator, shorten the interpreter's thread switch
+    interval meanwhile: the simulator runs one Python thread per CUDA thread and polls them
+    from the main thread, and a short interval makes it about ten times faster."""
+    if not SIMULATOR:
+        yield
+        return
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(5e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+class Timer:
+    """Elapsed milliseconds of the launches inside the `with` block.
+
+    CUDA events on the GPU; a host clock around a synchronised region under the simulator
+    (which has no events). Use for coarse timing only; benchmarks use experiments/ scripts.
+    """
+
+    def __enter__(self):
+        if SIMULATOR:
+            import time
+
+            self._t0 = time.perf_counter()
+        else:
+            self._start, self._stop = cuda.event(), cuda.event()
+            self._start.record()
+        return self
+
+    def __exit__(self, *exc):
+        if SIMULATOR:
+            import time
+
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+        else:
+            self._stop.record()
+            self._stop.synchronize()
+            self.ms = cuda.event_elapsed_time(self._start, self._stop)
+        return False

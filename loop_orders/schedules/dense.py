@@ -1,0 +1,269 @@
+"""dense: standard attention (Algorithm 0). S and P are materialised in HBM by three kernels.
+
+    kernel 1, per (batch, head, query block i):   load Q_i
+                                                  for j: load K_j; write S_ij = scale Q_i K_j^T
+    kernel 2, per (batch, head, query row r):     load S_r; write P_r = softmax(S_r)
+    kernel 3, per (batch, head, query block i):   for j: load V_j, P_ij; acc += P_ij V_j
+                                                  write O_i
+
+Traffic (elements, per batch x head): Q read once (N_q d); every query block reads all of K
+and V (Tr N_k d, Tr N_k dv); S and P are each written once and read once (N_q N_k each way);
+O written once. A causal mask does not reduce it: masked scores are still written as -inf.
+This is Theta(N d + N^2) for fixed tiles, the baseline of Theorem 2.
+
+Kernel 2 keeps one row of S in shared memory so that S is read exactly once; that bounds N_k
+to what 48 KB of shared memory holds.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+from numba import float32, int64
+
+from ..ledger import Ledger, slot
+from ..runtime import SHARED_BYTES_LIMIT, SHARED_F32, cuda, device_empty
+from ..schedule import Problem, Schedule, ceil_div, register
+from ..tiles import counter_slots, flush_counts, load_row, load_tile, zero_counts
+
+(Q_R, K_R, V_R, O_W, S_R, S_W, P_R, P_W, LSE_W) = (
+    slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "write"),
+    slot("s", "read"), slot("s", "write"), slot("p", "read"), slot("p", "write"),
+    slot("lse", "write"))
+
+SOFTMAX_MAX_THREADS = 128
+
+
+def softmax_threads(n_k: int) -> int:
+    """Threads of a kernel-2 CTA: a power of two giving each about 8 columns, at most 128."""
+    return min(SOFTMAX_MAX_THREADS, 1 << (ceil_div(n_k, 8) - 1).bit_length())
+
+
+def softmax_shared_bytes(n_k: int) -> int:
+    """Kernel 2's shared memory: the row of S, the per-thread partials, max and sum."""
+    return 4 * (n_k + softmax_threads(n_k) + 2)
+
+
+@cache
+def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
+    NCNT = counter_slots(COUNT)  # noqa: N806
+
+    @cuda.jit
+    def dense_scores(q, k, s_hbm, counts, scale):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        row = i * BR + cuda.threadIdx.x
+        owns_row = row < n_q
+        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
+        Q_i = cuda.local.array(D, float32)  # noqa: N806
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        if owns_row:
+            # Q_i: read from HBM once per row
+            moved = load_row(Q_i, q, bh, row, D)
+            if COUNT:
+                cnt[Q_R] += moved
+        for j in range((n_k + BC - 1) // BC):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every row is done with the previous K_j
+            # K_j: every query block reads all of K
+            moved = load_tile(K_j, k, bh, key0, bc, D)
+            if COUNT:
+                cnt[K_R] += moved
+            cuda.syncthreads()  # K_j is in shared memory for all rows
+            if owns_row:
+                for c in range(bc):
+                    score = float32(-math.inf)  # masked scores are written too
+                    if not CAUSAL or key0 + c <= row:
+                        dot = float32(0.0)
+                        for x in range(D):
+                            dot += Q_i[x] * K_j[c, x]
+                        score = dot * scale
+                    # S_ij: the quadratic intermediate, written to HBM
+                    s_hbm[bh, row, key0 + c] = score
+                if COUNT:
+                    cnt[S_W] += bc
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return dense_scores
+
+
+@cache
+def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
+    NCNT = counter_slots(COUNT)  # noqa: N806
+
+    @cuda.jit
+    def dense_softmax(s_hbm, p_hbm, lse, counts):
+        row = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        n_k = s_hbm.shape[2]
+        s_row = cuda.shared.array(0, dtype=SHARED_F32)  # this row of S, n_k floats
+        partial = cuda.shared.array(T, float32)
+        stat = cuda.shared.array(2, float32)  # row max, row sum
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+
+        # S_r: read from HBM once; each thread keeps the columns c = t (mod T)
+        row_max = float32(-math.inf)
+        for c in range(t, n_k, T):
+            s_row[c] = s_hbm[bh, row, c]
+            row_max = max(row_max, s_row[c])
+            if COUNT:
+                cnt[S_R] += 1
+        partial[t] = row_max
+        cuda.syncthreads()  # all partial maxima are written
+        if t == 0:
+            for u in range(1, T):
+                row_max = max(row_max, partial[u])
+            stat[0] = row_max
+        cuda.syncthreads()  # stat[0] holds the row max; partial[] may be reused
+        row_max = stat[0]
+        row_sum = float32(0.0)
+        for c in range(t, n_k, T):
+            s_row[c] = math.exp(s_row[c] - row_max)
+            row_sum += s_row[c]
+        partial[t] = row_sum
+        cuda.syncthreads()  # all partial sums are written
+        if t == 0:
+            for u in range(1, T):
+                row_sum += partial[u]
+            stat[1] = row_sum
+        cuda.syncthreads()  # stat[1] holds the row sum
+        inv_sum = float32(1.0) / stat[1]
+        for c in range(t, n_k, T):
+            # P_r: the second quadratic intermediate, written to HBM
+            p_hbm[bh, row, c] = s_row[c] * inv_sum
+            if COUNT:
+                cnt[P_W] += 1
+        if SAVE_LSE and t == 0:
+            lse[bh, row] = row_max + math.log(stat[1])
+            if COUNT:
+                cnt[LSE_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return dense_softmax
+
+
+@cache
+def make_pv_kernel(BR, BC, DV, COUNT):  # noqa: N803
+    NCNT = counter_slots(COUNT)  # noqa: N806
+
+    @cuda.jit
+    def dense_pv(p_hbm, v, o, counts):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_q = p_hbm.shape[1]
+        n_k = v.shape[1]
+        row = i * BR + cuda.threadIdx.x
+        owns_row = row < n_q
+        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
+        acc = cuda.local.array(DV, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        for x in range(DV):
+            acc[x] = float32(0.0)
+        for j in range((n_k + BC - 1) // BC):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every row is done with the previous V_j
+            # V_j: every query block reads all of V
+            moved = load_tile(V_j, v, bh, key0, bc, DV)
+            if COUNT:
+                cnt[V_R] += moved
+            cuda.syncthreads()  # V_j is in shared memory for all rows
+            if owns_row:
+                for c in range(bc):
+                    # P_ij: read back from HBM, once per element
+                    p = p_hbm[bh, row, key0 + c]
+                    for x in range(DV):
+                        acc[x] += p * V_j[c, x]
+                if COUNT:
+                    cnt[P_R] += bc
+        if owns_row:
+            # O_i: written to HBM once
+            for x in range(DV):
+                o[bh, row, x] = acc[x]
+            if COUNT:
+                cnt[O_W] += DV
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return dense_pv
+
+
+@register
+class Dense(Schedule):
+    name = "dense"
+    summary = "standard attention: S and P materialised in HBM by three kernels"
+    LOOP_NEST = """
+        # kernel 1: scores
+        for (b, h, i) in parallel:            # one CTA per query block, Br threads
+            load Q_i                          # HBM -> registers
+            for j in range(Tc):
+                load K_j                      # HBM -> shared, per query block
+                write S_ij = Q_i K_j^T * scale   # HBM, masked entries as -inf
+        # kernel 2: softmax
+        for (b, h, r) in parallel:            # one CTA per query row
+            load S_r                          # HBM -> shared, once
+            write P_r = softmax(S_r)          # HBM
+        # kernel 3: output
+        for (b, h, i) in parallel:            # one CTA per query block, Br threads
+            for j in range(Tc):
+                load V_j                      # HBM -> shared, per query block
+                load P_ij                     # HBM -> registers, once
+                acc_i += P_ij V_j
+            write O_i = acc_i                 # HBM
+    """
+
+    def model(self, p: Problem) -> Ledger:
+        scores = p.n_q * p.n_k
+        per_head = {
+            "q": {"read": p.n_q * p.d},
+            "k": {"read": p.tr * p.n_k * p.d},
+            "v": {"read": p.tr * p.n_k * p.dv},
+            "o": {"write": p.n_q * p.dv},
+            "s": {"read": scores, "write": scores},
+            "p": {"read": scores, "write": scores},
+            "lse": {"write": p.n_q if p.save_lse else 0},
+        }
+        return Ledger(per_head).scaled(p.bh)
+
+    def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
+        # Same tile shapes as q_outer: a query block of M/(4d) rows against K/V tiles.
+        big = ceil_div(m, 4 * d)
+        return big, min(big, d)
+
+    def shared_bytes(self, p: Problem, count: bool) -> int:
+        counters = 8 * counter_slots(True) if count else 0
+        tiles = 4 * p.block_k * max(p.d, p.dv)
+        return max(tiles, softmax_shared_bytes(p.n_k)) + counters
+
+    def check(self, p: Problem) -> None:
+        softmax = softmax_shared_bytes(p.n_k)
+        if softmax > SHARED_BYTES_LIMIT:
+            most = (SHARED_BYTES_LIMIT - 4 * (SOFTMAX_MAX_THREADS + 2)) // 4
+            raise ValueError(
+                f"n_k: dense keeps one row of S in shared memory ({softmax} bytes for "
+                f"n_k={p.n_k}); the limit is {SHARED_BYTES_LIMIT} bytes, so n_k <= {most}")
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
+        s_hbm = device_empty((p.bh, p.n_q, p.n_k), np.float32)
+        p_hbm = device_empty((p.bh, p.n_q, p.n_k), np.float32)
+        threads = softmax_threads(p.n_k)
+        scores = make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count)
+        softmax = make_softmax_kernel(threads, p.save_lse, count)
+        pv = make_pv_kernel(p.block_q, p.block_k, p.dv, count)
+        scores[(p.tr, p.bh), p.block_q](q, k, s_hbm, counts, np.float32(scale))
+        softmax[(p.n_q, p.bh), threads, 0, 4 * p.n_k](s_hbm, p_hbm, lse, counts)
+        pv[(p.tr, p.bh), p.block_q](p_hbm, v, out, counts)

@@ -1,0 +1,193 @@
+"""kv_outer: FlashAttention Algorithm 1 as written. K/V blocks outer; Q, O, l, m reloaded.
+
+    for each (batch, head):                                  # one CTA, Br threads
+        write O = 0, l = 0, m = -inf                         # Algorithm 1 line 2, in HBM
+        for j in 0 .. Tc - 1:                                # serial: CTAs would race on O
+            load K_j, V_j                                    # once per j
+            for i in i0_j .. Tr - 1:                         # i0_j = 0, or the diagonal when causal
+                load Q_i, O_i, l_i, m_i
+                online-softmax update with S_ij = Q_i K_j^T
+                write O_i (normalised), l_i, m_i             # back to HBM every time
+                write lse_i = m_i + log l_i                  # only with save_lse, on i's last j
+
+Traffic (elements, per batch x head): K, V read once (N_k (d + dv)); initialisation writes
+N_q (dv + 2). Every visited (j, i) reads Q_i, O_i, l_i, m_i and writes O_i, l_i, m_i, so with
+R = sum_j (rows of the query blocks j visits) = Tc N_q without a mask, Q reads are R d, O reads
+R dv and writes R dv, l and m R each way. With Bc = M/(4d) this is Theta(N^2 d^2 / M).
+
+HBM holds m_i in the kernel's log2 units (log2(e) times the max scaled score), so the exp2
+update never converts it and a reloaded m_i is bit-identical to the stored one.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+from numba import float32, int64
+
+from ..ledger import Ledger, slot
+from ..runtime import cuda
+from ..schedule import Problem, Schedule, ceil_div, register
+from ..tiles import (
+    LN2,
+    counter_slots,
+    flush_counts,
+    load_row,
+    load_tile,
+    make_online_update,
+    zero_counts,
+)
+
+(Q_R, K_R, V_R, O_R, O_W, L_R, L_W, M_R, M_W, LSE_W) = (
+    slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "read"),
+    slot("o", "write"), slot("l", "read"), slot("l", "write"), slot("m", "read"),
+    slot("m", "write"), slot("lse", "write"))
+
+
+@cache
+def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
+    online_update = make_online_update(D, DV, BC, CAUSAL)
+    NCNT = counter_slots(COUNT)  # noqa: N806
+
+    @cuda.jit
+    def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
+        bh = cuda.blockIdx.x
+        t = cuda.threadIdx.x
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        T_r = (n_q + BR - 1) // BR  # noqa: N806
+        T_c = (n_k + BC - 1) // BC  # noqa: N806
+
+        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
+        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
+        Q_i = cuda.local.array(D, float32)  # noqa: N806 - this thread's row of Q_i
+        acc = cuda.local.array(DV, float32)  # its row of O_i, unnormalised (l_i O_i)
+        s = cuda.local.array(BC, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+
+        # Thread t owns rows t, t + Br, t + 2 Br, ... in every phase, so each row's HBM state
+        # is only ever touched by one thread, in program order: no barrier guards O, l, m.
+        for row in range(t, n_q, BR):
+            # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM
+            for x in range(DV):
+                o[bh, row, x] = float32(0.0)
+            l_hbm[bh, row] = float32(0.0)
+            m_hbm[bh, row] = float32(-math.inf)
+            if COUNT:
+                cnt[O_W] += DV
+                cnt[L_W] += 1
+                cnt[M_W] += 1
+
+        for j in range(T_c):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every row is done with the previous K_j, V_j
+            # K_j, V_j: read from HBM once, stay in shared memory for all i
+            moved_k = load_tile(K_j, k, bh, key0, bc, D)
+            moved_v = load_tile(V_j, v, bh, key0, bc, DV)
+            if COUNT:
+                cnt[K_R] += moved_k
+                cnt[V_R] += moved_v
+            cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
+
+            i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
+            for i in range(i0, T_r):
+                row = i * BR + t
+                if row < n_q:
+                    # Q_i, O_i, l_i, m_i: reloaded from HBM for every K/V block
+                    moved = load_row(Q_i, q, bh, row, D)
+                    l_i = float32(l_hbm[bh, row])
+                    m_i = float32(m_hbm[bh, row])
+                    for x in range(DV):
+                        acc[x] = float32(o[bh, row, x]) * l_i
+                    if COUNT:
+                        cnt[Q_R] += moved
+                        cnt[O_R] += DV
+                        cnt[L_R] += 1
+                        cnt[M_R] += 1
+
+                    m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, scale_log2,
+                                             m_i, l_i, acc, s)
+
+                    # O_i, l_i, m_i: written back to HBM after every K/V block
+                    inv_l = float32(1.0) / l_i
+                    for x in range(DV):
+                        o[bh, row, x] = acc[x] * inv_l
+                    l_hbm[bh, row] = l_i
+                    m_hbm[bh, row] = m_i
+                    if COUNT:
+                        cnt[O_W] += DV
+                        cnt[L_W] += 1
+                        cnt[M_W] += 1
+                    last_j = T_c - 1
+                    if CAUSAL:
+                        last_j = min(last_j, (min((i + 1) * BR, n_q) - 1) // BC)
+                    if SAVE_LSE and j == last_j:
+                        # lse_i: the statistic the backward pass needs, once i is final
+                        lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
+                        if COUNT:
+                            cnt[LSE_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return kv_outer
+
+
+@register
+class KVOuter(Schedule):
+    name = "kv_outer"
+    summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
+    LOOP_NEST = """
+        for (b, h) in parallel:               # one CTA per head, Br threads
+            write O = 0, l = 0, m = -inf      # HBM initialisation (Algorithm 1, line 2)
+            for j in range(Tc):               # serial inside the CTA
+                load K_j, V_j                 # HBM -> shared, once
+                for i in range(i0_j, Tr):     # i0_j = 0, or the diagonal block when causal
+                    load Q_i, O_i, l_i, m_i   # HBM -> registers, per K/V block
+                    S_ij = Q_i K_j^T * scale
+                    m_new = max(m_i, rowmax(S_ij))
+                    P_ij = exp(S_ij - m_new)
+                    l_new = exp(m_i - m_new) l_i + rowsum(P_ij)
+                    O_i = (l_i exp(m_i - m_new) O_i + P_ij V_j) / l_new
+                    write O_i, l_i = l_new, m_i = m_new   # registers -> HBM, per K/V block
+                    write lse_i = m_i + log(l_i)          # with save_lse, on i's last j
+    """
+
+    def model(self, p: Problem) -> Ledger:
+        # Rows reloaded per K/V block j: all query rows from block i0_j on.
+        rows_visited = int((p.n_q - p.first_visible_q_block() * p.block_q).sum())
+        per_head = {
+            "q": {"read": rows_visited * p.d},
+            "k": {"read": p.n_k * p.d},
+            "v": {"read": p.n_k * p.dv},
+            "o": {"read": rows_visited * p.dv, "write": (p.n_q + rows_visited) * p.dv},
+            "l": {"read": rows_visited, "write": p.n_q + rows_visited},
+            "m": {"read": rows_visited, "write": p.n_q + rows_visited},
+            "lse": {"write": p.n_q if p.save_lse else 0},
+        }
+        return Ledger(per_head).scaled(p.bh)
+
+    def output_roundings(self, p: Problem) -> int:
+        # O_i is stored in the input dtype after every K/V block that visits it.
+        return int(p.visible_kv_blocks().max())
+
+    def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
+        # Algorithm 1, line 1: Bc = ceil(M / 4d), Br = min(ceil(M / 4d), d).
+        bc = ceil_div(m, 4 * d)
+        return min(bc, d), bc
+
+    def shared_bytes(self, p: Problem, count: bool) -> int:
+        return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
+        from ..runtime import device_empty
+
+        l_hbm = device_empty((p.bh, p.n_q), np.float32)
+        m_hbm = device_empty((p.bh, p.n_q), np.float32)
+        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, p.save_lse, count)
+        kernel[p.bh, p.block_q](q, k, v, out, l_hbm, m_hbm, lse, counts,
+                                np.float32(scale * math.log2(math.e)))

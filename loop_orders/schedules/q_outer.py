@@ -1,0 +1,154 @@
+"""q_outer: the FlashAttention-2 forward order. A query block and its accumulator stay on chip.
+
+    for each (batch, head), query block i in parallel       # one CTA each, Br threads
+        load Q_i                                             # once
+        m_i = -inf, l_i = 0, acc_i = 0                       # registers
+        for j in 0 .. c_i - 1:                               # c_i = Tc, or fewer when causal
+            load K_j, V_j                                    # every query block reloads them
+            online-softmax update of (m_i, l_i, acc_i) with S_ij = Q_i K_j^T
+        write O_i = acc_i / l_i                              # once
+        write lse_i = m_i + log l_i                          # only with save_lse
+
+Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
+Each query block reads the K/V rows it visits: sum_i min(c_i Bc, N_k) (d + dv), which is
+Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2 d^2 / M).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+from numba import float32, int64
+
+from ..ledger import Ledger, slot
+from ..runtime import cuda
+from ..schedule import Problem, Schedule, ceil_div, register
+from ..tiles import (
+    LN2,
+    counter_slots,
+    flush_counts,
+    load_row,
+    load_tile,
+    make_online_update,
+    zero_counts,
+)
+
+Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
+                             slot("o", "write"), slot("lse", "write"))
+
+
+@cache
+def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
+    online_update = make_online_update(D, DV, BC, CAUSAL)
+    NCNT = counter_slots(COUNT)  # noqa: N806
+
+    @cuda.jit
+    def q_outer(q, k, v, o, lse, counts, scale_log2):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        row = i * BR + cuda.threadIdx.x
+        owns_row = row < n_q
+
+        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
+        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
+        Q_i = cuda.local.array(D, float32)  # noqa: N806 - this thread's row of Q_i
+        acc = cuda.local.array(DV, float32)
+        s = cuda.local.array(BC, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+
+        m_i = float32(-math.inf)
+        l_i = float32(0.0)
+        if owns_row:
+            # Q_i: read from HBM once, stays in registers for every K/V block
+            moved = load_row(Q_i, q, bh, row, D)
+            if COUNT:
+                cnt[Q_R] += moved
+            for x in range(DV):
+                acc[x] = float32(0.0)
+
+        last_query = min((i + 1) * BR, n_q) - 1
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, last_query // BC + 1)  # later K/V blocks are all masked
+        for j in range(c_i):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every row is done with the previous K_j, V_j
+            # K_j, V_j: reloaded from HBM by every query block
+            moved_k = load_tile(K_j, k, bh, key0, bc, D)
+            moved_v = load_tile(V_j, v, bh, key0, bc, DV)
+            if COUNT:
+                cnt[K_R] += moved_k
+                cnt[V_R] += moved_v
+            cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
+            if owns_row:
+                m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, scale_log2,
+                                         m_i, l_i, acc, s)
+
+        if owns_row:
+            # O_i: written to HBM once, normalised
+            inv_l = float32(1.0) / l_i
+            for x in range(DV):
+                o[bh, row, x] = acc[x] * inv_l
+            if COUNT:
+                cnt[O_W] += DV
+            if SAVE_LSE:
+                # lse_i: the row statistic the backward pass needs, written once
+                lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
+                if COUNT:
+                    cnt[LSE_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer
+
+
+@register
+class QOuter(Schedule):
+    name = "q_outer"
+    summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
+    LOOP_NEST = """
+        for (b, h, i) in parallel:            # one CTA per query block, Br threads
+            load Q_i                          # HBM -> registers, once
+            m_i, l_i, acc_i = -inf, 0, 0
+            for j in range(c_i):              # c_i = Tc, or up to the diagonal when causal
+                load K_j, V_j                 # HBM -> shared, per query block
+                S_ij = Q_i K_j^T * scale
+                m_new = max(m_i, rowmax(S_ij))
+                P_ij = exp(S_ij - m_new)
+                l_i = exp(m_i - m_new) l_i + rowsum(P_ij)
+                acc_i = exp(m_i - m_new) acc_i + P_ij V_j
+                m_i = m_new
+            write O_i = acc_i / l_i           # registers -> HBM, once
+            write lse_i = m_i + log(l_i)      # only with save_lse
+    """
+
+    def model(self, p: Problem) -> Ledger:
+        keys_read = int(np.minimum(p.visible_kv_blocks() * p.block_k, p.n_k).sum())
+        per_head = {
+            "q": {"read": p.n_q * p.d},
+            "k": {"read": keys_read * p.d},
+            "v": {"read": keys_read * p.dv},
+            "o": {"write": p.n_q * p.dv},
+            "lse": {"write": p.n_q if p.save_lse else 0},
+        }
+        return Ledger(per_head).scaled(p.bh)
+
+    def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
+        # Algorithm 1's sizes with the roles swapped: the resident query block is the large one.
+        big = ceil_div(m, 4 * d)
+        return big, min(big, d)
+
+    def shared_bytes(self, p: Problem, count: bool) -> int:
+        return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
+        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, p.save_lse, count)
+        kernel[(p.tr, p.bh), p.block_q](q, k, v, out, lse, counts,
+                                        np.float32(scale * math.log2(math.e)))

@@ -1,0 +1,27 @@
+import numpy as np
+import pytest
+
+import loop_orders as lo
+from loop_orders import runtime
+
+gpu = pytest.mark.skipif(runtime.SIMULATOR, reason="needs a CUDA GPU (running on the simulator)")
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs each run; the seed is printed on failure to reproduce it."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    print(f"input seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+def random_qkv(rng, batch, heads, n, d, dv, dtype="float32", n_k=None, scale=1.0):
+    n_k = n if n_k is None else n_k
+    lead = (batch, heads) if batch else ()
+    q = (scale * rng.standard_normal((*lead, n, d))).astype(dtype)
+    k = (scale * rng.standard_normal((*lead, n_k, d))).astype(dtype)
+    v = rng.standard_normal((*lead, n_k, dv)).astype(dtype)
+    return q, k, v
+
+
+SCHEDULES = lo.schedule_names()

@@ -1,0 +1,89 @@
+"""Every registered schedule against the float64 reference, with counters == model exactly."""
+
+import numpy as np
+import pytest
+from conftest import SCHEDULES, random_qkv
+
+import loop_orders as lo
+from loop_orders.reference import relative_error, tolerance
+
+# (batch, heads, n, d, dv, block_q, block_k, causal, dtype): tails of both block sizes, N
+# smaller than a block, block size 1, odd d, dv != d, causal, batch and heads > 1, float16.
+CASES = [
+    (1, 1, 6, 2, 2, 2, 2, False, "float32"),
+    (1, 1, 13, 5, 3, 4, 3, False, "float32"),
+    (1, 1, 13, 5, 3, 4, 3, True, "float32"),
+    (2, 3, 10, 4, 4, 16, 16, False, "float32"),
+    (1, 1, 7, 3, 5, 1, 1, True, "float32"),
+    (1, 1, 9, 3, 2, 1, 4, False, "float32"),
+    (2, 2, 17, 7, 9, 8, 5, True, "float32"),
+    (1, 2, 21, 16, 8, 6, 8, True, "float32"),
+    (1, 1, 16, 8, 8, 4, 8, False, "float16"),
+    (2, 1, 11, 6, 4, 4, 3, True, "float16"),
+]
+
+
+def case_id(case):
+    b, h, n, d, dv, bq, bk, causal, dtype = case
+    return f"B{b}H{h}N{n}d{d}dv{dv}-{bq}x{bk}{'-causal' if causal else ''}-{dtype}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_output_and_counts(schedule, case, rng):
+    b, h, n, d, dv, bq, bk, causal, dtype = case
+    q, k, v = random_qkv(rng, b, h, n, d, dv, dtype)
+    res = lo.attention(q, k, v, schedule=schedule, block_q=bq, block_k=bk, causal=causal,
+                       save_lse=True, count=True)
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+
+    assert isinstance(res.out, np.ndarray) and res.out.dtype == np.dtype(dtype)
+    assert res.out.shape == (b, h, n, dv)
+    assert np.isfinite(res.out).all()
+    roundings = lo.get_schedule(schedule).output_roundings(res.problem)
+    assert relative_error(res.out, ref) <= tolerance(dtype, roundings, v, ref)
+    np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert res.counts == lo.get_schedule(schedule).model(res.problem)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_dimensional_inputs_and_custom_scale(schedule, rng):
+    q, k, v = random_qkv(rng, 0, 0, 12, 4, 6)
+    res = lo.attention(q, k, v, schedule=schedule, block_q=5, block_k=4, scale=0.3,
+                       count=True)
+    ref, _ = lo.attention_reference(q, k, v, scale=0.3)
+    assert res.out.shape == (12, 6)
+    assert relative_error(res.out, ref) <= 1e-5
+    assert res.counts == lo.predict_traffic(schedule, n=12, d=4, dv=6, block_q=5, block_k=4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_more_keys_than_queries(schedule, rng):
+    q, _, _ = random_qkv(rng, 1, 1, 5, 3, 3)
+    _, k, v = random_qkv(rng, 1, 1, 14, 3, 2)
+    res = lo.attention(q, k, v, schedule=schedule, block_q=2, block_k=4, count=True)
+    ref, _ = lo.attention_reference(q, k, v)
+    assert relative_error(res.out, ref) <= 1e-5
+    assert res.counts == lo.predict_traffic(schedule, n=5, n_k=14, d=3, dv=2, block_q=2,
+                                            block_k=4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_device_array_in_device_array_out(schedule, rng):
+    from loop_orders import runtime
+
+    q, k, v = random_qkv(rng, 1, 2, 9, 4, 4)
+    dq, dk, dv = (runtime.to_device(x) for x in (q, k, v))
+    res = lo.attention(dq, dk, dv, schedule=schedule, block_q=4, block_k=4)
+    assert not isinstance(res.out, np.ndarray) and hasattr(res.out, "copy_to_host")
+    ref, _ = lo.attention_reference(q, k, v)
+    assert relative_error(res.out.copy_to_host(), ref) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_counting_off_gives_the_same_output_and_no_ledger(schedule, rng):
+    q, k, v = random_qkv(rng, 1, 1, 10, 4, 4)
+    counted = lo.attention(q, k, v, schedule=schedule, block_q=4, block_k=3, count=True)
+    plain = lo.attention(q, k, v, schedule=schedule, block_q=4, block_k=3)
+    assert plain.counts is None
+    np.testing.assert_array_equal(plain.out, counted.out)
