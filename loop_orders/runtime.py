@@ -27,6 +27,8 @@ def _gpu_present() -> bool:
 
 if "NUMBA_ENABLE_CUDASIM" not in os.environ:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _gpu_present() else "1"
+# Small grids are deliberate here (kv_outer has one CTA per head; tests use tiny shapes).
+os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 
 def _numpy_compat() -> None:
@@ -36,7 +38,8 @@ def _numpy_compat() -> None:
 
 _numpy_compat()
 
-from numba import cuda  # noqa: E402  (must follow the backend choice above)
+import numba  # noqa: E402  (must follow the backend choice above)
+from numba import cuda  # noqa: E402
 
 SIMULATOR: bool = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 
@@ -85,10 +88,7 @@ MAX_GRID_Y = 65535
 
 # `cuda.shared.array(0, dtype)` (dynamic shared memory) needs a NumPy dtype under the simulator
 # and a Numba type on the GPU.
-if SIMULATOR:
-    SHARED_F32 = np.dtype(np.float32)
-else:
-    pass  # noqa: N812
+SHARED_F32 = np.dtype(np.float32) if SIMULATOR else numba.float32
 
 
 def backend_name() -> str:
