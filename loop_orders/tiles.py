@@ -93,24 +93,33 @@ def make_online_update(D: int, DV: int, BC: int, CAUSAL: bool):  # noqa: N803 - 
 
     @cuda.jit(device=True)
     def online_update(q_row, k_tile, v_tile, n_keys, key0, row, scale_log2, m2, l, acc, s):  # noqa: E741
-        tile_max = float32(-math.inf)
-        for c in range(n_keys):
-            if CAUSAL and key0 + c > row:
-                s[c] = -math.inf  # key after the query: masked
-            else:
-                dot = float32(0.0)
-                for x in range(D):
-                    dot += q_row[x] * k_tile[c, x]
-                s[c] = dot * scale_log2
-            tile_max = max(tile_max, s[c])
-        if tile_max == -math.inf:
+        n_vis = n_keys
+        if CAUSAL:
+            # Keys after the query are masked: never scored and never multiplied into acc, so
+            # a NaN in a masked row of V cannot leak into this row (0 * NaN = NaN).
+            n_vis = min(n_keys, row - key0 + 1)
+        if n_vis <= 0:
             return m2, l  # the row sees no key of this tile (causal diagonal)
+        tile_max = float32(-math.inf)
+        for c in range(n_vis):
+            dot = float32(0.0)
+            for x in range(D):
+                dot += q_row[x] * k_tile[c, x]
+            s[c] = dot * scale_log2
+            tile_max = max(tile_max, s[c])  # skips a NaN score (Python's max; Numba's too)
+        if tile_max == -math.inf:
+            # Every visible score is -inf (weight 0) or NaN. A NaN must reach the output, not
+            # be skipped like a masked tile: return m = l = NaN, which poisons this row.
+            for c in range(n_vis):
+                if s[c] != s[c]:
+                    return s[c], s[c]
+            return m2, l
         m_new = max(m2, tile_max)
         alpha = math.exp2(m2 - m_new)  # 0 before the first key (m2 = -inf)
         l = alpha * l  # noqa: E741
         for x in range(DV):
             acc[x] *= alpha
-        for c in range(n_keys):
+        for c in range(n_vis):
             p = math.exp2(s[c] - m_new)
             l += p  # noqa: E741
             for x in range(DV):

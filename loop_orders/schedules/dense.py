@@ -155,7 +155,7 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
 
 
 @cache
-def make_pv_kernel(BR, BC, DV, COUNT):  # noqa: N803
+def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit
@@ -186,8 +186,10 @@ def make_pv_kernel(BR, BC, DV, COUNT):  # noqa: N803
                 for c in range(bc):
                     # P_ij: read back from HBM, once per element
                     p = p_hbm[bh, row, key0 + c]
-                    for x in range(DV):
-                        acc[x] += p * V_j[c, x]
+                    if not CAUSAL or key0 + c <= row:
+                        # a masked key (P = 0) never touches V: 0 * NaN would be NaN
+                        for x in range(DV):
+                            acc[x] += p * V_j[c, x]
                 if COUNT:
                     cnt[P_R] += bc
         if owns_row:
@@ -263,7 +265,7 @@ class Dense(Schedule):
         threads = softmax_threads(p.n_k)
         scores = make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count)
         softmax = make_softmax_kernel(threads, p.save_lse, count)
-        pv = make_pv_kernel(p.block_q, p.block_k, p.dv, count)
+        pv = make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)
         scores[(p.tr, p.bh), p.block_q](q, k, s_hbm, counts, np.float32(scale))
         softmax[(p.n_q, p.bh), threads, 0, 4 * p.n_k](s_hbm, p_hbm, lse, counts)
         pv[(p.tr, p.bh), p.block_q](p_hbm, v, out, counts)
