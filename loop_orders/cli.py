@@ -3,6 +3,7 @@
     loop-orders schedules [--loop-nest]
     loop-orders traffic --schedule kv_outer --n 6 --d 2 --block-q 2 --block-k 2 [--measure] [--json]
     loop-orders run --schedule q_outer --n 256 --d 64 [--causal] [--dtype float16]
+    loop-orders figures [--quick] [--results-dir DIR] [--figures-dir DIR]
 
 Bad input ends with one line on stderr and exit status 2, never a traceback.
 """
@@ -56,7 +57,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a schedule on random inputs and check it")
     _add_problem_args(p)
     p.add_argument("--repeat", type=int, default=3, help="timed launches (median reported)")
+
+    p = sub.add_parser("figures", help="rerun the experiments (resuming) and redraw figures/")
+    if _experiments_dir() is not None:
+        _experiments().common.add_options(p)  # --quick, --results-dir, --figures-dir, ...
     return parser
+
+
+def _experiments_dir():
+    """experiments/ of the repository this package was installed from (editable install)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    found = root / "experiments"
+    return root if (found / "figures.py").is_file() else None
+
+
+def _experiments():
+    root = _experiments_dir()
+    if root is None:
+        raise ValueError("figures: experiments/ not found next to the loop_orders package; "
+                         "run it from a clone of the repository installed with "
+                         "`pip install -e .`")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import experiments.common
+    import experiments.figures
+
+    return experiments
+
+
+def cmd_figures(args) -> int:
+    exp = _experiments()  # a damaged results file raises ResultsError, a ValueError: one line
+    exp.figures.regenerate(exp.common.context_from_args(args))
+    return 0
 
 
 def _random_inputs(args, rng):
@@ -149,7 +183,8 @@ def cmd_run(args) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"schedules": cmd_schedules, "traffic": cmd_traffic, "run": cmd_run}
+COMMANDS = {"schedules": cmd_schedules, "traffic": cmd_traffic, "run": cmd_run,
+            "figures": cmd_figures}
 
 
 def main(argv=None) -> int:

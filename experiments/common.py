@@ -1,0 +1,188 @@
+"""What the experiments share: options, where files go, measuring one point, saving figures."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import loop_orders as lo
+from loop_orders import results, runtime
+from loop_orders.api import check_launch
+from loop_orders.ledger import TENSORS, Ledger
+from loop_orders.reference import attention_reference, relative_error, tolerance
+from loop_orders.schedule import Problem, Schedule
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIGURES_DIR = REPO_ROOT / "figures"
+NOTES_PATH = REPO_ROOT / "paper_notes.md"
+QUICK_DIR = Path(tempfile.gettempdir()) / "loop_orders_quick"
+
+# What the simulator can measure in reasonable time (one Python thread per CUDA thread).
+SIMULATOR_MAX_N = 64
+SIMULATOR_MAX_D = 16
+# What a GPU run measures: everything that launches, up to this N (dense writes N^2 floats).
+GPU_MAX_N = 16384
+
+
+@dataclass
+class Context:
+    """Options every experiment takes."""
+
+    results_dir: Path
+    figures_dir: Path
+    notes_path: Path
+    quick: bool = False
+    progress: bool = True
+    fresh: bool = False
+
+    @property
+    def backend(self) -> str:
+        return runtime.backend_name()
+
+    def results_path(self, name: str, backend: str | None = None) -> Path:
+        return self.results_dir / f"{name}.{backend or self.backend}.json"
+
+    def sweep(self, name: str, meta: dict) -> results.Sweep:
+        return results.Sweep(f"{name}.{self.backend}", self.results_dir,
+                             meta={**meta, "quick": self.quick}, fresh=self.fresh)
+
+    def gpu_results(self, name: str) -> dict | None:
+        """A committed GPU results file of this experiment, when we are not on the GPU."""
+        path = self.results_path(name, "gpu")
+        if self.backend == "gpu" or not path.exists():
+            return None
+        return results.load(path)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"small sweeps (CI); files go under {QUICK_DIR} unless the "
+                             f"directories are given")
+    parser.add_argument("--results-dir", default=None,
+                        help=f"where results files go (default: ${results.ENV_RESULTS_DIR} "
+                             f"or results/)")
+    parser.add_argument("--figures-dir", default=None, help="where figures go (figures/)")
+    parser.add_argument("--notes", default=None, help="paper_notes.md to rewrite")
+    parser.add_argument("--fresh", action="store_true",
+                        help="discard stored points instead of resuming")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def context_from_args(args: argparse.Namespace) -> Context:
+    quick = bool(getattr(args, "quick", False))
+    base = QUICK_DIR if quick else None
+    env_results = os.environ.get(results.ENV_RESULTS_DIR)
+    results_dir = Path(args.results_dir or env_results or
+                       (base / "results" if base else results.results_dir()))
+    figures_dir = Path(args.figures_dir or (base / "figures" if base else FIGURES_DIR))
+    notes = Path(args.notes or (figures_dir.parent / "paper_notes.md" if quick else NOTES_PATH))
+    return Context(results_dir=results_dir, figures_dir=figures_dir, notes_path=notes,
+                   quick=quick, progress=not getattr(args, "no_progress", False),
+                   fresh=bool(getattr(args, "fresh", False)))
+
+
+def problem(sched: Schedule, n: int, d: int, block_q: int, block_k: int,
+            causal: bool = False) -> Problem:
+    """The Problem of one point, without the launch limits (models hold at any size)."""
+    return Problem(n_q=n, n_k=n, d=d, dv=d, block_q=block_q, block_k=block_k, causal=causal)
+
+
+def measurable(sched: Schedule, p: Problem, backend: str | None = None) -> bool:
+    """Whether this backend measures the point with kernels (else it is only modelled)."""
+    backend = backend or runtime.backend_name()
+    if backend == "simulator" and (p.n_q > SIMULATOR_MAX_N or p.d > SIMULATOR_MAX_D):
+        return False
+    if p.n_q > GPU_MAX_N:
+        return False
+    try:
+        lo.make_problem(sched.name, n_q=p.n_q, d=p.d, dv=p.dv, block_q=p.block_q,
+                        block_k=p.block_k, causal=p.causal)
+        check_launch(sched, p, count=True)
+    except ValueError:
+        return False
+    return True
+
+
+def measure(sched: Schedule, p: Problem, seed: int) -> tuple[Ledger, float]:
+    """Run the counted kernels on random inputs; return (counts, relative error).
+
+    Correctness gates the count: an output that fails the reference check raises.
+    """
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((p.n_q, w)).astype(np.float32) for w in (p.d, p.d, p.dv))
+    res = lo.attention(q, k, v, schedule=sched.name, block_q=p.block_q, block_k=p.block_k,
+                       causal=p.causal, count=True)
+    ref, _ = attention_reference(q, k, v, causal=p.causal)
+    err = relative_error(runtime.to_host(res.out), ref)
+    tol = tolerance(p.dtype, sched.output_roundings(p), v, ref)
+    if not err <= tol:
+        raise RuntimeError(f"{sched.name} failed the reference check at {p.describe()}: "
+                           f"relative error {err:.2e} > {tol:.1e}")
+    return res.counts, err
+
+
+def model_and_measure(sched: Schedule, p: Problem, seed: int) -> dict:
+    """The values stored for one point: model, and measured counts where this backend can."""
+    values = {"model": sched.model(p).to_dict(), "measured": None, "backend": None,
+              "rel_error": None}
+    if measurable(sched, p):
+        counts, err = measure(sched, p, seed)
+        values.update(measured=counts.to_dict(), backend=runtime.backend_name(), rel_error=err)
+    return values
+
+
+def total(ledger_dict: dict | None) -> int | None:
+    if ledger_dict is None:
+        return None
+    return Ledger.from_dict(ledger_dict).total
+
+
+def tensor_totals(ledger_dict: dict) -> dict[str, int]:
+    ledger = Ledger.from_dict(ledger_dict)
+    return {t: ledger.tensor_total(t) for t in TENSORS}
+
+
+def save_figure(fig, figures_dir: Path, name: str) -> list[Path]:
+    """Write figures/<name>.png and .pdf atomically (temporary file, then rename)."""
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for ext, kwargs in (("png", {"dpi": 150, "metadata": {"Software": None}}),
+                        ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
+        target = figures_dir / f"{name}.{ext}"
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=f".{ext}", dir=figures_dir)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, format=ext, bbox_inches="tight", **kwargs)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        written.append(target)
+    return written
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def schedule_colors(names) -> dict[str, str]:
+    palette = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown",
+               "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def seed_for(config: dict) -> int:
+    """A fixed input seed per configuration, so a resumed sweep measures the same inputs."""
+    return zlib.crc32(results.config_key(config).encode())

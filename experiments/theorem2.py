@@ -1,0 +1,263 @@
+"""Theorem 2 scaling: HBM traffic vs SRAM budget M, sequence length N and head dim d.
+
+Each schedule sizes its own tiles from M (`Schedule.tiles_for_sram(M, d)`). Three panels, each
+a sweep declared below: traffic vs M (N, d fixed), vs N (M, d fixed), vs d (N, M fixed). Every
+panel has a large "model" sweep (closed-form models, measured too where the backend can launch
+it: a GPU run) and a small "kernel" sweep at sizes the simulator runs, measured by the counted
+kernels. Log-log slopes are fitted with scipy over the points inside Theorem 2's range
+d <= M <= N d and written to results/theorem2_slopes.<backend>.json.
+
+Expected: FlashAttention orders (kv_outer, q_outer) -1 vs M, 2 vs N, 2 vs d; dense 2 vs N.
+Overlays: Theta(N^2 d^2 / M), Theta(N d + N^2) and the Saha–Ye lower bound
+Theta(min(N^2 d / sqrt(M), N^2 d^2 / M)), with M < d^2 (FA not optimal) shaded.
+
+    python -m experiments.theorem2 [--quick] [--results-dir DIR] [--figures-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import loop_orders as lo
+from loop_orders import results, theory
+
+from . import common
+
+NAME = "theorem2"
+SLOPES = "theorem2_slopes"
+
+
+def _pow2(lo_exp: int, hi_exp: int) -> list[int]:
+    return [2**e for e in range(lo_exp, hi_exp + 1)]
+
+
+# Each panel: the swept variable, its values, and the fixed sizes; "model" is large,
+# "kernel" small enough for the simulator.
+SWEEP = {
+    "m": {"model": {"n": 4096, "d": 16, "m": _pow2(4, 16)},       # d .. N d
+          "kernel": {"n": 32, "d": 4, "m": _pow2(2, 7)}},          # d .. N d
+    "n": {"model": {"m": 4096, "d": 16, "n": _pow2(8, 14)},        # N >= M / d
+          "kernel": {"m": 64, "d": 4, "n": _pow2(4, 6)}},
+    "d": {"model": {"n": 1024, "m": 4096, "d": _pow2(3, 6)},       # d^2 <= M, M <= N d
+          "kernel": {"n": 32, "m": 64, "d": _pow2(1, 3)}},
+}
+QUICK_SWEEP = {
+    "m": {"model": {"n": 256, "d": 16, "m": _pow2(4, 12)},
+          "kernel": {"n": 16, "d": 4, "m": _pow2(2, 6)}},
+    "n": {"model": {"m": 1024, "d": 16, "n": _pow2(6, 10)},
+          "kernel": {"m": 32, "d": 4, "n": _pow2(3, 5)}},
+    "d": {"model": {"n": 256, "m": 1024, "d": _pow2(3, 5)},
+          "kernel": {"n": 16, "m": 32, "d": _pow2(1, 3)}},
+}
+EXPECTED = {("kv_outer", "m"): -1, ("q_outer", "m"): -1, ("kv_outer", "n"): 2,
+            ("q_outer", "n"): 2, ("dense", "n"): 2, ("kv_outer", "d"): 2, ("q_outer", "d"): 2}
+PANEL_LABEL = {"m": "SRAM budget M (elements)", "n": "sequence length N", "d": "head dim d"}
+
+
+def declaration(ctx: common.Context) -> dict:
+    return QUICK_SWEEP if ctx.quick else SWEEP
+
+
+def configs(sweep: dict) -> list[dict]:
+    """One point per (panel, size set, schedule, swept value)."""
+    out = []
+    for var, sets in sweep.items():
+        for size_set, spec in sets.items():
+            for sched in lo.all_schedules():
+                for value in spec[var]:
+                    sizes = {k: v for k, v in spec.items() if k != var}
+                    sizes[var] = value
+                    out.append({"panel": var, "set": size_set, "schedule": sched.name,
+                                "n": sizes["n"], "d": sizes["d"], "m": sizes["m"]})
+    return out
+
+
+def evaluate(config: dict) -> dict:
+    sched = lo.get_schedule(config["schedule"])
+    block_q, block_k = sched.tiles_for_sram(config["m"], config["d"])
+    p = common.problem(sched, config["n"], config["d"], block_q, block_k)
+    return {"block_q": block_q, "block_k": block_k,
+            **common.model_and_measure(sched, p, common.seed_for(config))}
+
+
+def run(ctx: common.Context) -> results.Sweep:
+    sweep = ctx.sweep(NAME, meta={})
+    sweep.run(configs(declaration(ctx)), evaluate, progress=ctx.progress, desc=NAME)
+    sweep.finish()
+    return sweep
+
+
+def series(records: list[dict], panel: str, size_set: str, schedule: str,
+           which: str = "model") -> tuple[np.ndarray, np.ndarray]:
+    """(x, traffic) of one line, sorted by x; `which` is "model" or "measured"."""
+    rows = sorted((r for r in records if r["key"]["panel"] == panel
+                   and r["key"]["set"] == size_set and r["key"]["schedule"] == schedule
+                   and r[which] is not None), key=lambda r: r["key"][panel])
+    return (np.array([r["key"][panel] for r in rows], dtype=float),
+            np.array([common.total(r[which]) for r in rows], dtype=float))
+
+
+# Fit windows. "theorem": Theorem 2's range d <= M <= N d. "interior": 4d <= M <= N d / 8, where
+# Algorithm 1's Bc = ceil(M / 4d) is not rounded up to 1 and every K/V (or Q) block is re-read
+# at least 32 times, so the N^2 d^2 / M term dominates the once-only N d terms.
+WINDOWS = {
+    "theorem": lambda n, d, m: theory.in_theorem2_range(n, d, m),
+    "interior": lambda n, d, m: 4 * d <= m <= n * d // 8,
+}
+
+
+def in_range(records: list[dict], panel: str, size_set: str, x: np.ndarray,
+             window: str = "theorem") -> np.ndarray:
+    """Mask of x values whose point lies in the fit window (default: d <= M <= N d)."""
+    any_row = next(r["key"] for r in records
+                   if r["key"]["panel"] == panel and r["key"]["set"] == size_set)
+    keep = []
+    for value in x:
+        key = {**any_row, panel: int(value)}
+        keep.append(WINDOWS[window](key["n"], key["d"], key["m"]))
+    return np.array(keep, dtype=bool)
+
+
+def fit_slopes(data: dict) -> list[dict]:
+    """Log-log slope of every (panel, size set, schedule, model/measured) line in range."""
+    records = data["records"]
+    out = []
+    lines = sorted({(r["key"]["panel"], r["key"]["set"], r["key"]["schedule"]) for r in records})
+    for panel, size_set, schedule in lines:
+        for which in ("model", "measured"):
+            for window in WINDOWS:
+                x, y = series(records, panel, size_set, schedule, which)
+                if len(x) == 0:
+                    continue
+                mask = in_range(records, panel, size_set, x, window)
+                x, y = x[mask], y[mask]
+                if len(x) < 3:
+                    continue
+                fit = theory.fit_power_law(x, y)
+                first = next(r["key"] for r in records if r["key"]["panel"] == panel
+                             and r["key"]["set"] == size_set)
+                fixed = {k: first[k] for k in ("n", "d", "m") if k != panel}
+                out.append({"panel": panel, "set": size_set, "schedule": schedule,
+                            "source": which, "window": window, "fixed": fixed,
+                            "x_min": float(x.min()), "x_max": float(x.max()), **fit.to_dict(),
+                            "expected": EXPECTED.get((schedule, panel))})
+    return out
+
+
+def write_slopes(ctx: common.Context) -> dict:
+    data = results.load(ctx.results_path(NAME))
+    payload = {"format": results.FORMAT, "name": f"{SLOPES}.{ctx.backend}", "complete": True,
+               "meta": {"from": ctx.results_path(NAME).name,
+                        "from_provenance": data["provenance"]},
+               "provenance": results.provenance(), "runs": [], "records": []}
+    payload["runs"] = [payload["provenance"]]
+    key_fields = ("panel", "set", "schedule", "source", "window")
+    payload["records"] = [{"key": {k: s[k] for k in key_fields}, "run": 0, **s}
+                          for s in fit_slopes(data)]
+    payload["n_records"] = len(payload["records"])
+    results.atomic_write_json(ctx.results_path(SLOPES), payload)
+    return payload
+
+
+def _scaled(reference_x, reference_y, x, shape):
+    """`shape(x)` scaled to pass through (reference_x, reference_y)."""
+    return shape(x) * reference_y / shape(np.array([reference_x]))[0]
+
+
+def plot(ctx: common.Context) -> list:
+    data = results.load(ctx.results_path(NAME))
+    slopes = {(s["key"]["panel"], s["key"]["set"], s["key"]["schedule"], s["key"]["source"]):
+              s for s in results.load(ctx.results_path(SLOPES))["records"]
+              if s["key"]["window"] == "theorem"}
+    gpu = ctx.gpu_results(NAME)
+    records = data["records"]
+    plt = common.pyplot()
+    names = [s.name for s in lo.all_schedules()
+             if any(r["key"]["schedule"] == s.name for r in records)]
+    colors = common.schedule_colors(names)
+    here = data["provenance"].get("backend", "?")
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.6))
+    for ax, panel in zip(axes, ("m", "n", "d"), strict=True):
+        fixed_model = next(r["key"] for r in records
+                           if r["key"]["panel"] == panel and r["key"]["set"] == "model")
+        fixed_kernel = next(r["key"] for r in records
+                            if r["key"]["panel"] == panel and r["key"]["set"] == "kernel")
+        for name in names:
+            x, y = series(records, panel, "model", name)
+            s = slopes.get((panel, "model", name, "model"))
+            ax.plot(x, y, "-", color=colors[name], lw=2,
+                    label=f"{name} model" + (f", slope {s['slope']:.2f}±{s['stderr']:.2f}"
+                                             if s else ""))
+            xm, ym = series(records, panel, "model", name, "measured")
+            if len(xm):
+                ax.plot(xm, ym, "o", color=colors[name], mfc="none", ms=8)
+            xk, yk = series(records, panel, "kernel", name)
+            ax.plot(xk, yk, ":", color=colors[name], lw=1)
+            xk, yk = series(records, panel, "kernel", name, "measured")
+            s = slopes.get((panel, "kernel", name, "measured"))
+            if len(xk):
+                ax.plot(xk, yk, "o", color=colors[name], mfc="none", ms=7,
+                        label=f"{name} measured ({here})" +
+                              (f", slope {s['slope']:.2f}±{s['stderr']:.2f}" if s else ""))
+            if gpu is not None:
+                xg, yg = series(gpu["records"], panel, "model", name, "measured")
+                if len(xg):
+                    ax.plot(xg, yg, "s", color=colors[name], ms=4)
+        # Theta(.) overlays on the model sweep, scaled through one point of a reference line
+        x, y_fa = series(records, panel, "model", "kv_outer") if "kv_outer" in names else \
+            series(records, panel, "model", names[0])
+        sizes = {k: np.full(len(x), fixed_model[k], dtype=float) for k in ("n", "d", "m")}
+        sizes[panel] = x
+        mid = len(x) // 2
+        fa = theory.flash_traffic(sizes["n"], sizes["d"], sizes["m"])
+        ax.plot(x, fa * y_fa[mid] / fa[mid], "k--", lw=1, label="Θ(N²d²/M)")
+        sy = theory.saha_ye_lower_bound(sizes["n"], sizes["d"], sizes["m"])
+        ax.plot(x, sy * y_fa[mid] / fa[mid], color="0.4", ls="-.", lw=1,
+                label="Saha–Ye Θ(min(N²d/√M, N²d²/M))")
+        if "dense" in names:
+            _, y_dense = series(records, panel, "model", "dense")
+            st = theory.standard_traffic(sizes["n"], sizes["d"])
+            ax.plot(x, st * y_dense[-1] / st[-1], color="k", ls=(0, (1, 3)), lw=1.2,
+                    label="Θ(Nd + N²)")
+        not_optimal = ~theory.flash_optimal(sizes["d"], sizes["m"])
+        if not_optimal.any():
+            edge = x[not_optimal]
+            ax.axvspan(edge.min() if panel != "d" else edge.min(),
+                       edge.max() if panel != "m" else fixed_model["d"] ** 2,
+                       color="0.85", alpha=0.6, lw=0, label="M < d² (FA not optimal)")
+        ax.set(xscale="log", yscale="log", xlabel=PANEL_LABEL[panel],
+               ylabel="HBM traffic (elements)")
+        model_fixed = ", ".join(f"{k.upper() if k != 'd' else k}={fixed_model[k]}"
+                                for k in ("n", "d", "m") if k != panel)
+        kernel_fixed = ", ".join(f"{k.upper() if k != 'd' else k}={fixed_kernel[k]}"
+                                 for k in ("n", "d", "m") if k != panel)
+        ax.set_title(f"traffic vs {panel.upper() if panel != 'd' else 'd'}\n"
+                     f"lines: model only ({model_fixed}); markers: kernels ({kernel_fixed})",
+                     fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5, loc="best")
+    fig.suptitle("Theorem 2: tiles sized from M by each schedule's tiles_for_sram; slopes "
+                 "fitted in d ≤ M ≤ Nd (solid = model only, dotted + markers = measured by "
+                 f"kernels on {data['provenance'].get('device')})", fontsize=10)
+    fig.tight_layout()
+    written = common.save_figure(fig, ctx.figures_dir, NAME)
+    plt.close(fig)
+    return written
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser)
+    ctx = common.context_from_args(parser.parse_args(argv))
+    run(ctx)
+    write_slopes(ctx)
+    for path in plot(ctx):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
