@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -79,18 +79,63 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
     return p
 
 
-def check_launch(sched: Schedule, p: Problem, count: bool) -> None:
-    """Refuse what the kernels cannot launch: shared memory and grid limits."""
+def memory_need(sched: Schedule, p: Problem, count: bool,
+                host_inputs: bool = True) -> dict[str, int]:
+    """Device memory one call allocates (bytes), by part.
+
+    inputs: q, k, v when they are copied from the host (device arrays are already resident);
+    outputs: O (input dtype), lse (float32, with save_lse); counters: int64 slots; workspace:
+    what the schedule keeps in HBM besides (`Schedule.workspace_bytes`: S and P for dense, l
+    and m for kv_outer).
+    """
+    inputs = p.bh * (p.n_q * p.d + p.n_k * (p.d + p.dv)) * p.itemsize
+    return {
+        "inputs": inputs if host_inputs else 0,
+        "outputs": p.bh * p.n_q * p.dv * p.itemsize + 4 * (p.bh * p.n_q if p.save_lse else 1),
+        "counters": 8 * (N_SLOTS if count else 1),
+        "workspace": sched.workspace_bytes(p),
+    }
+
+
+def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
+    """Largest block_k whose shared memory fits at these head dims (0 if none does)."""
+    lo_, hi = 0, MAX_BLOCK_K  # shared memory grows with block_k: bisect
+    while lo_ < hi:
+        mid = (lo_ + hi + 1) // 2
+        if sched.shared_bytes(replace(p, block_k=mid), count) <= runtime.SHARED_BYTES_LIMIT:
+            lo_ = mid
+        else:
+            hi = mid - 1
+    return lo_
+
+
+def check_launch(sched: Schedule, p: Problem, count: bool, host_inputs: bool = True) -> None:
+    """Refuse what the kernels cannot launch: shared memory, grid and device memory limits.
+
+    Every refusal states what the call needs and the limit, before anything is allocated.
+    """
     sched.check(p)
     need = sched.shared_bytes(p, count)
     if need > runtime.SHARED_BYTES_LIMIT:
+        most = _largest_block_k(sched, p, count)
+        fix = (f"use 1 <= block_k <= {most} at these head dims" if most else
+               f"no block_k fits: use smaller head dims (d + dv = {p.d + p.dv})")
         raise ValueError(
             f"block_k: {sched.name} needs {need} bytes of shared memory per CTA for "
             f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is "
-            f"{runtime.SHARED_BYTES_LIMIT} bytes (about 4*block_k*(d+dv) must fit): "
-            f"use a smaller block_k")
+            f"{runtime.SHARED_BYTES_LIMIT} bytes: {fix}")
     if p.bh > runtime.MAX_GRID_Y:
         raise ValueError(f"batch: batch*heads = {p.bh} exceeds {runtime.MAX_GRID_Y}")
+    parts = memory_need(sched, p, count, host_inputs)
+    total = sum(parts.values())
+    limit, where = runtime.memory_limit()
+    if total > limit:
+        detail = ", ".join(f"{name} {size:,}" for name, size in parts.items() if size)
+        raise ValueError(
+            f"n: {sched.name} needs {total:,} bytes of device memory for {p.describe()} "
+            f"({detail}); the limit is {limit:,} bytes ({where}): use a smaller n, batch or "
+            f"heads" + (", or a schedule without quadratic workspace"
+                        if parts["workspace"] > limit // 2 else ""))
 
 
 def _shape_of(name: str, x) -> tuple[int, ...]:
@@ -125,6 +170,26 @@ def _is_contiguous(x) -> bool:
         expected.append(step)
         step *= extent
     return tuple(reversed(expected)) == tuple(iface["strides"])
+
+
+def _on_device(x) -> bool:
+    return hasattr(x, "copy_to_host") or runtime.is_device_array(x)
+
+
+# The kernels multiply scores by scale * log2(e) in float32: outside float32's normal range
+# the factor would flush to 0 (every row uniform) or overflow to inf (every row NaN).
+SCALE_RANGE = (float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max) / 2)
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+            math.isfinite(scale) and scale != 0):
+        raise ValueError(f"scale: must be a finite non-zero real number, got {scale!r}")
+    low, high = SCALE_RANGE
+    if not low <= abs(float(scale)) <= high:
+        raise ValueError(f"scale: got {scale!r}; allowed {low:.3g} <= |scale| <= {high:.3g} "
+                         f"(scores are scaled in float32)")
+    return float(scale)
 
 
 def _check_inputs(q, k, v):
@@ -171,13 +236,11 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
                      dtype=dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
-            math.isfinite(scale) and scale != 0):
-        raise ValueError(f"scale: must be a finite non-zero real number, got {scale!r}")
+    scale = _check_scale(scale)
     count = _check_bool("count", count)
-    check_launch(sched, p, count)
-
     host_in = isinstance(q, np.ndarray)
+    check_launch(sched, p, count, host_inputs=not all(map(_on_device, (q, k, v))))
+
     dq, dk, dvv = (runtime.to_device(x).reshape(p.bh, n, width)
                    for x, n, width in ((q, n_q, d), (k, n_k, d), (v, n_k, dv)))
     out = runtime.device_empty((p.bh, n_q, dv), np.dtype(dtype))

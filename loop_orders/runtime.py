@@ -91,6 +91,33 @@ MAX_GRID_Y = 65535
 SHARED_F32 = np.dtype(np.float32) if SIMULATOR else numba.float32
 
 
+def _host_available_bytes() -> int:
+    """Host memory the OS says is available (MemAvailable), else free pages, else 4 GiB."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes one call may allocate on the device, where that number comes from).
+
+    On the GPU: the free device memory now. Under the simulator device arrays are host NumPy
+    arrays, so: half of the host memory that is available (the other half for the reference
+    check and everything else the process holds).
+    """
+    if SIMULATOR:
+        return _host_available_bytes() // 2, "half the available host memory (simulator)"
+    free, _total = cuda.current_context().get_memory_info()
+    return int(free), f"free device memory on {device_name()}"
+
+
 def backend_name() -> str:
     return "simulator" if SIMULATOR else "gpu"
 

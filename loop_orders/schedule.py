@@ -115,6 +115,14 @@ class Schedule(ABC):
     def launch(self, p: Problem, q, k, v, out, lse, counts, *, scale: float, count: bool):
         """Run the kernels on device arrays shaped (bh, n, d); fill `counts` when `count`."""
 
+    def workspace_bytes(self, p: Problem) -> int:
+        """HBM this schedule allocates beyond q, k, v, O, lse and the counters (bytes).
+
+        Every schedule states it next to its model (0 when nothing else lives in HBM);
+        `api.check_launch` adds inputs and outputs and refuses a call that does not fit.
+        """
+        return 0
+
     def check(self, p: Problem) -> None:  # noqa: B027 - optional hook
         """Refuse what this schedule's kernels cannot run (beyond the common checks)."""
 

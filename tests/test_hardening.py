@@ -154,3 +154,99 @@ def test_float32_score_overflow_gives_nan_rows_never_wrong_numbers(schedule, rng
     for r in range(n):
         row = res.out[r]
         assert np.isnan(row).all() or relative_error(row, ref[r]) <= 1e-4, r
+
+
+# --- Limits: device memory, shared memory, counters -------------------------------------------
+
+
+def test_workspace_is_stated_next_to_each_model():
+    p = lo.make_problem("dense", n_q=10, n_k=12, d=4, dv=3, batch=2, heads=3, block_q=4,
+                        block_k=4)
+    workspace = {name: lo.get_schedule(name).workspace_bytes(p) for name in SCHEDULES}
+    assert workspace["dense"] == 2 * 6 * 10 * 12 * 4  # S and P, float32
+    assert workspace["kv_outer"] == 2 * 6 * 10 * 4  # l and m, float32
+    assert workspace["q_outer"] == 0
+    need = lo.api.memory_need(lo.get_schedule("dense"), p, count=True)
+    assert need == {"inputs": 6 * (10 * 4 + 12 * 7) * 4, "outputs": 6 * 10 * 3 * 4 + 4,
+                    "counters": 8 * 18, "workspace": workspace["dense"]}
+    assert lo.api.memory_need(lo.get_schedule("dense"), p, count=False,
+                              host_inputs=False)["inputs"] == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_memory_refused_before_any_copy_with_need_and_limit(schedule, rng, monkeypatch):
+    from loop_orders import runtime
+
+    q, k, v = random_qkv(rng, 1, 2, 8, 4, 4)
+    need = sum(lo.api.memory_need(lo.get_schedule(schedule), lo.make_problem(
+        schedule, n_q=8, d=4, batch=1, heads=2, block_q=4, block_k=4), count=False).values())
+
+    def no_copy(x):
+        raise AssertionError("copied to the device before the memory check")
+
+    monkeypatch.setattr(runtime, "memory_limit", lambda: (need - 1, "a test limit"))
+    monkeypatch.setattr(runtime, "to_device", no_copy)
+    with pytest.raises(ValueError, match=rf"^n: {schedule} needs {need:,} bytes of device "
+                                         rf"memory .*the limit is {need - 1:,} bytes "
+                                         rf"\(a test limit\)"):
+        lo.attention(q, k, v, schedule=schedule, block_q=4, block_k=4)
+    monkeypatch.setattr(runtime, "memory_limit", lambda: (need, "a test limit"))
+    monkeypatch.undo()
+    lo.attention(q, k, v, schedule=schedule, block_q=4, block_k=4)  # fits: runs
+
+
+def test_dense_quadratic_workspace_refused_against_the_real_limit():
+    """60000 heads of N = 12000: S and P alone are 69 TB. Zero-stride inputs cost nothing."""
+    from loop_orders import runtime
+
+    q = np.broadcast_to(np.float32(0), (1000, 60, 12000, 1))
+    limit, where = runtime.memory_limit()
+    assert limit > 0 and where
+    with pytest.raises(ValueError, match=r"^n: dense needs .* workspace 69,120,000,000,000"
+                                         r".*or a schedule without quadratic workspace"):
+        lo.attention(q, q, q, schedule="dense", block_q=64, block_k=64)
+
+
+@pytest.mark.parametrize("schedule", ["q_outer", "kv_outer"])
+def test_shared_memory_refusal_states_the_supported_block_k(schedule):
+    p = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=64)
+    with pytest.raises(ValueError, match=r"block_k: .* needs 131072 bytes .* limit is 49152 "
+                                         r"bytes: use 1 <= block_k <= 24 at these head dims"):
+        lo.api.check_launch(lo.get_schedule(schedule), p, count=False)
+    ok = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=24)
+    lo.api.check_launch(lo.get_schedule(schedule), ok, count=False)
+
+
+def test_model_counts_beyond_int32_are_exact_python_ints():
+    n, d, b = 65536, 64, 64
+    dense = lo.predict_traffic("dense", n=n, d=d, block_q=b, block_k=b, batch=2, heads=3)
+    assert dense.write("s") == 6 * n * n == 6 * 2**32 > 2**31
+    q_outer = lo.predict_traffic("q_outer", n=n, d=d, block_q=b, block_k=b, batch=2, heads=3)
+    assert q_outer.read("k") == 6 * (n // b) * n * d == 6 * 2**32
+    kv = lo.predict_traffic("kv_outer", n=n, d=d, block_q=b, block_k=b, batch=2, heads=3)
+    assert kv.read("q") == 6 * (n // b) * n * d
+    assert all(type(x) is int for x in (dense.total, q_outer.total, kv.total))
+    as_array = np.array([dense.to_dict()[t][di] for t in dense.to_dict()
+                         for di in ("read", "write")], dtype=np.int64)
+    assert lo.Ledger.from_array(as_array) == dense
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_kernel_counters_are_int64_past_2_to_the_31(schedule, rng):
+    """Start every counter slot just below 2^31: the kernels add to it without wrapping."""
+    from loop_orders import runtime
+    from loop_orders.ledger import N_SLOTS
+
+    q, k, v = random_qkv(rng, 1, 1, 9, 4, 4)
+    sched = lo.get_schedule(schedule)
+    p = lo.make_problem(schedule, n_q=9, d=4, block_q=4, block_k=3)
+    start = 2**31 - 3
+    counts = runtime.to_device(np.full(N_SLOTS, start, dtype=np.int64))
+    out = runtime.device_empty((1, 9, 4), np.float32)
+    lse = runtime.device_empty((1, 1), np.float32)
+    dq, dk, dv = (runtime.to_device(x.reshape(1, 9, 4)) for x in (q, k, v))
+    with runtime.launching():
+        sched.launch(p, dq, dk, dv, out, lse, counts, scale=0.5, count=True)
+    got = runtime.to_host(counts) - start
+    assert lo.Ledger.from_array(got) == sched.model(p)
+    assert (runtime.to_host(counts) >= start).all()

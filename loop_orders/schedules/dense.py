@@ -241,6 +241,10 @@ class Dense(Schedule):
         }
         return Ledger(per_head).scaled(p.bh)
 
+    def workspace_bytes(self, p: Problem) -> int:
+        # S and P: N_q x N_k float32 scores per (batch, head), each materialised in HBM.
+        return 2 * p.bh * p.n_q * p.n_k * 4
+
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         # Same tile shapes as q_outer: a query block of M/(4d) rows against K/V tiles.
         big = ceil_div(m, 4 * d)

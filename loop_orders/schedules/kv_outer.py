@@ -171,6 +171,10 @@ class KVOuter(Schedule):
         }
         return Ledger(per_head).scaled(p.bh)
 
+    def workspace_bytes(self, p: Problem) -> int:
+        # l and m: one float32 each per query row, kept in HBM between K/V blocks.
+        return 2 * p.bh * p.n_q * 4
+
     def output_roundings(self, p: Problem) -> int:
         # O_i is stored in the input dtype after every K/V block that visits it.
         return int(p.visible_kv_blocks().max())

@@ -140,6 +140,9 @@ class QOuter(Schedule):
         }
         return Ledger(per_head).scaled(p.bh)
 
+    def workspace_bytes(self, p: Problem) -> int:
+        return 0  # m_i, l_i and the accumulator live in registers only
+
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         # Algorithm 1's sizes with the roles swapped: the resident query block is the large one.
         big = ceil_div(m, 4 * d)
