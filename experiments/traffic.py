@@ -123,6 +123,10 @@ def plot(ctx: common.Context) -> list:
             if g:
                 ax_n.plot(*zip(*g, strict=True), "s", color=colors[name], ms=4,
                           label=f"{name} measured (gpu, committed)")
+    measured_n = [r["key"]["n"] for r in data["records"] if r["measured"]]
+    if measured_n:
+        ax_n.axvspan(max(measured_n), max(r["key"]["n"] for r in data["records"]),
+                     color="0.92", lw=0, label="model only (not measured here)")
     ax_n.set(xscale="log", yscale="log", xlabel="sequence length N",
              ylabel="HBM traffic (elements)",
              title=f"(a) traffic vs N, d={data['meta']['d']}, Br=Bc={PLOT_BLOCKS[0]}")
@@ -160,8 +164,9 @@ def plot(ctx: common.Context) -> list:
         if d is None:
             continue
         res = residuals(d["records"])
-        for name in names:
-            pts = [(r["n"], r["total"]) for r in res if r["schedule"] == name]
+        for i, name in enumerate(names):  # nudged sideways so coinciding zeros stay visible
+            pts = [(r["n"] * (1 + 0.06 * (i - 1)), r["total"]) for r in res
+                   if r["schedule"] == name]
             if pts:
                 ax_res.plot(*zip(*pts, strict=True), "o" if not label else "s",
                             color=colors[name], mfc="none" if not label else None,
