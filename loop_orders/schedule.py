@@ -21,7 +21,7 @@ from .ledger import Ledger
 
 # Limits of the kernels as written (compile-time local arrays and one thread per query row).
 MAX_HEAD_DIM = 256
-MAX_BLOCK_Q = 1024
+MAX_BLOCK_Q = 512  # up to two threads per query row, 1024 per CTA
 MAX_BLOCK_K = 512
 SUPPORTED_DTYPES = ("float32", "float16")
 
@@ -112,8 +112,17 @@ class Schedule(ABC):
         """Largest shared memory one CTA of this schedule declares (bytes)."""
 
     @abstractmethod
-    def launch(self, p: Problem, q, k, v, out, lse, counts, *, scale: float, count: bool):
-        """Run the kernels on device arrays shaped (bh, n, d); fill `counts` when `count`."""
+    def launch(self, p: Problem, q, k, v, out, lse, counts, *, scale: float, count: bool,
+               workspace=None):
+        """Run the kernels on device arrays shaped (bh, n, d); fill `counts` when `count`.
+
+        `workspace` is what `allocate_workspace(p)` returned (allocated per call if None), so
+        a benchmark can allocate once and time the kernels alone.
+        """
+
+    def allocate_workspace(self, p: Problem) -> tuple:
+        """Device arrays the kernels keep in HBM besides inputs and outputs."""
+        return ()
 
     def workspace_bytes(self, p: Problem) -> int:
         """HBM this schedule allocates beyond q, k, v, O, lse and the counters (bytes).

@@ -26,7 +26,7 @@ def test_unknown_schedule_lists_known(qkv):
     ({"block_k": -3}, ValueError, "block_k: got -3"),
     ({"block_q": 2.5}, TypeError, "block_q: must be an integer"),
     ({"block_k": True}, TypeError, "block_k: must be an integer"),
-    ({"block_q": 5000}, ValueError, "block_q: got 5000, allowed 1 <= block_q <= 1024"),
+    ({"block_q": 5000}, ValueError, "block_q: got 5000, allowed 1 <= block_q <= 512"),
     ({"scale": float("nan")}, ValueError, "scale"),
     ({"scale": 0.0}, ValueError, "scale"),
     ({"causal": "yes"}, TypeError, "causal"),

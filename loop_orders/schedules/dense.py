@@ -26,7 +26,7 @@ from numba import float32, int64
 from ..ledger import Ledger, slot
 from ..runtime import SHARED_BYTES_LIMIT, SHARED_F32, cuda, device_empty
 from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import counter_slots, flush_counts, load_row, load_tile, zero_counts
+from ..tiles import counter_slots, flush_counts, load_row, make_tile_loader, zero_counts
 
 (Q_R, K_R, V_R, O_W, S_R, S_W, P_R, P_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "write"),
@@ -49,6 +49,7 @@ def softmax_shared_bytes(n_k: int) -> int:
 @cache
 def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
     NCNT = counter_slots(COUNT)  # noqa: N806
+    load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
 
     @cuda.jit
     def dense_scores(q, k, s_hbm, counts, scale):
@@ -73,7 +74,7 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j
             # K_j: every query block reads all of K
-            moved = load_tile(K_j, k, bh, key0, bc, D)
+            moved = load_K_j(K_j, k, bh, key0, bc)
             if COUNT:
                 cnt[K_R] += moved
             cuda.syncthreads()  # K_j is in shared memory for all rows
@@ -157,6 +158,7 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
 @cache
 def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
 
     @cuda.jit
     def dense_pv(p_hbm, v, o, counts):
@@ -178,7 +180,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous V_j
             # V_j: every query block reads all of V
-            moved = load_tile(V_j, v, bh, key0, bc, DV)
+            moved = load_V_j(V_j, v, bh, key0, bc)
             if COUNT:
                 cnt[V_R] += moved
             cuda.syncthreads()  # V_j is in shared memory for all rows
@@ -263,9 +265,12 @@ class Dense(Schedule):
                 f"n_k: dense keeps one row of S in shared memory ({softmax} bytes for "
                 f"n_k={p.n_k}); the limit is {SHARED_BYTES_LIMIT} bytes, so n_k <= {most}")
 
-    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
-        s_hbm = device_empty((p.bh, p.n_q, p.n_k), np.float32)
-        p_hbm = device_empty((p.bh, p.n_q, p.n_k), np.float32)
+    def allocate_workspace(self, p: Problem) -> tuple:
+        shape = (p.bh, p.n_q, p.n_k)
+        return device_empty(shape, np.float32), device_empty(shape, np.float32)
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
+        s_hbm, p_hbm = workspace or self.allocate_workspace(p)
         threads = softmax_threads(p.n_k)
         scores = make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count)
         softmax = make_softmax_kernel(threads, p.save_lse, count)

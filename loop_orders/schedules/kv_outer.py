@@ -28,17 +28,15 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..runtime import cuda
-from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import (
-    LN2,
-    counter_slots,
-    flush_counts,
-    load_row,
-    load_tile,
+from ..microkernel import (
     make_online_update,
-    zero_counts,
+    make_row_io,
+    share_from_part0,
+    threads_per_row,
 )
+from ..runtime import SHARED_ALIGN, cuda, kernel_options
+from ..schedule import Problem, Schedule, ceil_div, register
+from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_counts
 
 (Q_R, K_R, V_R, O_R, O_W, L_R, L_W, M_R, M_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "read"),
@@ -47,48 +45,57 @@ from ..tiles import (
 
 
 @cache
-def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
-    online_update = make_online_update(D, DV, BC, CAUSAL)
+def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
+    NT = BR * TPR  # noqa: N806 - threads per CTA: TPR per query row
+    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread
+    online_update = make_online_update(D, DV, TPR, CAUSAL)
+    load_q, load_o, store_o = make_row_io(D, DV, TPR)
+    load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
-    @cuda.jit
+    @cuda.jit(**kernel_options(NT))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
         t = cuda.threadIdx.x
+        part = t % TPR
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR  # noqa: N806
         T_c = (n_k + BC - 1) // BC  # noqa: N806
 
-        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
-        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
-        Q_i = cuda.local.array(D, float32)  # noqa: N806 - this thread's row of Q_i
-        acc = cuda.local.array(DV, float32)  # its row of O_i, unnormalised (l_i O_i)
-        s = cuda.local.array(BC, float32)
+        K_j = cuda.shared.array((BC, D), float32, alignment=SHARED_ALIGN)  # noqa: N806
+        V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
+        Q_i = cuda.local.array(DP, float32)  # noqa: N806 - this thread's slice of a row
+        acc = cuda.local.array(DVP, float32)  # its slice of O_i, unnormalised (l_i O_i)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
 
-        # Thread t owns rows t, t + Br, t + 2 Br, ... in every phase, so each row's HBM state
-        # is only ever touched by one thread, in program order: no barrier guards O, l, m.
-        for row in range(t, n_q, BR):
+        for y in range(DVP):
+            acc[y] = float32(0.0)  # the zeros the initialisation below stores
+        # The TPR threads of slot t // TPR own rows t // TPR + Br * i in every phase, so each
+        # row's HBM state is only touched by its own threads, in program order: no barrier
+        # guards O, l, m. Part 0 alone moves l and m; the other parts get them by shuffle.
+        for row in range(t // TPR, n_q, BR):
             # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM
-            for x in range(DV):
-                o[bh, row, x] = float32(0.0)
-            l_hbm[bh, row] = float32(0.0)
-            m_hbm[bh, row] = float32(-math.inf)
+            moved = store_o(o, acc, bh, row, part, float32(0.0))
+            if part == 0:
+                l_hbm[bh, row] = float32(0.0)
+                m_hbm[bh, row] = float32(-math.inf)
             if COUNT:
-                cnt[O_W] += DV
-                cnt[L_W] += 1
-                cnt[M_W] += 1
+                cnt[O_W] += moved
+                if part == 0:
+                    cnt[L_W] += 1
+                    cnt[M_W] += 1
 
         for j in range(T_c):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_tile(K_j, k, bh, key0, bc, D)
-            moved_v = load_tile(V_j, v, bh, key0, bc, DV)
+            moved_k = load_K_j(K_j, k, bh, key0, bc)
+            moved_v = load_V_j(V_j, v, bh, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
@@ -96,37 +103,51 @@ def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the pap
 
             i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
             for i in range(i0, T_r):
-                row = i * BR + t
-                if row < n_q:
+                row = i * BR + t // TPR
+                # the last query block's spare rows compute on zeros and touch no HBM
+                owns_row = row < n_q
+                l_i = float32(0.0)
+                m_i = float32(-math.inf)
+                for y in range(DP):
+                    Q_i[y] = float32(0.0)
+                for y in range(DVP):
+                    acc[y] = float32(0.0)
+                if owns_row:
                     # Q_i, O_i, l_i, m_i: reloaded from HBM for every K/V block
-                    moved = load_row(Q_i, q, bh, row, D)
-                    l_i = float32(l_hbm[bh, row])
-                    m_i = float32(m_hbm[bh, row])
-                    for x in range(DV):
-                        acc[x] = float32(o[bh, row, x]) * l_i
+                    if part == 0:
+                        l_i = float32(l_hbm[bh, row])
+                        m_i = float32(m_hbm[bh, row])
+                    moved_q = load_q(Q_i, q, bh, row, part)
                     if COUNT:
-                        cnt[Q_R] += moved
-                        cnt[O_R] += DV
-                        cnt[L_R] += 1
-                        cnt[M_R] += 1
+                        cnt[Q_R] += moved_q
+                        if part == 0:
+                            cnt[L_R] += 1
+                            cnt[M_R] += 1
+                l_i = share_from_part0(l_i, TPR)
+                m_i = share_from_part0(m_i, TPR)
+                if owns_row:
+                    moved_o = load_o(acc, o, bh, row, part, l_i)
+                    if COUNT:
+                        cnt[O_R] += moved_o
 
-                    m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, scale_log2,
-                                             m_i, l_i, acc, s)
+                m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, part, scale_log2,
+                                         m_i, l_i, acc)
 
+                if owns_row:
                     # O_i, l_i, m_i: written back to HBM after every K/V block
-                    inv_l = float32(1.0) / l_i
-                    for x in range(DV):
-                        o[bh, row, x] = acc[x] * inv_l
-                    l_hbm[bh, row] = l_i
-                    m_hbm[bh, row] = m_i
+                    moved_o = store_o(o, acc, bh, row, part, float32(1.0) / l_i)
+                    if part == 0:
+                        l_hbm[bh, row] = l_i
+                        m_hbm[bh, row] = m_i
                     if COUNT:
-                        cnt[O_W] += DV
-                        cnt[L_W] += 1
-                        cnt[M_W] += 1
+                        cnt[O_W] += moved_o
+                        if part == 0:
+                            cnt[L_W] += 1
+                            cnt[M_W] += 1
                     last_j = T_c - 1
                     if CAUSAL:
                         last_j = min(last_j, (min((i + 1) * BR, n_q) - 1) // BC)
-                    if SAVE_LSE and j == last_j:
+                    if SAVE_LSE and j == last_j and part == 0:
                         # lse_i: the statistic the backward pass needs, once i is final
                         lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
                         if COUNT:
@@ -187,11 +208,14 @@ class KVOuter(Schedule):
     def shared_bytes(self, p: Problem, count: bool) -> int:
         return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
 
-    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
+    def allocate_workspace(self, p: Problem) -> tuple:
         from ..runtime import device_empty
 
-        l_hbm = device_empty((p.bh, p.n_q), np.float32)
-        m_hbm = device_empty((p.bh, p.n_q), np.float32)
-        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, p.save_lse, count)
-        kernel[p.bh, p.block_q](q, k, v, out, l_hbm, m_hbm, lse, counts,
+        return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
+        l_hbm, m_hbm = workspace or self.allocate_workspace(p)
+        tpr = threads_per_row(p.d, p.dv)
+        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)
+        kernel[p.bh, p.block_q * tpr](q, k, v, out, l_hbm, m_hbm, lse, counts,
                                 np.float32(scale * math.log2(math.e)))

@@ -23,55 +23,60 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..runtime import cuda
-from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import (
-    LN2,
-    counter_slots,
-    flush_counts,
-    load_row,
-    load_tile,
+from ..microkernel import (
     make_online_update,
-    zero_counts,
+    make_row_io,
+    threads_per_row,
 )
+from ..runtime import SHARED_ALIGN, cuda, kernel_options
+from ..schedule import Problem, Schedule, ceil_div, register
+from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_counts
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
 
 
 @cache
-def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
-    online_update = make_online_update(D, DV, BC, CAUSAL)
+def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
+    NT = BR * TPR  # noqa: N806 - threads per CTA: TPR per query row
+    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread
+    online_update = make_online_update(D, DV, TPR, CAUSAL)
+    load_q, _, store_o = make_row_io(D, DV, TPR)
+    load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
-    @cuda.jit
+    @cuda.jit(**kernel_options(NT))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
+        part = t % TPR
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row = i * BR + cuda.threadIdx.x
+        row = i * BR + t // TPR
         owns_row = row < n_q
 
-        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
-        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
-        Q_i = cuda.local.array(D, float32)  # noqa: N806 - this thread's row of Q_i
-        acc = cuda.local.array(DV, float32)
-        s = cuda.local.array(BC, float32)
+        K_j = cuda.shared.array((BC, D), float32, alignment=SHARED_ALIGN)  # noqa: N806
+        V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
+        Q_i = cuda.local.array(DP, float32)  # noqa: N806 - this thread's slice of a row
+        acc = cuda.local.array(DVP, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
 
-        m_i = float32(-math.inf)
-        l_i = float32(0.0)
+        for y in range(DP):
+            Q_i[y] = float32(0.0)  # rows past N_q compute on zeros and write nothing
+        for y in range(DVP):
+            acc[y] = float32(0.0)
         if owns_row:
             # Q_i: read from HBM once, stays in registers for every K/V block
-            moved = load_row(Q_i, q, bh, row, D)
+            moved = load_q(Q_i, q, bh, row, part)
             if COUNT:
                 cnt[Q_R] += moved
-            for x in range(DV):
-                acc[x] = float32(0.0)
 
+        m_i = float32(-math.inf)
+        l_i = float32(0.0)
         last_query = min((i + 1) * BR, n_q) - 1
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
@@ -81,24 +86,21 @@ def make_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the pap
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j, V_j
             # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_tile(K_j, k, bh, key0, bc, D)
-            moved_v = load_tile(V_j, v, bh, key0, bc, DV)
+            moved_k = load_K_j(K_j, k, bh, key0, bc)
+            moved_v = load_V_j(V_j, v, bh, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
-            if owns_row:
-                m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, scale_log2,
-                                         m_i, l_i, acc, s)
+            m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, part, scale_log2,
+                                     m_i, l_i, acc)
 
         if owns_row:
             # O_i: written to HBM once, normalised
-            inv_l = float32(1.0) / l_i
-            for x in range(DV):
-                o[bh, row, x] = acc[x] * inv_l
+            moved = store_o(o, acc, bh, row, part, float32(1.0) / l_i)
             if COUNT:
-                cnt[O_W] += DV
-            if SAVE_LSE:
+                cnt[O_W] += moved
+            if SAVE_LSE and part == 0:
                 # lse_i: the row statistic the backward pass needs, written once
                 lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
                 if COUNT:
@@ -151,7 +153,8 @@ class QOuter(Schedule):
     def shared_bytes(self, p: Problem, count: bool) -> int:
         return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
 
-    def launch(self, p, q, k, v, out, lse, counts, *, scale, count):
-        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, p.save_lse, count)
-        kernel[(p.tr, p.bh), p.block_q](q, k, v, out, lse, counts,
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
+        tpr = threads_per_row(p.d, p.dv)
+        kernel = make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)
+        kernel[(p.tr, p.bh), p.block_q * tpr](q, k, v, out, lse, counts,
                                         np.float32(scale * math.log2(math.e)))
