@@ -228,6 +228,13 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     float32 or float16 (accumulation is float32). NumPy in gives NumPy out; a device array
     (anything with __cuda_array_interface__) gives a Numba device array out. With `count`,
     the counted build of the kernels runs and `Result.counts` holds the measured Ledger.
+
+    Numerics (README "Limits and numerics"): the running row max is subtracted before every
+    exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that
+    depend on them: NaN in q[r] -> row r; in k[c] -> every row attending key c; in v[c, x] ->
+    column x of those rows. Masked (causal) keys never touch the output. Everything that
+    cannot run (shapes, dtypes, block sizes, shared or device memory) is refused with a
+    ValueError/TypeError before any copy or launch.
     """
     sched = get_schedule(schedule)
     batch, heads, n_q, n_k, d, dv, dtype = _check_inputs(q, k, v)

@@ -50,7 +50,12 @@ def results_dir(override: str | os.PathLike | None = None) -> Path:
 
 
 def git_sha(root: Path = REPO_ROOT) -> str:
-    """HEAD's SHA, with '-dirty' when tracked files differ from it; 'unknown' outside git."""
+    """HEAD's SHA, with '-dirty' when tracked files differ from it; 'unknown' outside git.
+
+    $LOOP_ORDERS_GIT_SHA overrides it, for a copy of the tree without .git (a GPU machine).
+    """
+    if os.environ.get("LOOP_ORDERS_GIT_SHA"):
+        return os.environ["LOOP_ORDERS_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True, timeout=10).stdout.strip()

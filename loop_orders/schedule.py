@@ -120,6 +120,10 @@ class Schedule(ABC):
         a benchmark can allocate once and time the kernels alone.
         """
 
+    @abstractmethod
+    def kernels(self, p: Problem, count: bool) -> list:
+        """The compiled kernel objects `launch` uses for p (for resource reports)."""
+
     def allocate_workspace(self, p: Problem) -> tuple:
         """Device arrays the kernels keep in HBM besides inputs and outputs."""
         return ()

@@ -102,3 +102,157 @@ def test_cli_subprocess_has_no_traceback():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: block_k: got -1, allowed 1 <= block_k <= 512"]
+
+
+# --- Every refusal happens before any copy or launch -----------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail loudly if anything reaches the device: copies, allocations or launches."""
+    from loop_orders import runtime
+
+    def reached(*args, **kwargs):
+        raise AssertionError("reached the device before the input was refused")
+
+    for name in ("to_device", "device_empty", "device_zeros"):
+        monkeypatch.setattr(runtime, name, reached)
+    for sched in lo.all_schedules():
+        monkeypatch.setattr(sched, "launch", reached)
+
+
+class _Interface:
+    """A minimal __cuda_array_interface__ object (strides in bytes, None = C-contiguous)."""
+
+    def __init__(self, shape, strides, typestr="<f4"):
+        self.shape, self.dtype = shape, np.dtype(typestr)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (0, False),
+                                         "strides": strides, "version": 3}
+
+
+def test_rank_shape_dtype_and_layout_refusals(qkv, no_launch):
+    q, k, v = qkv
+    cases = [
+        ((q[0], k[0], v[0]), ValueError, r"q: expected shape .* got 3 dimensions"),
+        ((q[None], k[None], v[None]), ValueError, r"q: expected shape .* got 5 dimensions"),
+        ((q, k, v[0, 0]), ValueError, "same number of dimensions"),
+        ((q, np.concatenate([k, k]), np.concatenate([v, v])), ValueError,
+         "k, v: batch and heads must match"),
+        ((q, k, v[:, :1]), ValueError, "k, v: batch and heads must match"),
+        ((q[:, :, :0], k, v), ValueError, "n: got 0, allowed n >= 1"),
+        ((q, k[:, :, :0], v[:, :, :0]), ValueError, "n_k: got 0"),
+        ((q[..., :0], k[..., :0], v), ValueError, "d: got 0"),
+        ((q, k, v[..., :0]), ValueError, "dv: got 0"),
+        ((np.zeros((2, 300), np.float32),) * 3, ValueError, r"d: got 300, allowed 1 <= d <= 256"),
+        ((q.astype(np.int32), k, v), TypeError, "q: dtype int32 is not supported"),
+        ((q, k.astype(np.complex64), v), TypeError, "k: dtype complex64 is not supported"),
+        ((q, k, v.astype(object)), TypeError, "v: dtype object is not supported"),
+        ((q, k, v.astype(np.float16)), TypeError, "q, k, v: dtypes must match"),
+        ((q, k, None), TypeError, "v: expected an array"),
+        ((_Interface((8, 4), (4, 32)), k[0, 0], v[0, 0]), ValueError,
+         "q: device arrays must be C-contiguous"),
+        ((q[0, 0], _Interface((8, 4), (32, 4)), v[0, 0]), ValueError,
+         "k: device arrays must be C-contiguous"),
+    ]
+    for args, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            lo.attention(*args, schedule="q_outer", block_q=4, block_k=4)
+
+
+def test_non_contiguous_device_arrays_refused(qkv):
+    from loop_orders import runtime
+
+    dq, dk, dv = (runtime.to_device(x) for x in qkv)
+    strided = runtime.to_device(np.concatenate([qkv[0]] * 2, axis=2))[:, :, ::2]
+    assert strided.shape == dq.shape
+    for args, name in (((strided, dk, dv), "q"), ((dq, strided, dv), "k"),
+                       ((dq, dk, strided), "v")):
+        with pytest.raises(ValueError, match=f"{name}: device arrays must be C-contiguous"):
+            lo.attention(*args, schedule="kv_outer", block_q=4, block_k=4)
+
+
+def test_numpy_strided_host_arrays_are_copied_not_refused(qkv):
+    q, k, v = qkv
+    wide = np.repeat(q, 2, axis=-1)[..., ::2]  # a non-contiguous view holding q
+    np.testing.assert_array_equal(wide, q)
+    res = lo.attention(wide, k, v, schedule="q_outer", block_q=4, block_k=4)
+    ref = lo.attention(q, k, v, schedule="q_outer", block_q=4, block_k=4)
+    np.testing.assert_array_equal(res.out, ref.out)
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"block_q": np.float64(4.0)}, TypeError, "block_q: must be an integer"),
+    ({"block_k": "4"}, TypeError, "block_k: must be an integer"),
+    ({"block_k": None}, TypeError, "block_k: must be an integer"),
+    ({"block_q": -1}, ValueError, "block_q: got -1"),
+    ({"block_k": 513}, ValueError, r"block_k: got 513, allowed 1 <= block_k <= 512"),
+    ({"scale": float("inf")}, ValueError, "scale: must be a finite non-zero"),
+    ({"scale": -float("inf")}, ValueError, "scale: must be a finite non-zero"),
+    ({"scale": np.float32("nan")}, ValueError, "scale: must be a finite non-zero"),
+    ({"scale": 1e-300}, ValueError, r"scale: got 1e-300; allowed .* <= \|scale\|"),
+    ({"scale": 1e300}, ValueError, r"scale: got 1e\+300; allowed"),
+    ({"scale": "0.5"}, ValueError, "scale: must be a finite non-zero real"),
+    ({"scale": True}, ValueError, "scale: must be a finite non-zero real"),
+    ({"scale": 1j}, ValueError, "scale: must be a finite non-zero real"),
+    ({"save_lse": 1}, TypeError, "save_lse: must be True or False"),
+    ({"count": "no"}, TypeError, "count: must be True or False"),
+    ({"schedule": None}, ValueError, "schedule: unknown schedule None; known schedules"),
+    ({"schedule": "Q_OUTER"}, ValueError, "schedule: unknown schedule 'Q_OUTER'"),
+])
+def test_bad_options_refused_before_launch(qkv, no_launch, kwargs, exc, pattern):
+    kwargs = {"schedule": "q_outer", "block_q": 4, "block_k": 4, **kwargs}
+    with pytest.raises(exc, match=pattern):
+        lo.attention(*qkv, **kwargs)
+
+
+@pytest.mark.parametrize("schedule", lo.schedule_names())
+def test_numpy_integer_block_sizes_and_float32_scale_accepted(qkv, schedule):
+    res = lo.attention(*qkv, schedule=schedule, block_q=np.int64(4), block_k=np.int32(3),
+                       scale=np.float32(0.5), count=True)
+    assert res.problem.block_q == 4 and type(res.problem.block_q) is int
+    assert res.counts == lo.predict_traffic(schedule, n=8, d=4, batch=1, heads=2, block_q=4,
+                                            block_k=3)
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    ([], "the following arguments are required: command"),
+    (["schedules", "--bogus"], "unrecognized arguments: --bogus"),
+    (["traffic", "--schedule", "q_outer", "--n", "0", "--d", "2"], "n: got 0"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "0"], "d: got 0"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "300"], "d: got 300"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--dv", "0"], "dv: got 0"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--batch", "0"],
+     "batch: got 0"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--heads", "-2"],
+     "heads: got -2"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--block-k", "1.5"],
+     "--block-k: invalid int value"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--dtype", "float64"],
+     "--dtype: invalid choice"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "128", "--block-k", "64",
+      "--measure"], "block_k: q_outer needs"),
+    (["run", "--schedule", "nope", "--n", "8", "--d", "4"], "unknown schedule"),
+    (["run", "--schedule", "q_outer", "--n", "0", "--d", "4"], "n: got 0"),
+    (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--dtype", "int8"],
+     "--dtype: invalid choice"),
+    (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--block-q", "0"], "block_q"),
+    (["run", "--schedule", "dense", "--n", "20000", "--d", "4"], "n_k: dense keeps one row"),
+])
+def test_cli_every_subcommand_exits_2_with_one_line(argv, pattern, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert pattern in err
+
+
+@pytest.mark.parametrize("command", ["traffic", "run"])
+def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch):
+    from loop_orders import runtime
+
+    monkeypatch.setattr(runtime, "memory_limit", lambda: (100, "a test limit"))
+    argv = [command, "--schedule", "dense", "--n", "8", "--d", "4", "--block-q", "4",
+            "--block-k", "4"] + (["--measure"] if command == "traffic" else ["--repeat", "1"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "n: dense needs" in err and "the limit is 100 bytes (a test limit)" in err

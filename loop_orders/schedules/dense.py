@@ -269,12 +269,15 @@ class Dense(Schedule):
         shape = (p.bh, p.n_q, p.n_k)
         return device_empty(shape, np.float32), device_empty(shape, np.float32)
 
+    def kernels(self, p: Problem, count: bool) -> list:
+        return [make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
+                make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
+                make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)]
+
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         s_hbm, p_hbm = workspace or self.allocate_workspace(p)
         threads = softmax_threads(p.n_k)
-        scores = make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count)
-        softmax = make_softmax_kernel(threads, p.save_lse, count)
-        pv = make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)
+        scores, softmax, pv = self.kernels(p, count)
         scores[(p.tr, p.bh), p.block_q](q, k, s_hbm, counts, np.float32(scale))
         softmax[(p.n_q, p.bh), threads, 0, 4 * p.n_k](s_hbm, p_hbm, lse, counts)
         pv[(p.tr, p.bh), p.block_q](p_hbm, v, out, counts)

@@ -1,0 +1,241 @@
+"""Runtime of every registered schedule beside PyTorch SDPA, on a GPU (needs torch there).
+
+    python -m experiments.bench_runtime [--out DIR] [--quick]
+
+Declared as data below: schedules from the registry x N x d x causal, batch*heads sized so
+that batch*heads*N stays constant (the chip stays full); torch SDPA baselines in the same run.
+Every configuration is checked against the float64 reference (sampled rows, all outputs
+finite) before it is timed; timing is CUDA events around each launch, 3 warm-ups, median of
+REPS, with input sets rotated so the 60 MB L2 does not flatter. A configuration whose
+predicted launch time (4x the previous N's) exceeds POINT_BUDGET_S is recorded as skipped.
+
+Writes bench_runtime.csv (provider,dtype,batch,heads,n,d,causal,block_q,block_k,ms_median,
+tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and bench_kernels.json
+(registers, local memory, counting overhead), each with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import loop_orders as lo
+from experiments.gpu_common import Buffers, check_output, flops, write_csv
+from loop_orders import runtime
+from loop_orders.results import atomic_write_text, provenance
+
+SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
+TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=16, N=4096
+HEADS = 16
+BLOCKS = {64: (128, 64), 128: (64, 32)}  # (block_q, block_k) per head dim (48 KB shared)
+BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256], "block_k": 64}
+REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
+L2_BYTES = 60 * 2**20
+
+
+def shape_for(n: int) -> tuple[int, int]:
+    bh = max(1, TOKENS // n)
+    heads = min(HEADS, bh)
+    return bh // heads, heads
+
+
+def input_sets(p) -> int:
+    """Enough input sets that one pass over them is three times the L2."""
+    one = p.bh * (p.n_q * p.d + p.n_k * (p.d + p.dv)) * p.itemsize
+    return int(min(4, max(1, np.ceil(3 * L2_BYTES / one))))
+
+
+def time_launches(launch, reps=REPS, warmup=WARMUP) -> float:
+    """Median milliseconds of `launch(i)` over `reps` launches, each between CUDA events."""
+    for i in range(warmup):
+        launch(i)
+    times = []
+    for i in range(reps):
+        start, stop = runtime.cuda.event(), runtime.cuda.event()
+        start.record()
+        launch(i)
+        stop.record()
+        stop.synchronize()
+        times.append(runtime.cuda.event_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+def bench_schedule(sched, p, rng):
+    bufs = Buffers(sched, p, rng, sets=input_sets(p))
+    bufs.launch(0)
+    err = check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
+    return time_launches(bufs.launch), err
+
+
+def bench_torch(backend, dtype, p, rng):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdt = getattr(torch, dtype)
+    sets = [tuple(torch.randn(p.batch, p.heads, n, w, device="cuda", dtype=tdt)
+                  for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv)))
+            for _ in range(input_sets(p))]
+    chosen = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
+              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def launch(i):
+        q, k, v = sets[i % len(sets)]
+        with sdpa_kernel(chosen):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+
+    out = launch(0).float().cpu().numpy().reshape(p.bh, p.n_q, p.dv)
+    host = [t.float().cpu().numpy().reshape(p.bh, -1, t.shape[-1]) for t in sets[0]]
+    err = check_output(_TorchRef(), p, *host, out, rng)
+    return time_launches(launch), err
+
+
+class _TorchRef:
+    name = "torch"
+
+    @staticmethod
+    def output_roundings(p):
+        return 1
+
+
+def run_sweep(out_dir: Path, quick: bool, rng) -> list[dict]:
+    rows, last_ms = [], {}
+    ns = SWEEP["n"][:3] if quick else SWEEP["n"]
+    providers = [(s.name, "float32", s) for s in lo.all_schedules()]
+    providers += [("torch_sdpa_efficient", "float32", "efficient"),
+                  ("torch_sdpa_math", "float32", "math"),
+                  ("torch_sdpa_flash", "float16", "flash")]
+    for d in SWEEP["d"]:
+        for causal in SWEEP["causal"]:
+            for n in ns:
+                batch, heads = shape_for(n)
+                block_q, block_k = BLOCKS[d]
+                for name, dtype, what in providers:
+                    key = (name, d, causal)
+                    p = lo.make_problem(name if not isinstance(what, str) else "q_outer",
+                                        n_q=n, d=d, batch=batch, heads=heads, block_q=block_q,
+                                        block_k=block_k, causal=causal, dtype=dtype)
+                    row = {"provider": name, "dtype": dtype, "batch": batch, "heads": heads,
+                           "n": n, "d": d, "causal": causal, "block_q": block_q,
+                           "block_k": block_k, "ms_median": "", "tflops": "", "rel_error": "",
+                           "status": "ok"}
+                    predicted = 4 * last_ms.get(key, 0) / 1e3
+                    if predicted > POINT_BUDGET_S:
+                        row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
+                        rows.append(row)
+                        continue
+                    try:
+                        if isinstance(what, str):
+                            ms, err = bench_torch(what, dtype, p, rng)
+                            row["block_q"] = row["block_k"] = ""
+                        else:
+                            lo.api.check_launch(what, p, count=False)
+                            ms, err = bench_schedule(what, p, rng)
+                    except (ValueError, RuntimeError, MemoryError) as exc:
+                        row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+                        rows.append(row)
+                        continue
+                    last_ms[key] = ms
+                    row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
+                               rel_error=f"{err:.2e}")
+                    rows.append(row)
+                    print(f"{name:22s} d={d} causal={causal!s:5} N={n:6d}: {ms:9.3f} ms "
+                          f"{row['tflops']:8} TFLOP/s  err {err:.1e}", flush=True)
+                write_csv(out_dir / "bench_runtime.csv", rows, PROV)
+    return rows
+
+
+def run_blocksize(out_dir: Path, rng) -> None:
+    """Block size vs model traffic and runtime (cf. FlashAttention Figure 2, middle)."""
+    rows = []
+    n, d, block_k = BLOCKSIZE_SWEEP["n"], BLOCKSIZE_SWEEP["d"], BLOCKSIZE_SWEEP["block_k"]
+    batch, heads = shape_for(n)
+    for sched in lo.all_schedules():
+        for block_q in BLOCKSIZE_SWEEP["block_q"]:
+            p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
+                                block_q=block_q, block_k=block_k)
+            model = sched.model(p)
+            row = {"schedule": sched.name, "n": n, "d": d, "batch": batch, "heads": heads,
+                   "block_q": block_q, "block_k": block_k, "model_elements": model.total,
+                   "model_bytes": model.bytes(p.itemsize), "ms_median": "", "status": "ok"}
+            try:
+                lo.api.check_launch(sched, p, count=False)
+                ms, _ = bench_schedule(sched, p, rng)
+                row["ms_median"] = round(ms, 4)
+            except (ValueError, RuntimeError, MemoryError) as exc:
+                row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+            rows.append(row)
+            print(f"blocksize {sched.name} Br={block_q}: {row['ms_median']} ms", flush=True)
+    write_csv(out_dir / "bench_blocksize.csv", rows, PROV)
+
+
+def kernel_report(rng) -> dict:
+    """Registers and local memory of every kernel, and counting on vs off at one size."""
+    report = {"kernels": [], "counting": []}
+    n, d = 4096, 64
+    batch, heads = shape_for(n)
+    for sched in lo.all_schedules():
+        p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
+                            block_q=BLOCKS[d][0], block_k=BLOCKS[d][1])
+        bufs = Buffers(sched, p, rng)
+        times = {}
+        for count in (False, True):
+            bufs.launch(0, count=count)
+            times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
+        report["counting"].append({"schedule": sched.name, "n": n, "d": d, "ms_off": times[False],
+                                   "ms_on": times[True]})
+        for count in (False, True):
+            for kernel in sched.kernels(p, count):
+                for sig, regs in kernel.get_regs_per_thread().items():
+                    ptx = kernel.inspect_asm(sig)
+                    report["kernels"].append({
+                        "schedule": sched.name, "kernel": kernel.py_func.__name__,
+                        "count": count, "constants": _closure(kernel), "regs": regs,
+                        "local_bytes": kernel.get_local_mem_per_thread(sig),
+                        "shared_bytes": kernel.get_shared_mem_per_block(sig),
+                        "atomics_in_ptx": ptx.count("atom."),
+                        "vector_shared_loads": ptx.count("ld.shared.v4")})
+    return report
+
+
+def _closure(kernel) -> dict:
+    names = kernel.py_func.__code__.co_freevars
+    cells = kernel.py_func.__closure__ or ()
+    return {n: c.cell_contents for n, c in zip(names, cells, strict=True)
+            if isinstance(c.cell_contents, (int, bool))}
+
+
+PROV: dict = {}
+
+
+def main(argv=None) -> int:
+    global PROV
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if runtime.SIMULATOR:
+        print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
+        return 0
+    import torch
+
+    PROV = provenance(torch=torch.__version__)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng()
+    t0 = time.time()
+    run_sweep(args.out, args.quick, rng)
+    run_blocksize(args.out, rng)
+    report = kernel_report(rng)
+    report["provenance"] = PROV
+    atomic_write_text(args.out / "bench_kernels.json", json.dumps(report, indent=1,
+                                                                  default=str))
+    print(json.dumps(report["counting"], indent=1))
+    print(f"bench_runtime: done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Hardware-measured traffic: Nsight Compute bytes beside our counters and the model.
+
+    python -m experiments.hw_traffic [--out DIR] [--quick]        # on a GPU machine with ncu
+
+For every registered schedule and configuration (N, causal, dtype): the counted build gives
+the counters (model == counted is asserted); the uncounted build, the one we time, runs once
+under `ncu`, which reports global load/store bytes seen by L1 (the logical traffic) and the
+bytes that reached DRAM after the L2, summed over all of a schedule's kernels. So the counter
+atomics are never in the hardware numbers. ncu flushes caches before each kernel (its default
+cache control), so DRAM bytes are those of a kernel starting from a cold L2.
+
+Writes hw_traffic.csv; without a GPU or ncu it says so in one line and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import loop_orders as lo
+from experiments.gpu_common import Buffers, check_output, write_csv
+from loop_orders import runtime
+from loop_orders.results import provenance
+
+SWEEP = {"n": [256, 512, 1024, 2048, 4096], "causal": [False, True],
+         "dtype": ["float32", "float16"]}
+BATCH, HEADS, D, BLOCK_Q, BLOCK_K = 2, 4, 64, 64, 64
+METRICS = {
+    "ncu_ld_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum",
+    "ncu_st_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum",
+    "dram_read_bytes": "dram__bytes_read.sum",
+    "dram_write_bytes": "dram__bytes_write.sum",
+    "kernel_ns": "gpu__time_duration.sum",
+}
+KERNEL_REGEX = "regex:" + "|".join(lo.schedule_names() + ["dense_"])
+
+
+def configs(quick: bool) -> list[dict]:
+    ns = SWEEP["n"][:2] if quick else SWEEP["n"]
+    return [{"schedule": s, "n": n, "causal": c, "dtype": t}
+            for s in lo.schedule_names() for n in ns for c in SWEEP["causal"]
+            for t in SWEEP["dtype"]]
+
+
+def problem(cfg) -> lo.Problem:
+    return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=D, batch=BATCH, heads=HEADS,
+                           block_q=BLOCK_Q, block_k=BLOCK_K, causal=cfg["causal"],
+                           dtype=cfg["dtype"])
+
+
+def launch_all(config_file: Path) -> None:
+    """Under ncu: one launch of the uncounted build per configuration, in file order."""
+    rng = np.random.default_rng()
+    for cfg in json.loads(config_file.read_text()):
+        sched = lo.get_schedule(cfg["schedule"])
+        bufs = Buffers(sched, problem(cfg), rng)
+        bufs.launch(0)
+        runtime.synchronize()
+
+
+def parse_ncu_csv(text: str) -> list[dict]:
+    """One dict per profiled kernel launch, in launch order: {metric: value, 'name': ...}."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    launches: dict[str, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+        entry = launches.setdefault(row["ID"], {"name": row["Kernel Name"]})
+        value = row["Metric Value"].replace(",", "")
+        unit = row.get("Metric Unit", "")
+        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1,
+                 "usecond": 1e3, "msecond": 1e6}.get(unit, 1)
+        entry[row["Metric Name"]] = float(value) * scale
+    return [launches[k] for k in sorted(launches, key=int)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.launch:
+        launch_all(args.launch)
+        return 0
+    ncu = shutil.which("ncu")
+    if runtime.SIMULATOR or ncu is None:
+        print("hw_traffic: needs a CUDA GPU and Nsight Compute (ncu); plotting the committed "
+              "results/hw_traffic.csv instead")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng()
+    cfgs = configs(args.quick)
+    rows = []
+    for cfg in cfgs:  # counted build: counters, checked against the model and the reference
+        sched, p = lo.get_schedule(cfg["schedule"]), problem(cfg)
+        bufs = Buffers(sched, p, rng)
+        bufs.launch(0, count=True)
+        counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
+        model = sched.model(p)
+        assert counted == model, f"counters != model for {cfg}"
+        check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
+        rows.append({**cfg, "d": D, "dv": D, "batch": BATCH, "heads": HEADS,
+                     "block_q": BLOCK_Q, "block_k": BLOCK_K,
+                     "model_bytes": model.bytes(p.itemsize),
+                     "counted_bytes": counted.bytes(p.itemsize),
+                     "kernels": len(sched.kernels(p, False))})
+    config_file = args.out / "hw_traffic_configs.json"
+    config_file.write_text(json.dumps(cfgs))
+    cmd = [ncu, "--csv", "--clock-control", "none", "--metrics", ",".join(METRICS.values()),
+           "-k", KERNEL_REGEX, sys.executable, "-m", "experiments.hw_traffic",
+           "--launch", str(config_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (args.out / "hw_traffic_ncu.log").write_text(proc.stdout[-200000:] + proc.stderr[-20000:])
+    launches = parse_ncu_csv(proc.stdout)
+    expected = sum(r["kernels"] for r in rows)
+    if len(launches) != expected:
+        print(f"hw_traffic: ncu reported {len(launches)} kernel launches, expected {expected}")
+        return 1
+    it = iter(launches)
+    for row in rows:
+        mine = [next(it) for _ in range(row["kernels"])]
+        for column, metric in METRICS.items():
+            row[column] = int(sum(k.get(metric, 0) for k in mine))
+        row["ncu_vs_counted"] = round((row["ncu_ld_bytes"] + row["ncu_st_bytes"])
+                                      / row["counted_bytes"] - 1, 5)
+        print(f"{row['schedule']:9s} N={row['n']:5d} causal={row['causal']!s:5} "
+              f"{row['dtype']}: counted {row['counted_bytes']:>12,} ncu "
+              f"{row['ncu_ld_bytes'] + row['ncu_st_bytes']:>12,} dram "
+              f"{row['dram_read_bytes'] + row['dram_write_bytes']:>12,}", flush=True)
+    write_csv(args.out / "hw_traffic.csv", rows, provenance())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
