@@ -31,9 +31,13 @@ from .runtime import SIMULATOR, cuda
 FULL_MASK = 0xFFFFFFFF
 
 
-def threads_per_row(d: int, dv: int) -> int:
-    """TPR: 2 on the GPU when both head dims split evenly, else 1 (always 1 on the simulator)."""
-    if SIMULATOR or d % 2 or dv % 2:
+def threads_per_row(d: int, dv: int, block_q: int) -> int:
+    """TPR: 2 on the GPU when both head dims split evenly and the CTA is whole warps, else 1.
+
+    Whole warps because the shuffles name all 32 lanes (FULL_MASK): a lane that does not exist
+    would never arrive. Always 1 on the simulator, which has no shuffles.
+    """
+    if SIMULATOR or d % 2 or dv % 2 or (2 * block_q) % 32:
         return 1
     return 2
 

@@ -214,12 +214,12 @@ class KVOuter(Schedule):
         return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        tpr = threads_per_row(p.d, p.dv)
+        tpr = threads_per_row(p.d, p.dv, p.block_q)
         return [make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         l_hbm, m_hbm = workspace or self.allocate_workspace(p)
-        tpr = threads_per_row(p.d, p.dv)
+        tpr = threads_per_row(p.d, p.dv, p.block_q)
         (kernel,) = self.kernels(p, count)
         kernel[p.bh, p.block_q * tpr](q, k, v, out, l_hbm, m_hbm, lse, counts,
                                 np.float32(scale * math.log2(math.e)))

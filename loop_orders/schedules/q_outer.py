@@ -154,11 +154,11 @@ class QOuter(Schedule):
         return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        tpr = threads_per_row(p.d, p.dv)
+        tpr = threads_per_row(p.d, p.dv, p.block_q)
         return [make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        tpr = threads_per_row(p.d, p.dv)
+        tpr = threads_per_row(p.d, p.dv, p.block_q)
         (kernel,) = self.kernels(p, count)
         kernel[(p.tr, p.bh), p.block_q * tpr](q, k, v, out, lse, counts,
                                         np.float32(scale * math.log2(math.e)))
