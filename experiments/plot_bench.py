@@ -1,0 +1,73 @@
+"""Plot results/bench_runtime.csv (written on a GPU by experiments.bench_runtime).
+
+    python -m experiments.plot_bench [--results results] [--figures figures]
+
+Runtime and TFLOP/s vs N, one line per provider, one panel per (d, causal) present in the
+file. Reads the results file only; rows whose status is not "ok" are listed, not plotted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load_rows(path: Path) -> list[dict]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "provider" not in rows[0]:
+        raise ValueError(f"{path}: not a bench_runtime results file")
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> list[Path]:
+    ok = [r for r in rows if r["status"] == "ok"]
+    panels = sorted({(int(r["d"]), r["causal"]) for r in ok})
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False)
+    for col, (d, causal) in enumerate(panels):
+        sel = [r for r in ok if int(r["d"]) == d and r["causal"] == causal]
+        for provider in dict.fromkeys(r["provider"] for r in sel):
+            pts = sorted((int(r["n"]), float(r["ms_median"]), float(r["tflops"]))
+                         for r in sel if r["provider"] == provider)
+            n, ms, tf = zip(*pts, strict=True)
+            dtype = next(r["dtype"] for r in sel if r["provider"] == provider)
+            axes[0, col].loglog(n, ms, "o-", label=f"{provider} ({dtype})", base=2)
+            axes[1, col].semilogx(n, tf, "o-", label=provider, base=2)
+        axes[0, col].set_title(f"d={d}, causal={causal}, batch*heads*N = 262144")
+        axes[0, col].set_ylabel("median ms per forward")
+        axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")
+        axes[1, col].set_xlabel("N")
+        axes[0, col].legend(fontsize=7)
+    sha = rows[0]["git_sha"][:10]
+    fig.suptitle(f"{rows[0]['device']}, git {sha}, {rows[0]['date']}", fontsize=9)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench_runtime.png", out / "bench_runtime.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--figures", type=Path, default=Path("figures"))
+    args = parser.parse_args(argv)
+    rows = load_rows(args.results / "bench_runtime.csv")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"not plotted: {r['provider']} N={r['n']} d={r['d']}: {r['status']}")
+    for p in plot(rows, args.figures):
+        print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
