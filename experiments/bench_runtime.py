@@ -101,15 +101,16 @@ class _TorchRef:
         return 1
 
 
-def run_sweep(out_dir: Path, quick: bool, rng) -> list[dict]:
+def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
     rows, last_ms = [], {}
-    ns = SWEEP["n"][:3] if quick else SWEEP["n"]
+    ns = sweep["n"]
     providers = [(s.name, "float32", s) for s in lo.all_schedules()]
     providers += [("torch_sdpa_efficient", "float32", "efficient"),
                   ("torch_sdpa_math", "float32", "math"),
                   ("torch_sdpa_flash", "float16", "flash")]
-    for d in SWEEP["d"]:
-        for causal in SWEEP["causal"]:
+    providers = [pr for pr in providers if only is None or pr[0] in only]
+    for d in sweep["d"]:
+        for causal in sweep["causal"]:
             for n in ns:
                 batch, heads = shape_for(n)
                 block_q, block_k = BLOCKS[d]
@@ -215,7 +216,13 @@ def main(argv=None) -> int:
     global PROV
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="N up to 2048 only")
+    parser.add_argument("--n", type=int, nargs="+", help="override the sweep's N values")
+    parser.add_argument("--d", type=int, nargs="+", choices=sorted(BLOCKS))
+    parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--providers", help="comma-separated subset, e.g. q_outer,kv_outer")
+    parser.add_argument("--no-extras", action="store_true",
+                        help="skip the block-size sweep and the kernel report")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
@@ -226,7 +233,14 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng()
     t0 = time.time()
-    run_sweep(args.out, args.quick, rng)
+    sweep = {"n": args.n or (SWEEP["n"][:3] if args.quick else SWEEP["n"]),
+             "d": args.d or SWEEP["d"],
+             "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
+    only = set(args.providers.split(",")) if args.providers else None
+    run_sweep(args.out, sweep, only, rng)
+    if args.no_extras:
+        print(f"bench_runtime: done in {time.time() - t0:.0f} s")
+        return 0
     run_blocksize(args.out, rng)
     report = kernel_report(rng)
     report["provenance"] = PROV

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from numba import float32
+from numba import float32, uint64
 
 from .runtime import SIMULATOR, cuda
 
@@ -49,8 +49,8 @@ def make_part_dim(width: int, tpr: int):
     @cuda.jit(device=True, inline="always")
     def part_dim(part, y):
         if vec:
-            return ((y >> 2) * tpr + part) * 4 + (y & 3)
-        return y * tpr + part
+            return uint64(((y >> 2) * tpr + part) * 4 + (y & 3))
+        return uint64(y * tpr + part)
 
     return part_dim
 
@@ -131,6 +131,7 @@ def make_online_update(D: int, DV: int, TPR: int, CAUSAL: bool):  # noqa: N803
         neg_inf = float32(-math.inf)
         c = 0
         while c + 4 <= n_keys:
+            cu = uint64(c)
             d0 = float32(0.0)
             d1 = float32(0.0)
             d2 = float32(0.0)
@@ -138,10 +139,10 @@ def make_online_update(D: int, DV: int, TPR: int, CAUSAL: bool):  # noqa: N803
             for y in range(DP):
                 x = q_dim(part, y)
                 qy = q_part[y]
-                d0 += qy * K_j[c, x]
-                d1 += qy * K_j[c + 1, x]
-                d2 += qy * K_j[c + 2, x]
-                d3 += qy * K_j[c + 3, x]
+                d0 += qy * K_j[cu, x]
+                d1 += qy * K_j[cu + 1, x]
+                d2 += qy * K_j[cu + 2, x]
+                d3 += qy * K_j[cu + 3, x]
             # a masked key gets score -inf: weight 0, and it never touches V below
             s0 = sum_parts(d0, TPR) * scale_log2 if c < n_vis else neg_inf
             s1 = sum_parts(d1, TPR) * scale_log2 if c + 1 < n_vis else neg_inf
@@ -157,8 +158,8 @@ def make_online_update(D: int, DV: int, TPR: int, CAUSAL: bool):  # noqa: N803
             if c + 4 <= n_vis:
                 for y in range(DVP):
                     x = v_dim(part, y)
-                    acc[y] += (p0 * V_j[c, x] + p1 * V_j[c + 1, x]
-                               + p2 * V_j[c + 2, x] + p3 * V_j[c + 3, x])
+                    acc[y] += (p0 * V_j[cu, x] + p1 * V_j[cu + 1, x]
+                               + p2 * V_j[cu + 2, x] + p3 * V_j[cu + 3, x])
             else:  # the causal diagonal: only the visible keys
                 for u in range(4):
                     if c + u < n_vis:
