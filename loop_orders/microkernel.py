@@ -143,11 +143,17 @@ def make_online_update(D: int, DV: int, TPR: int, CAUSAL: bool):  # noqa: N803
                 d1 += qy * K_j[cu + 1, x]
                 d2 += qy * K_j[cu + 2, x]
                 d3 += qy * K_j[cu + 3, x]
-            # a masked key gets score -inf: weight 0, and it never touches V below
-            s0 = sum_parts(d0, TPR) * scale_log2 if c < n_vis else neg_inf
-            s1 = sum_parts(d1, TPR) * scale_log2 if c + 1 < n_vis else neg_inf
-            s2 = sum_parts(d2, TPR) * scale_log2 if c + 2 < n_vis else neg_inf
-            s3 = sum_parts(d3, TPR) * scale_log2 if c + 3 < n_vis else neg_inf
+            # Every lane reaches the four shuffles (n_vis differs between rows, so they must
+            # not sit inside its conditionals); then a masked key gets score -inf: weight 0,
+            # and it never touches V below.
+            d0 = sum_parts(d0, TPR)
+            d1 = sum_parts(d1, TPR)
+            d2 = sum_parts(d2, TPR)
+            d3 = sum_parts(d3, TPR)
+            s0 = d0 * scale_log2 if c < n_vis else neg_inf
+            s1 = d1 * scale_log2 if c + 1 < n_vis else neg_inf
+            s2 = d2 * scale_log2 if c + 2 < n_vis else neg_inf
+            s3 = d3 * scale_log2 if c + 3 < n_vis else neg_inf
             m, l = rescale(m, max(max(s0, s1), max(s2, s3)), l, acc)  # noqa: E741
             m_ref = m if m > neg_inf else float32(0.0)  # no finite score yet: 2^s itself
             p0 = math.exp2(s0 - m_ref)
