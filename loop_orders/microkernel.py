@@ -24,18 +24,16 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from numba import float32, uint64
+from numba import float32, uint32, uint64
 
 from .runtime import SIMULATOR, cuda
-
-FULL_MASK = 0xFFFFFFFF
 
 
 def threads_per_row(d: int, dv: int, block_q: int) -> int:
     """TPR: 2 on the GPU when both head dims split evenly and the CTA is whole warps, else 1.
 
-    Whole warps because the shuffles name all 32 lanes (FULL_MASK): a lane that does not exist
-    would never arrive. Always 1 on the simulator, which has no shuffles.
+    Whole warps keep every row's two lanes in one warp. Always 1 on the simulator, which has no
+    shuffles.
     """
     if SIMULATOR or d % 2 or dv % 2 or (2 * block_q) % 32:
         return 1
@@ -84,10 +82,17 @@ def make_row_io(D: int, DV: int, TPR: int):  # noqa: N803 - the paper's names
 
 
 @cuda.jit(device=True, inline="always")
+def pair_mask():
+    """The two lanes that own one row: shuffles name only them, so rows of a warp may
+    diverge (causal masks differ per row) without a shuffle waiting on another row's lanes."""
+    return uint32(3) << uint32(cuda.laneid & 30)
+
+
+@cuda.jit(device=True, inline="always")
 def sum_parts(x, tpr):
     """Sum a value over the TPR threads that own one row."""
     if tpr == 2:
-        x += cuda.shfl_xor_sync(FULL_MASK, x, 1)
+        x += cuda.shfl_xor_sync(pair_mask(), x, 1)
     return x
 
 
@@ -95,7 +100,7 @@ def sum_parts(x, tpr):
 def share_from_part0(x, tpr):
     """Part 0's value of x, for every part of the row (part 0 alone loads row statistics)."""
     if tpr == 2:
-        x = cuda.shfl_sync(FULL_MASK, x, (cuda.threadIdx.x & 31) & ~1)
+        x = cuda.shfl_sync(pair_mask(), x, cuda.laneid & 30)
     return x
 
 
@@ -143,9 +148,8 @@ def make_online_update(D: int, DV: int, TPR: int, CAUSAL: bool):  # noqa: N803
                 d1 += qy * K_j[cu + 1, x]
                 d2 += qy * K_j[cu + 2, x]
                 d3 += qy * K_j[cu + 3, x]
-            # Every lane reaches the four shuffles (n_vis differs between rows, so they must
-            # not sit inside its conditionals); then a masked key gets score -inf: weight 0,
-            # and it never touches V below.
+            # Both lanes of the row reach the four shuffles (outside the n_vis conditionals);
+            # then a masked key gets score -inf: weight 0, and it never touches V below.
             d0 = sum_parts(d0, TPR)
             d1 = sum_parts(d1, TPR)
             d2 = sum_parts(d2, TPR)
