@@ -23,19 +23,31 @@ def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = F
 
     q: (..., n_q, d), k: (..., n_k, d), v: (..., n_k, dv). With `causal`, query row r attends
     keys c <= r. lse is the natural-log normaliser of each row, shape (..., n_q).
+
+    A masked key takes no part at all: a NaN or inf in a masked row of K or V does not reach
+    the output (as in the kernels), while one in a visible row does.
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
-    scores = scale * np.einsum("...qd,...kd->...qk", q, k)
-    if causal:
-        n_q, n_k = scores.shape[-2:]
-        scores = np.where(np.tril(np.ones((n_q, n_k), dtype=bool)), scores, -np.inf)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores - row_max)
     row_sum = weights.sum(axis=-1, keepdims=True)
-    out = np.einsum("...qk,...kd->...qd", weights / row_sum, v)
+    out = _visible_matmul(weights / row_sum, visible, v)
     lse = (row_max + np.log(row_sum))[..., 0]
     return out, lse
+
+
+def _visible_matmul(w, visible, v):
+    """sum over visible keys c of w[r, c] v[c]: masked keys never multiply V."""
+    if visible.all() or np.isfinite(v).all():
+        return np.einsum("...qk,...kd->...qd", w, v)
+    # V has non-finite entries and a mask: sum term by term (small inputs only in practice)
+    with np.errstate(invalid="ignore"):  # 0 * inf on masked terms, dropped just below
+        terms = w[..., :, :, None] * v[..., None, :, :]
+    return np.where(visible[:, :, None], terms, 0.0).sum(axis=-2)
 
 
 FLOAT32_TOLERANCE = 1e-5
