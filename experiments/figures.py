@@ -12,9 +12,9 @@ import time
 
 from loop_orders import runtime
 
-from . import common, explainer, notes, theorem2, traffic
+from . import common, explainer, gpu_figures, notes, theorem2, traffic
 
-EXPERIMENTS = [explainer, traffic, theorem2]
+EXPERIMENTS = [explainer, traffic, theorem2, gpu_figures]
 
 
 def regenerate(ctx: common.Context) -> list:

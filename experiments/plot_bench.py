@@ -9,21 +9,12 @@ file. Reads the results file only; rows whose status is not "ok" are listed, not
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def load_rows(path: Path) -> list[dict]:
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "provider" not in rows[0]:
-        raise ValueError(f"{path}: not a bench_runtime results file")
-    return rows
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
@@ -60,7 +51,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--figures", type=Path, default=Path("figures"))
     args = parser.parse_args(argv)
-    rows = load_rows(args.results / "bench_runtime.csv")
+    from experiments.gpu_figures import read_rows
+
+    rows = read_rows(args.results / "bench_runtime.csv", "provider")
     for r in rows:
         if r["status"] != "ok":
             print(f"not plotted: {r['provider']} N={r['n']} d={r['d']}: {r['status']}")

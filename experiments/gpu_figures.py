@@ -1,0 +1,85 @@
+"""Figures of the GPU experiments, drawn from their committed results files.
+
+The measurements themselves need a GPU and minutes of device time, so `loop-orders figures`
+does not rerun them: `python -m experiments.bench_runtime` and `python -m
+experiments.hw_traffic` do (README, "GPU experiments"). This step plots whatever of
+bench_runtime.csv and hw_traffic.csv the results directory holds, and says which is missing.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from . import common, plot_bench  # noqa: E402
+
+NAME = "gpu"
+
+
+def run(ctx: common.Context) -> None:
+    """Nothing to measure here; see the module docstring."""
+
+
+def read_rows(path: Path, required: str) -> list[dict]:
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    if not rows or required not in rows[0]:
+        raise ValueError(f"{path}: not the expected results file (no column {required!r})")
+    return rows
+
+
+def plot_hw(rows: list[dict], out: Path) -> list[Path]:
+    """Per schedule: model, counted, ncu logical and DRAM bytes vs N (float32, not causal),
+    and DRAM / logical bytes, where the 60 MB L2 absorbs re-reads."""
+    sel = [r for r in rows if r["dtype"] == "float32" and r["causal"] == "False"]
+    schedules = list(dict.fromkeys(r["schedule"] for r in sel))
+    fig, axes = plt.subplots(1, len(schedules) + 1, figsize=(4.6 * (len(schedules) + 1), 4.2))
+    for ax, name in zip(axes, schedules, strict=False):
+        pts = sorted((int(r["n"]), r) for r in sel if r["schedule"] == name)
+        n = [p[0] for p in pts]
+        series = {
+            "model": [int(r["model_bytes"]) for _, r in pts],
+            "counted": [int(r["counted_bytes"]) for _, r in pts],
+            "ncu ld+st (L1)": [int(r["ncu_ld_bytes"]) + int(r["ncu_st_bytes"]) for _, r in pts],
+            "DRAM rd+wr": [int(r["dram_read_bytes"]) + int(r["dram_write_bytes"])
+                           for _, r in pts],
+        }
+        for (label, ys), style in zip(series.items(), ["-", "o", "x", "s--"], strict=True):
+            ax.loglog(n, ys, style, label=label, base=2)
+        ax.set_title(name)
+        ax.set_xlabel("N")
+        ax.set_ylabel("bytes")
+        ax.legend(fontsize=7)
+        ratio = [d / max(1, c) for d, c in zip(series["DRAM rd+wr"], series["counted"],
+                                               strict=True)]
+        axes[-1].semilogx(n, ratio, "o-", label=name, base=2)
+    axes[-1].axhline(1.0, color="grey", lw=0.8)
+    axes[-1].set_title("DRAM bytes / logical bytes (< 1: L2 hits)")
+    axes[-1].set_xlabel("N")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"{rows[0]['device']}, git {rows[0]['git_sha'][:10]}, {rows[0]['date']}",
+                 fontsize=9)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "hw_traffic.png", out / "hw_traffic.pdf"]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def plot(ctx: common.Context) -> list:
+    written = []
+    for name, required, draw in (("bench_runtime.csv", "provider", plot_bench.plot),
+                                 ("hw_traffic.csv", "ncu_ld_bytes", plot_hw)):
+        path = ctx.results_dir / name
+        if path.exists():
+            written += draw(read_rows(path, required), ctx.figures_dir)
+        else:
+            print(f"gpu: no {path} yet (measured on a GPU machine; README, GPU experiments)")
+    return written

@@ -1,0 +1,56 @@
+"""The GPU experiments' plotting and parsing logic, on small fixture files (no GPU needed)."""
+
+import csv
+
+import pytest
+
+from experiments import gpu_figures, hw_traffic
+
+NCU_HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
+              "Stream", "Block Size", "Grid Size", "Device", "CC", "Section Name",
+              "Metric Name", "Metric Unit", "Metric Value"]
+
+
+def _ncu_row(launch, kernel, metric, unit, value):
+    fields = [launch, "1", "python3", "h", kernel, "1", "7", "(256, 1, 1)", "(8, 8, 1)", "0",
+              "9.0", "Command line profiler metrics", metric, unit, value]
+    return ",".join(f'"{f}"' for f in fields)
+
+
+NCU_CSV = "\n".join([
+    "==PROF== Connected to process 1",
+    ",".join(f'"{h}"' for h in NCU_HEADER),
+    _ncu_row("0", "q_outer", "dram__bytes_read.sum", "Mbyte", "1.50"),
+    _ncu_row("0", "q_outer", "gpu__time_duration.sum", "usecond", "12.5"),
+    _ncu_row("1", "dense_pv", "dram__bytes_read.sum", "byte", "2,048"),
+])
+
+
+def test_parse_ncu_csv_groups_metrics_by_launch_and_scales_units():
+    launches = hw_traffic.parse_ncu_csv(NCU_CSV)
+    assert [k["name"] for k in launches] == ["q_outer", "dense_pv"]
+    assert launches[0]["dram__bytes_read.sum"] == pytest.approx(1.5e6)
+    assert launches[0]["gpu__time_duration.sum"] == pytest.approx(12500)
+    assert launches[1]["dram__bytes_read.sum"] == 2048
+
+
+def _write(path, rows):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
+    base = {"dtype": "float32", "causal": "False", "device": "fixture", "git_sha": "f" * 40,
+            "date": "2026-11-30"}
+    rows = [{**base, "schedule": s, "n": n, "model_bytes": 4 * n * n,
+             "counted_bytes": 4 * n * n, "ncu_ld_bytes": 3 * n * n, "ncu_st_bytes": n * n,
+             "dram_read_bytes": n * n, "dram_write_bytes": n * n}
+            for s in ("a", "b") for n in (256, 512, 1024)]
+    _write(tmp_path / "hw_traffic.csv", rows)
+    loaded = gpu_figures.read_rows(tmp_path / "hw_traffic.csv", "ncu_ld_bytes")
+    paths = gpu_figures.plot_hw(loaded, tmp_path / "fig")
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    with pytest.raises(ValueError, match="no column 'provider'"):
+        gpu_figures.read_rows(tmp_path / "hw_traffic.csv", "provider")
