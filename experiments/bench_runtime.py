@@ -17,6 +17,8 @@ tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and ben
 from __future__ import annotations
 
 import argparse
+import csv
+import itertools
 import json
 import time
 from pathlib import Path
@@ -101,51 +103,71 @@ class _TorchRef:
         return 1
 
 
+PROVIDERS = [("torch_sdpa_efficient", "float32", "efficient"),
+             ("torch_sdpa_math", "float32", "math"), ("torch_sdpa_flash", "float16", "flash")]
+
+
+def finished_rows(path: Path) -> dict:
+    """Rows a previous run of this same commit measured (an interrupted sweep resumes)."""
+    if not path.exists():
+        return {}
+    with path.open() as f:
+        return {tuple(r[c] for c in ("provider", "dtype", "n", "d", "causal")): r
+                for r in csv.DictReader(f)
+                if r["status"] == "ok" and r["git_sha"] == PROV["git_sha"]}
+
+
+def blank_row(name, dtype, p, status="ok") -> dict:
+    return {"provider": name, "dtype": dtype, "batch": p.batch, "heads": p.heads, "n": p.n_q,
+            "d": p.d, "causal": p.causal, "block_q": p.block_q, "block_k": p.block_k,
+            "ms_median": "", "tflops": "", "rel_error": "", "status": status}
+
+
+def measure(name, dtype, what, p, rng) -> dict:
+    """One row: time a schedule (what = Schedule) or a torch SDPA backend (what = str)."""
+    row = blank_row(name, dtype, p)
+    try:
+        if isinstance(what, str):
+            ms, err = bench_torch(what, dtype, p, rng)
+            row["block_q"] = row["block_k"] = ""
+        else:
+            lo.api.check_launch(what, p, count=False)
+            ms, err = bench_schedule(what, p, rng)
+    except (ValueError, RuntimeError, MemoryError) as exc:
+        row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+        return row
+    row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
+               rel_error=f"{err:.2e}")
+    print(f"{name:22s} d={p.d} causal={p.causal!s:5} N={p.n_q:6d}: {ms:9.3f} ms "
+          f"{row['tflops']:8} TFLOP/s  err {err:.1e}", flush=True)
+    return row
+
+
 def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
-    rows, last_ms = [], {}
-    ns = sweep["n"]
-    providers = [(s.name, "float32", s) for s in lo.all_schedules()]
-    providers += [("torch_sdpa_efficient", "float32", "efficient"),
-                  ("torch_sdpa_math", "float32", "math"),
-                  ("torch_sdpa_flash", "float16", "flash")]
+    path = out_dir / "bench_runtime.csv"
+    done = finished_rows(path)
+    rows, last_ms = list(done.values()), {}
+    providers = [(s.name, "float32", s) for s in lo.all_schedules()] + PROVIDERS
     providers = [pr for pr in providers if only is None or pr[0] in only]
-    for d in sweep["d"]:
-        for causal in sweep["causal"]:
-            for n in ns:
-                batch, heads = shape_for(n)
-                block_q, block_k = BLOCKS[d]
-                for name, dtype, what in providers:
-                    key = (name, d, causal)
-                    p = lo.make_problem(name if not isinstance(what, str) else "q_outer",
-                                        n_q=n, d=d, batch=batch, heads=heads, block_q=block_q,
-                                        block_k=block_k, causal=causal, dtype=dtype)
-                    row = {"provider": name, "dtype": dtype, "batch": batch, "heads": heads,
-                           "n": n, "d": d, "causal": causal, "block_q": block_q,
-                           "block_k": block_k, "ms_median": "", "tflops": "", "rel_error": "",
-                           "status": "ok"}
-                    predicted = 4 * last_ms.get(key, 0) / 1e3
-                    if predicted > POINT_BUDGET_S:
-                        row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
-                        rows.append(row)
-                        continue
-                    try:
-                        if isinstance(what, str):
-                            ms, err = bench_torch(what, dtype, p, rng)
-                            row["block_q"] = row["block_k"] = ""
-                        else:
-                            lo.api.check_launch(what, p, count=False)
-                            ms, err = bench_schedule(what, p, rng)
-                    except (ValueError, RuntimeError, MemoryError) as exc:
-                        row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
-                        rows.append(row)
-                        continue
-                    last_ms[key] = ms
-                    row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
-                               rel_error=f"{err:.2e}")
-                    rows.append(row)
-                    print(f"{name:22s} d={d} causal={causal!s:5} N={n:6d}: {ms:9.3f} ms "
-                          f"{row['tflops']:8} TFLOP/s  err {err:.1e}", flush=True)
-                write_csv(out_dir / "bench_runtime.csv", rows, PROV)
+    for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
+        batch, heads = shape_for(n)
+        for name, dtype, what in providers:
+            p = lo.make_problem(name if not isinstance(what, str) else "q_outer", n_q=n, d=d,
+                                batch=batch, heads=heads, block_q=BLOCKS[d][0],
+                                block_k=BLOCKS[d][1], causal=causal, dtype=dtype)
+            key, trend = (name, dtype, str(n), str(d), str(causal)), (name, d, causal)
+            if key in done:
+                last_ms[trend] = float(done[key]["ms_median"])
+                continue
+            predicted = 4 * last_ms.get(trend, 0) / 1e3  # time grows about as N^2
+            if predicted > POINT_BUDGET_S:
+                row = blank_row(name, dtype, p, f"skipped: predicted {predicted:.1f} s per launch")
+            else:
+                row = measure(name, dtype, what, p, rng)
+                if row["status"] == "ok":
+                    last_ms[trend] = row["ms_median"]
+            rows.append(row)
+            write_csv(path, rows, PROV)
     return rows
 
 

@@ -95,5 +95,5 @@ def write_csv(path: Path, rows: list[dict], prov: dict | None = None) -> None:
     writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     for row in rows:
-        writer.writerow({**row, **extra})
+        writer.writerow({**extra, **row})  # a resumed row keeps its own provenance
     atomic_write_text(path, buf.getvalue())

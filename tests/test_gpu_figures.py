@@ -54,3 +54,24 @@ def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     with pytest.raises(ValueError, match="no column 'provider'"):
         gpu_figures.read_rows(tmp_path / "hw_traffic.csv", "provider")
+
+
+def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
+    from experiments import bench_runtime as bench
+    from loop_orders.results import provenance
+
+    monkeypatch.setattr(bench, "PROV", provenance())
+    measured = []
+
+    def fake_measure(name, dtype, what, p, rng):
+        measured.append(p.n_q)
+        return {**bench.blank_row(name, dtype, p), "ms_median": p.n_q / 1000}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    sweep = {"n": [512, 1024], "d": [64], "causal": [False]}
+    bench.run_sweep(tmp_path, {**sweep, "n": [512]}, {"q_outer"}, rng=None)
+    rows = bench.run_sweep(tmp_path, sweep, {"q_outer"}, rng=None)  # resumes N=512
+    assert measured == [512, 1024]
+    assert [int(r["n"]) for r in rows] == [512, 1024]
+    with (tmp_path / "bench_runtime.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
