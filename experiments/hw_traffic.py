@@ -113,7 +113,8 @@ def main(argv=None) -> int:
                      "kernels": len(sched.kernels(p, False))})
     config_file = args.out / "hw_traffic_configs.json"
     config_file.write_text(json.dumps(cfgs))
-    cmd = [ncu, "--csv", "--clock-control", "none", "--metrics", ",".join(METRICS.values()),
+    cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
+           "--metrics", ",".join(METRICS.values()),
            "-k", KERNEL_REGEX, sys.executable, "-m", "experiments.hw_traffic",
            "--launch", str(config_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
