@@ -8,7 +8,6 @@ bench_runtime.csv and hw_traffic.csv the results directory holds, and says which
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import matplotlib
@@ -23,14 +22,6 @@ NAME = "gpu"
 
 def run(ctx: common.Context) -> None:
     """Nothing to measure here; see the module docstring."""
-
-
-def read_rows(path: Path, required: str) -> list[dict]:
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    if not rows or required not in rows[0]:
-        raise ValueError(f"{path}: not the expected results file (no column {required!r})")
-    return rows
 
 
 def plot_hw(rows: list[dict], out: Path) -> list[Path]:
@@ -62,15 +53,7 @@ def plot_hw(rows: list[dict], out: Path) -> list[Path]:
     axes[-1].set_title("DRAM bytes / logical bytes (< 1: L2 hits)")
     axes[-1].set_xlabel("N")
     axes[-1].legend(fontsize=7)
-    fig.suptitle(f"{rows[0]['device']}, git {rows[0]['git_sha'][:10]}, {rows[0]['date']}",
-                 fontsize=9)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "hw_traffic.png", out / "hw_traffic.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return paths
+    return plot_bench.save_with_provenance(fig, rows[0], out, "hw_traffic")
 
 
 def plot(ctx: common.Context) -> list:
@@ -79,7 +62,7 @@ def plot(ctx: common.Context) -> list:
                                  ("hw_traffic.csv", "ncu_ld_bytes", plot_hw)):
         path = ctx.results_dir / name
         if path.exists():
-            written += draw(read_rows(path, required), ctx.figures_dir)
+            written += draw(plot_bench.read_rows(path, required), ctx.figures_dir)
         else:
             print(f"gpu: no {path} yet (measured on a GPU machine; README, GPU experiments)")
     return written

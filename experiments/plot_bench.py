@@ -9,6 +9,7 @@ file. Reads the results file only; rows whose status is not "ok" are listed, not
 from __future__ import annotations
 
 import argparse
+import csv
 from pathlib import Path
 
 import matplotlib
@@ -35,11 +36,24 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")
         axes[1, col].set_xlabel("N")
         axes[0, col].legend(fontsize=7)
-    sha = rows[0]["git_sha"][:10]
-    fig.suptitle(f"{rows[0]['device']}, git {sha}, {rows[0]['date']}", fontsize=9)
+    return save_with_provenance(fig, rows[0], out, "bench_runtime")
+
+
+def read_rows(path: Path, required: str) -> list[dict]:
+    """Rows of a GPU results csv; refuses a file without the `required` column."""
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    if not rows or required not in rows[0]:
+        raise ValueError(f"{path}: not the expected results file (no column {required!r})")
+    return rows
+
+
+def save_with_provenance(fig, row: dict, out: Path, stem: str) -> list[Path]:
+    """Title the figure with the results' device, git SHA and date; save PNG and PDF."""
+    fig.suptitle(f"{row['device']}, git {row['git_sha'][:10]}, {row['date']}", fontsize=9)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "bench_runtime.png", out / "bench_runtime.pdf"]
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
     for p in paths:
         fig.savefig(p, dpi=120)
     plt.close(fig)
@@ -51,8 +65,6 @@ def main(argv=None) -> int:
     parser.add_argument("--results", type=Path, default=Path("results"))
     parser.add_argument("--figures", type=Path, default=Path("figures"))
     args = parser.parse_args(argv)
-    from experiments.gpu_figures import read_rows
-
     rows = read_rows(args.results / "bench_runtime.csv", "provider")
     for r in rows:
         if r["status"] != "ok":

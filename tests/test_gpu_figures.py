@@ -4,7 +4,7 @@ import csv
 
 import pytest
 
-from experiments import gpu_figures, hw_traffic
+from experiments import gpu_figures, hw_traffic, plot_bench
 
 NCU_HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
               "Stream", "Block Size", "Grid Size", "Device", "CC", "Section Name",
@@ -49,11 +49,11 @@ def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
              "dram_read_bytes": n * n, "dram_write_bytes": n * n}
             for s in ("a", "b") for n in (256, 512, 1024)]
     _write(tmp_path / "hw_traffic.csv", rows)
-    loaded = gpu_figures.read_rows(tmp_path / "hw_traffic.csv", "ncu_ld_bytes")
+    loaded = plot_bench.read_rows(tmp_path / "hw_traffic.csv", "ncu_ld_bytes")
     paths = gpu_figures.plot_hw(loaded, tmp_path / "fig")
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     with pytest.raises(ValueError, match="no column 'provider'"):
-        gpu_figures.read_rows(tmp_path / "hw_traffic.csv", "provider")
+        plot_bench.read_rows(tmp_path / "hw_traffic.csv", "provider")
 
 
 def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
