@@ -148,8 +148,20 @@ def tensor_totals(ledger_dict: dict) -> dict[str, int]:
     return {t: ledger.tensor_total(t) for t in TENSORS}
 
 
+def run_experiment(module, argv=None) -> Context:
+    """Command-line entry of one experiment module: run its sweep, plot, print the figures."""
+    parser = argparse.ArgumentParser(description=module.__doc__.split("\n\n")[0])
+    add_options(parser)
+    ctx = context_from_args(parser.parse_args(argv))
+    module.run(ctx)
+    for path in module.plot(ctx):
+        print(path)
+    return ctx
+
+
 def save_figure(fig, figures_dir: Path, name: str) -> list[Path]:
-    """Write figures/<name>.png and .pdf atomically (temporary file, then rename)."""
+    """Write figures/<name>.png and .pdf atomically (temporary file, then rename), then close
+    the figure."""
     figures_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for ext, kwargs in (("png", {"dpi": 150, "metadata": {"Software": None}}),
@@ -164,6 +176,7 @@ def save_figure(fig, figures_dir: Path, name: str) -> list[Path]:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         written.append(target)
+    pyplot().close(fig)
     return written
 
 

@@ -12,7 +12,6 @@ kernels' output row 0 for each tile size is recorded too.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -171,18 +170,11 @@ def plot(ctx: common.Context) -> list:
                  f"({data['provenance'].get('device')}), walkthrough from "
                  "loop_orders.reference.online_row", fontsize=10)
     fig.tight_layout()
-    written = common.save_figure(fig, ctx.figures_dir, NAME)
-    plt.close(fig)
-    return written
+    return common.save_figure(fig, ctx.figures_dir, NAME)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_options(parser)
-    ctx = common.context_from_args(parser.parse_args(argv))
-    run(ctx)
-    for path in plot(ctx):
-        print(path)
+    ctx = common.run_experiment(sys.modules[__name__], argv)
     print(ledger_table(results.load(ctx.results_path(NAME))))
     return 0
 

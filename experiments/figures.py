@@ -24,8 +24,6 @@ def regenerate(ctx: common.Context) -> list:
     for module in EXPERIMENTS:
         t0 = time.perf_counter()
         module.run(ctx)
-        if module is theorem2:
-            theorem2.write_slopes(ctx)
         paths = module.plot(ctx)
         written += paths
         print(f"{module.NAME}: {', '.join(str(p) for p in paths)} "

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from . import common, plot_bench  # noqa: E402
+from . import common, plot_bench
 
 NAME = "gpu"
 
@@ -29,7 +24,8 @@ def plot_hw(rows: list[dict], out: Path) -> list[Path]:
     and DRAM / logical bytes, where the 60 MB L2 absorbs re-reads."""
     sel = [r for r in rows if r["dtype"] == "float32" and r["causal"] == "False"]
     schedules = list(dict.fromkeys(r["schedule"] for r in sel))
-    fig, axes = plt.subplots(1, len(schedules) + 1, figsize=(4.6 * (len(schedules) + 1), 4.2))
+    width = len(schedules) + 1
+    fig, axes = common.pyplot().subplots(1, width, figsize=(4.6 * width, 4.2))
     for ax, name in zip(axes, schedules, strict=False):
         pts = sorted((int(r["n"]), r) for r in sel if r["schedule"] == name)
         n = [p[0] for p in pts]

@@ -12,16 +12,14 @@ import argparse
 import csv
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from experiments import common
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     ok = [r for r in rows if r["status"] == "ok"]
     panels = sorted({(int(r["d"]), r["causal"]) for r in ok})
-    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False)
+    fig, axes = common.pyplot().subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5),
+                                         squeeze=False)
     for col, (d, causal) in enumerate(panels):
         sel = [r for r in ok if int(r["d"]) == d and r["causal"] == causal]
         for provider in dict.fromkeys(r["provider"] for r in sel):
@@ -52,12 +50,7 @@ def save_with_provenance(fig, row: dict, out: Path, stem: str) -> list[Path]:
     """Title the figure with the results' device, git SHA and date; save PNG and PDF."""
     fig.suptitle(f"{row['device']}, git {row['git_sha'][:10]}, {row['date']}", fontsize=9)
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return paths
+    return common.save_figure(fig, out, stem)
 
 
 def main(argv=None) -> int:

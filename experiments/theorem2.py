@@ -16,7 +16,6 @@ Theta(min(N^2 d / sqrt(M), N^2 d^2 / M)), with M < d^2 (FA not optimal) shaded.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -87,6 +86,7 @@ def run(ctx: common.Context) -> results.Sweep:
     sweep = ctx.sweep(NAME, meta={})
     sweep.run(configs(declaration(ctx)), evaluate, progress=ctx.progress, desc=NAME)
     sweep.finish()
+    write_slopes(ctx)  # the fitted slopes are part of this experiment's results
     return sweep
 
 
@@ -243,19 +243,11 @@ def plot(ctx: common.Context) -> list:
                  "fitted in d ≤ M ≤ Nd (solid = model only, dotted + markers = measured by "
                  f"kernels on {data['provenance'].get('device')})", fontsize=10)
     fig.tight_layout()
-    written = common.save_figure(fig, ctx.figures_dir, NAME)
-    plt.close(fig)
-    return written
+    return common.save_figure(fig, ctx.figures_dir, NAME)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_options(parser)
-    ctx = common.context_from_args(parser.parse_args(argv))
-    run(ctx)
-    write_slopes(ctx)
-    for path in plot(ctx):
-        print(path)
+    common.run_experiment(sys.modules[__name__], argv)
     return 0
 
 

@@ -14,7 +14,6 @@ be zero. Without a GPU, measurements from a committed `traffic.gpu.json` are ove
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -182,18 +181,11 @@ def plot(ctx: common.Context) -> list:
                  f"({data['provenance'].get('device')}); lines: closed-form model "
                  f"(model only beyond the measured N)", fontsize=10)
     fig.tight_layout()
-    written = common.save_figure(fig, ctx.figures_dir, NAME)
-    plt.close(fig)
-    return written
+    return common.save_figure(fig, ctx.figures_dir, NAME)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_options(parser)
-    ctx = common.context_from_args(parser.parse_args(argv))
-    run(ctx)
-    for path in plot(ctx):
-        print(path)
+    common.run_experiment(sys.modules[__name__], argv)
     return 0
 
 
