@@ -20,6 +20,7 @@ import argparse
 import csv
 import itertools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,6 +36,8 @@ TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=
 HEADS = 16
 BLOCKS = {64: (128, 64), 128: (64, 32)}  # (block_q, block_k) per head dim (48 KB shared)
 BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256], "block_k": 64}
+# Thread layouts (rows per thread, threads per row; microkernel.Layout) tried at N = 4096.
+LAYOUT_SWEEP = {"n": 4096, "d": [64, 128], "layouts": [(2, 2), (2, 4), (1, 2), (1, 4)]}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 
@@ -195,6 +198,43 @@ def run_blocksize(out_dir: Path, rng) -> None:
     write_csv(out_dir / "bench_blocksize.csv", rows, PROV)
 
 
+def run_layouts(out_dir: Path, rng) -> None:
+    """Every thread layout of the flash micro-kernel: registers, local memory and runtime.
+
+    The layout is forced through LOOP_ORDERS_LAYOUT; a schedule whose kernels do not change
+    with it (dense) is timed once."""
+    rows, seen = [], set()
+    n = LAYOUT_SWEEP["n"]
+    batch, heads = shape_for(n)
+    for d, sched, layout in itertools.product(LAYOUT_SWEEP["d"], lo.all_schedules(),
+                                              LAYOUT_SWEEP["layouts"]):
+        p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
+                            block_q=BLOCKS[d][0], block_k=BLOCKS[d][1])
+        row = {"schedule": sched.name, "layout": f"{layout[0]},{layout[1]}", "n": n, "d": d,
+               "batch": batch, "heads": heads, "block_q": p.block_q, "block_k": p.block_k,
+               "regs": "", "local_bytes": "", "ms_median": "", "tflops": "", "status": "ok"}
+        os.environ["LOOP_ORDERS_LAYOUT"] = row["layout"]
+        try:
+            kernels = tuple(sched.kernels(p, False))
+            if kernels in seen:
+                continue
+            seen.add(kernels)
+            lo.api.check_launch(sched, p, count=False)
+            ms, _ = bench_schedule(sched, p, rng)
+            row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
+                       regs=max(kernels[0].get_regs_per_thread().values()),
+                       local_bytes=max(kernels[0].get_local_mem_per_thread().values()))
+        except (ValueError, RuntimeError, MemoryError) as exc:
+            row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+        finally:
+            del os.environ["LOOP_ORDERS_LAYOUT"]
+        rows.append(row)
+        print(f"layout {sched.name:8s} d={d} {row['layout']}: {row['ms_median']} ms "
+              f"{row['tflops']} TFLOP/s regs {row['regs']} local {row['local_bytes']} "
+              f"{row['status'][:60]}", flush=True)
+        write_csv(out_dir / "bench_layouts.csv", rows, PROV)
+
+
 def kernel_report(rng) -> dict:
     """Registers and local memory of every kernel, and counting on vs off at one size."""
     report = {"kernels": [], "counting": []}
@@ -245,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", help="comma-separated subset, e.g. q_outer,kv_outer")
     parser.add_argument("--no-extras", action="store_true",
                         help="skip the block-size sweep and the kernel report")
+    parser.add_argument("--layouts", action="store_true",
+                        help="only the thread-layout sweep (bench_layouts.csv)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
@@ -259,6 +301,10 @@ def main(argv=None) -> int:
              "d": args.d or SWEEP["d"],
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
+    if args.layouts:
+        run_layouts(args.out, rng)
+        print(f"bench_runtime: done in {time.time() - t0:.0f} s")
+        return 0
     run_sweep(args.out, sweep, only, rng)
     if args.no_extras:
         print(f"bench_runtime: done in {time.time() - t0:.0f} s")

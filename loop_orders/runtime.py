@@ -94,17 +94,17 @@ SHARED_F32 = np.dtype(np.float32) if SIMULATOR else numba.float32
 SHARED_ALIGN = None if SIMULATOR else 16
 
 
-def kernel_options(threads: int) -> dict:
+def kernel_options(threads: int, registers: int = 128) -> dict:
     """`cuda.jit` options for a kernel of `threads` threads per CTA (none on the simulator).
 
-    Launch bounds ask for max(1, 512 // threads) CTAs per SM, capping every kernel at 128
-    registers per thread (65536 registers per SM). No fastmath: its no-inf/no-NaN
-    assumptions would break the -inf running max and NaN propagation; exp2 is already the
-    hardware ex2 instruction without it.
+    Launch bounds ask for as many CTAs per SM as fit when each thread may use `registers`
+    registers (65536 per SM), which is the compiler's register cap. No fastmath: its
+    no-inf/no-NaN assumptions would break the -inf running max and NaN propagation; exp2 is
+    already the hardware ex2 instruction without it.
     """
     if SIMULATOR:
         return {}
-    return {"launch_bounds": (threads, max(1, 512 // threads))}
+    return {"launch_bounds": (threads, max(1, 65536 // (threads * registers)))}
 
 
 def _host_available_bytes() -> int:

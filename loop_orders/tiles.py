@@ -1,9 +1,10 @@
 """Device functions shared by the schedules: the algorithm, independent of loop order.
 
-Every schedule moves tiles between HBM and shared memory with `make_tile_loader` and rows
-into registers with `load_row`; the flash orders also share the online-softmax micro-kernel
-in `microkernel.py`. What differs between schedules is only the loop nest around these calls,
-so measured differences come from the loop order.
+Every schedule moves data between HBM and shared memory as tiles of whole rows, with
+`make_tile_loader` and `make_tile_storer`, so every HBM access is coalesced (a thread's own
+rows pass through a shared tile: `microkernel.make_row_io`); the flash orders also share the
+online-softmax micro-kernel in `microkernel.py`. What differs between schedules is only the
+loop nest around these calls, so measured differences come from the loop order.
 
 Counting: each HBM load/store site returns or knows the number of elements it moved; a thread
 adds them to a private counter array (slots from `ledger.slot`), and `flush_counts` adds the
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
-from numba import float32, int64
+from numba import float32, int64, uint32, uint64
 
 from .ledger import N_SLOTS
 from .runtime import cuda
@@ -25,34 +26,61 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-@cache
-def make_tile_loader(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
-    """Device function: the CTA's THREADS threads copy rows [row0, row0 + n_rows) of src[bh]
-    (n_rows <= ROWS, COLS columns) into the shared tile dst as float32.
+def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool):  # noqa: N803
+    """Device function copying between a shared tile and rows [row0, row0 + n_rows),
+    columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
+    tile as float32, or out of it in hbm's dtype. Returns the elements this thread moved.
 
-    Consecutive threads take consecutive elements of a row, so global loads coalesce.
-    Returns how many elements the calling thread loaded.
+    Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
+    warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
+    count that unrolls with constant offsets, so a thread has all its loads in flight at once
+    instead of waiting on each in turn.
     """
+    PER_THREAD = ROWS * COLS // THREADS  # noqa: N806 - full rounds of the CTA over a tile
+    # Whether each round of the CTA covers whole rows and the rounds cover the tile exactly.
+    WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def copy(tile, hbm, bh, row0, col0, r, c):
+        # unsigned indices: Numba then skips its negative-index fix-up on every access
+        if TO_HBM:
+            hbm[uint64(bh), uint64(row0) + r, uint64(col0) + c] = tile[r, c]
+        else:
+            tile[r, c] = float32(hbm[uint64(bh), uint64(row0) + r, uint64(col0) + c])
 
     @cuda.jit(device=True)
-    def load_tile(dst, src, bh, row0, n_rows):
+    def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols):
+        t = uint32(cuda.threadIdx.x)
         moved = 0
-        for e in range(cuda.threadIdx.x, n_rows * COLS, THREADS):
-            r = e // COLS
-            c = e - r * COLS
-            dst[r, c] = float32(src[bh, row0 + r, c])
-            moved += 1
+        if n_rows == ROWS and n_cols == COLS and WHOLE_ROWS:
+            # a full tile: thread t owns column t % COLS of rows t // COLS + u THREADS/COLS
+            cols = uint32(COLS)
+            for u in range(PER_THREAD):
+                copy(tile, hbm, bh, row0, col0, t // cols + uint32(u * (THREADS // COLS)),
+                     t % cols)
+            moved = PER_THREAD
+        else:  # a tail tile, or a width the CTA does not cover in whole rows
+            width = uint32(n_cols)
+            for e in range(t, n_rows * n_cols, THREADS):
+                copy(tile, hbm, bh, row0, col0, uint32(e) // width, uint32(e) % width)
+                moved += 1
         return moved
 
-    return load_tile
+    return copy_tile
 
 
-@cuda.jit(device=True)
-def load_row(dst, src, bh, row, n_cols):
-    """One thread copies row `row` of src[bh] into its registers/local array `dst`."""
-    for c in range(n_cols):
-        dst[c] = float32(src[bh, row, c])
-    return n_cols
+@cache
+def make_tile_loader(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
+    """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy).
+    Every thread of the CTA must call it; the caller puts the barriers around it."""
+    return _tile_copy(ROWS, COLS, THREADS, False)
+
+
+@cache
+def make_tile_storer(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
+    """store_tile(tile, dst, bh, row0, n_rows, col0, n_cols): shared -> HBM (see _tile_copy).
+    Every thread of the CTA must call it; the caller puts the barriers around it."""
+    return _tile_copy(ROWS, COLS, THREADS, True)
 
 
 @cuda.jit(device=True)

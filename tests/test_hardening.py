@@ -6,6 +6,9 @@ float32 on load, so products beyond float16's range are fine; a NaN in an input 
 the output rows that depend on it; with causal every row sees key 0, so no row is NaN.
 """
 
+import re
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import SCHEDULES, random_qkv
@@ -209,12 +212,17 @@ def test_dense_quadratic_workspace_refused_against_the_real_limit():
 
 @pytest.mark.parametrize("schedule", ["q_outer", "kv_outer"])
 def test_shared_memory_refusal_states_the_supported_block_k(schedule):
+    sched = lo.get_schedule(schedule)
     p = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=64)
-    with pytest.raises(ValueError, match=r"block_k: .* needs 131072 bytes .* limit is 49152 "
-                                         r"bytes: use 1 <= block_k <= 24 at these head dims"):
-        lo.api.check_launch(lo.get_schedule(schedule), p, count=False)
-    ok = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=24)
-    lo.api.check_launch(lo.get_schedule(schedule), ok, count=False)
+    need = sched.shared_bytes(p, False)
+    with pytest.raises(ValueError, match=rf"block_k: .* needs {need} bytes .* limit is 49152 "
+                                         r"bytes: use 1 <= block_k <= (\d+) at these head dims"
+                       ) as refusal:
+        lo.api.check_launch(sched, p, count=False)
+    most = int(re.search(r"block_k <= (\d+)", str(refusal.value)).group(1))
+    lo.api.check_launch(sched, replace(p, block_k=most), count=False)  # the bound is tight
+    with pytest.raises(ValueError, match="block_k"):
+        lo.api.check_launch(sched, replace(p, block_k=most + 1), count=False)
 
 
 def test_model_counts_beyond_int32_are_exact_python_ints():

@@ -24,9 +24,10 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
+from ..microkernel import make_row_io
 from ..runtime import SHARED_BYTES_LIMIT, SHARED_F32, cuda, device_empty
 from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import counter_slots, flush_counts, load_row, make_tile_loader, zero_counts
+from ..tiles import counter_slots, flush_counts, make_tile_loader, make_tile_storer, zero_counts
 
 (Q_R, K_R, V_R, O_W, S_R, S_W, P_R, P_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "write"),
@@ -50,46 +51,51 @@ def softmax_shared_bytes(n_k: int) -> int:
 def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
     NCNT = counter_slots(COUNT)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
+    store_S_ij = make_tile_storer(BR, BC, BR)  # noqa: N806
+    load_q, _, _ = make_row_io(BR, D, D, 1, 1, BC)  # one thread per row, staged through K_j
 
     @cuda.jit
     def dense_scores(q, k, s_hbm, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row = i * BR + cuda.threadIdx.x
-        owns_row = row < n_q
+        row = i * BR + t
+        n_rows = min(BR, n_q - i * BR)
         K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
+        # S_ij, padded by one column so that each thread's row starts in its own bank
+        S_ij = cuda.shared.array((BR, BC + 1), float32)  # noqa: N806
         Q_i = cuda.local.array(D, float32)  # noqa: N806
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
-        if owns_row:
-            # Q_i: read from HBM once per row
-            moved = load_row(Q_i, q, bh, row, D)
-            if COUNT:
-                cnt[Q_R] += moved
+        # Q_i: read from HBM once (staged through K_j, coalesced)
+        moved = load_q(Q_i, K_j, q, bh, i * BR, row, 0)
+        if COUNT:
+            cnt[Q_R] += moved
         for j in range((n_k + BC - 1) // BC):
             key0 = j * BC
             bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every row is done with the previous K_j
+            cuda.syncthreads()  # every thread is done with the previous K_j and S_ij
             # K_j: every query block reads all of K
-            moved = load_K_j(K_j, k, bh, key0, bc)
+            moved = load_K_j(K_j, k, bh, key0, bc, 0, D)
             if COUNT:
                 cnt[K_R] += moved
             cuda.syncthreads()  # K_j is in shared memory for all rows
-            if owns_row:
-                for c in range(bc):
-                    score = float32(-math.inf)  # masked scores are written too
-                    if not CAUSAL or key0 + c <= row:
-                        dot = float32(0.0)
-                        for x in range(D):
-                            dot += Q_i[x] * K_j[c, x]
-                        score = dot * scale
-                    # S_ij: the quadratic intermediate, written to HBM
-                    s_hbm[bh, row, key0 + c] = score
-                if COUNT:
-                    cnt[S_W] += bc
+            for c in range(bc):
+                score = float32(-math.inf)  # masked scores are written too
+                if not CAUSAL or key0 + c <= row:
+                    dot = float32(0.0)
+                    for x in range(D):
+                        dot += Q_i[x] * K_j[c, x]
+                    score = dot * scale
+                S_ij[t, c] = score
+            cuda.syncthreads()  # S_ij is complete in shared memory
+            # S_ij: the quadratic intermediate, written to HBM (whole rows, coalesced)
+            moved = store_S_ij(S_ij, s_hbm, bh, i * BR, n_rows, key0, bc)
+            if COUNT:
+                cnt[S_W] += moved
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -159,47 +165,51 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
 def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
+    load_P_ij = make_tile_loader(BR, BC, BR)  # noqa: N806
+    _, _, store_o = make_row_io(BR, DV, DV, 1, 1, BC)  # one thread per row, staged through V_j
 
     @cuda.jit
     def dense_pv(p_hbm, v, o, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        t = cuda.threadIdx.x
         n_q = p_hbm.shape[1]
         n_k = v.shape[1]
-        row = i * BR + cuda.threadIdx.x
-        owns_row = row < n_q
+        row = i * BR + t
+        n_rows = min(BR, n_q - i * BR)
         V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
+        # P_ij, padded by one column so that each thread's row starts in its own bank
+        P_ij = cuda.shared.array((BR, BC + 1), float32)  # noqa: N806
         acc = cuda.local.array(DV, float32)
+        one = cuda.local.array(1, float32)  # l = 1: the rows of P are normalised already
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
         for x in range(DV):
             acc[x] = float32(0.0)
+        one[0] = float32(1.0)
         for j in range((n_k + BC - 1) // BC):
             key0 = j * BC
             bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every row is done with the previous V_j
+            cuda.syncthreads()  # every row is done with the previous V_j and P_ij
             # V_j: every query block reads all of V
-            moved = load_V_j(V_j, v, bh, key0, bc)
+            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
+            # P_ij: read back from HBM once per element (whole rows, coalesced)
+            moved_p = load_P_ij(P_ij, p_hbm, bh, i * BR, n_rows, key0, bc)
             if COUNT:
-                cnt[V_R] += moved
-            cuda.syncthreads()  # V_j is in shared memory for all rows
-            if owns_row:
-                for c in range(bc):
-                    # P_ij: read back from HBM, once per element
-                    p = p_hbm[bh, row, key0 + c]
-                    if not CAUSAL or key0 + c <= row:
-                        # a masked key (P = 0) never touches V: 0 * NaN would be NaN
-                        for x in range(DV):
-                            acc[x] += p * V_j[c, x]
-                if COUNT:
-                    cnt[P_R] += bc
-        if owns_row:
-            # O_i: written to HBM once
-            for x in range(DV):
-                o[bh, row, x] = acc[x]
-            if COUNT:
-                cnt[O_W] += DV
+                cnt[V_R] += moved_v
+                cnt[P_R] += moved_p
+            cuda.syncthreads()  # V_j and P_ij are in shared memory for all rows
+            for c in range(bc):
+                if not CAUSAL or key0 + c <= row:
+                    # a masked key (P = 0) never touches V: 0 * NaN would be NaN
+                    p = P_ij[t, c]
+                    for x in range(DV):
+                        acc[x] += p * V_j[c, x]
+        # O_i: written to HBM once (staged through V_j, coalesced)
+        moved = store_o(o, V_j, acc, bh, i * BR, row, 0, one)
+        if COUNT:
+            cnt[O_W] += moved
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -216,7 +226,7 @@ class Dense(Schedule):
             load Q_i                          # HBM -> registers
             for j in range(Tc):
                 load K_j                      # HBM -> shared, per query block
-                write S_ij = Q_i K_j^T * scale   # HBM, masked entries as -inf
+                write S_ij = Q_i K_j^T * scale   # shared -> HBM, masked entries as -inf
         # kernel 2: softmax
         for (b, h, r) in parallel:            # one CTA per query row
             load S_r                          # HBM -> shared, once
@@ -225,7 +235,7 @@ class Dense(Schedule):
         for (b, h, i) in parallel:            # one CTA per query block, Br threads
             for j in range(Tc):
                 load V_j                      # HBM -> shared, per query block
-                load P_ij                     # HBM -> registers, once
+                load P_ij                     # HBM -> shared, once
                 acc_i += P_ij V_j
             write O_i = acc_i                 # HBM
     """
@@ -254,7 +264,7 @@ class Dense(Schedule):
 
     def shared_bytes(self, p: Problem, count: bool) -> int:
         counters = 8 * counter_slots(True) if count else 0
-        tiles = 4 * p.block_k * max(p.d, p.dv)
+        tiles = 4 * (p.block_k * max(p.d, p.dv) + p.block_q * (p.block_k + 1))
         return max(tiles, softmax_shared_bytes(p.n_k)) + counters
 
     def check(self, p: Problem) -> None:

@@ -1,6 +1,6 @@
 """kv_outer: FlashAttention Algorithm 1 as written. K/V blocks outer; Q, O, l, m reloaded.
 
-    for each (batch, head):                                  # one CTA, Br threads
+    for each (batch, head):                                  # one CTA
         write O = 0, l = 0, m = -inf                         # Algorithm 1 line 2, in HBM
         for j in 0 .. Tc - 1:                                # serial: CTAs would race on O
             load K_j, V_j                                    # once per j
@@ -29,10 +29,11 @@ from numba import float32, int64
 
 from ..ledger import Ledger, slot
 from ..microkernel import (
+    Layout,
     make_online_update,
     make_row_io,
     share_from_part0,
-    threads_per_row,
+    thread_layout,
 )
 from ..runtime import SHARED_ALIGN, cuda, kernel_options
 from ..schedule import Problem, Schedule, ceil_div, register
@@ -44,21 +45,74 @@ from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_cou
     slot("m", "write"), slot("lse", "write"))
 
 
+def stage_rows(block_q: int, d: int, dv: int) -> int:
+    """Rows of the shared stage through which Q_i and O_i move: 8 KB of it, at most Br."""
+    return max(1, min(block_q, 2048 // max(d, dv)))
+
+
 @cache
-def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
-    NT = BR * TPR  # noqa: N806 - threads per CTA: TPR per query row
-    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread
-    online_update = make_online_update(D, DV, TPR, CAUSAL)
-    load_q, load_o, store_o = make_row_io(D, DV, TPR)
+def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    layout = Layout(RPT, TPR)
+    NT = layout.threads(BR)  # noqa: N806 - threads per CTA
+    RS = BR // RPT  # noqa: N806 - a thread's rows are RS apart
+    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread and row
+    NQ, NACC = RPT * DP, RPT * DVP  # noqa: N806 - registers for the thread's q and acc
+    SC, SW = stage_rows(BR, D, DV), max(D, DV)  # noqa: N806 - the stage's rows and width
+    online_update = make_online_update(D, DV, RPT, RS, TPR, CAUSAL)
+    load_q, load_o, store_o = make_row_io(BR, D, DV, RPT, TPR, SC)
     load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
-    @cuda.jit(**kernel_options(NT))
+    @cuda.jit(device=True, inline="always")
+    def init_stats(l_hbm, m_hbm, bh, row, part, cnt):
+        """l = 0 and m = -inf for one row, by its part 0. Each row's l and m are only ever
+        touched by its own part 0, in program order, so no barrier guards them."""
+        if row < l_hbm.shape[1] and part == 0:
+            l_hbm[bh, row] = float32(0.0)
+            m_hbm[bh, row] = float32(-math.inf)
+            if COUNT:
+                cnt[L_W] += 1
+                cnt[M_W] += 1
+
+    @cuda.jit(device=True, inline="always")
+    def load_stats(m_i, l_i, r, l_hbm, m_hbm, bh, row, part, cnt):
+        """Row r's l_i, m_i from HBM (0 and -inf for a spare row past N_q, which computes
+        on them and touches no HBM). Part 0 loads them; the other parts get them by shuffle."""
+        l_i[r] = float32(0.0)
+        m_i[r] = float32(-math.inf)
+        if row < l_hbm.shape[1] and part == 0:
+            # l_i, m_i: reloaded from HBM for every K/V block
+            l_i[r] = l_hbm[bh, row]
+            m_i[r] = m_hbm[bh, row]
+            if COUNT:
+                cnt[L_R] += 1
+                cnt[M_R] += 1
+        l_i[r] = share_from_part0(l_i[r], TPR)
+        m_i[r] = share_from_part0(m_i[r], TPR)
+
+    @cuda.jit(device=True, inline="always")
+    def store_stats(l_hbm, m_hbm, lse, m_i, l_i, r, bh, row, part, last, cnt):
+        """Row r's l_i, m_i back to HBM (by part 0), and lse_i once i is final."""
+        if row < l_hbm.shape[1] and part == 0:
+            # l_i, m_i: written back to HBM after every K/V block
+            l_hbm[bh, row] = l_i[r]
+            m_hbm[bh, row] = m_i[r]
+            if COUNT:
+                cnt[L_W] += 1
+                cnt[M_W] += 1
+            if last:
+                # lse_i: the statistic the backward pass needs, once i is final
+                lse[bh, row] = (m_i[r] + math.log2(l_i[r])) * float32(LN2)
+                if COUNT:
+                    cnt[LSE_W] += 1
+
+    @cuda.jit(**kernel_options(NT, layout.registers(D, DV)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
         t = cuda.threadIdx.x
         part = t % TPR
+        slot = t // TPR  # this thread's rows of query block i: i Br + slot + r RS, r < RPT
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR  # noqa: N806
@@ -66,36 +120,35 @@ def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - th
 
         K_j = cuda.shared.array((BC, D), float32, alignment=SHARED_ALIGN)  # noqa: N806
         V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
-        Q_i = cuda.local.array(DP, float32)  # noqa: N806 - this thread's slice of a row
-        acc = cuda.local.array(DVP, float32)  # its slice of O_i, unnormalised (l_i O_i)
+        stage = cuda.shared.array((SC, SW), float32, alignment=SHARED_ALIGN)  # Q_i, O_i pass
+        Q_i = cuda.local.array(NQ, float32)  # noqa: N806 - this thread's slices of rows
+        acc = cuda.local.array(NACC, float32)  # their slices of O_i, unnormalised (l_i O_i)
+        m_i = cuda.local.array(RPT, float32)
+        l_i = cuda.local.array(RPT, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
 
-        for y in range(DVP):
-            acc[y] = float32(0.0)  # the zeros the initialisation below stores
-        # The TPR threads of slot t // TPR own rows t // TPR + Br * i in every phase, so each
-        # row's HBM state is only touched by its own threads, in program order: no barrier
-        # guards O, l, m. Part 0 alone moves l and m; the other parts get them by shuffle.
-        for row in range(t // TPR, n_q, BR):
-            # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM
-            moved = store_o(o, acc, bh, row, part, float32(0.0))
-            if part == 0:
-                l_hbm[bh, row] = float32(0.0)
-                m_hbm[bh, row] = float32(-math.inf)
+        # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM (with acc = 0 and
+        # l = 1, store_o writes O = acc / l = 0).
+        for y in range(NACC):
+            acc[y] = float32(0.0)
+        for r in range(RPT):
+            l_i[r] = float32(1.0)
+        for i in range(T_r):
+            moved = store_o(o, stage, acc, bh, i * BR, i * BR + slot, part, l_i)
             if COUNT:
                 cnt[O_W] += moved
-                if part == 0:
-                    cnt[L_W] += 1
-                    cnt[M_W] += 1
+            for r in range(RPT):
+                init_stats(l_hbm, m_hbm, bh, i * BR + slot + r * RS, part, cnt)
 
         for j in range(T_c):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_K_j(K_j, k, bh, key0, bc)
-            moved_v = load_V_j(V_j, v, bh, key0, bc)
+            moved_k = load_K_j(K_j, k, bh, key0, bc, 0, D)
+            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
@@ -103,55 +156,29 @@ def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - th
 
             i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
             for i in range(i0, T_r):
-                row = i * BR + t // TPR
-                # the last query block's spare rows compute on zeros and touch no HBM
-                owns_row = row < n_q
-                l_i = float32(0.0)
-                m_i = float32(-math.inf)
-                for y in range(DP):
-                    Q_i[y] = float32(0.0)
-                for y in range(DVP):
-                    acc[y] = float32(0.0)
-                if owns_row:
-                    # Q_i, O_i, l_i, m_i: reloaded from HBM for every K/V block
-                    if part == 0:
-                        l_i = float32(l_hbm[bh, row])
-                        m_i = float32(m_hbm[bh, row])
-                    moved_q = load_q(Q_i, q, bh, row, part)
-                    if COUNT:
-                        cnt[Q_R] += moved_q
-                        if part == 0:
-                            cnt[L_R] += 1
-                            cnt[M_R] += 1
-                l_i = share_from_part0(l_i, TPR)
-                m_i = share_from_part0(m_i, TPR)
-                if owns_row:
-                    moved_o = load_o(acc, o, bh, row, part, l_i)
-                    if COUNT:
-                        cnt[O_R] += moved_o
-
-                m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, part, scale_log2,
-                                         m_i, l_i, acc)
-
-                if owns_row:
-                    # O_i, l_i, m_i: written back to HBM after every K/V block
-                    moved_o = store_o(o, acc, bh, row, part, float32(1.0) / l_i)
-                    if part == 0:
-                        l_hbm[bh, row] = l_i
-                        m_hbm[bh, row] = m_i
-                    if COUNT:
-                        cnt[O_W] += moved_o
-                        if part == 0:
-                            cnt[L_W] += 1
-                            cnt[M_W] += 1
-                    last_j = T_c - 1
-                    if CAUSAL:
-                        last_j = min(last_j, (min((i + 1) * BR, n_q) - 1) // BC)
-                    if SAVE_LSE and j == last_j and part == 0:
-                        # lse_i: the statistic the backward pass needs, once i is final
-                        lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
-                        if COUNT:
-                            cnt[LSE_W] += 1
+                row0 = i * BR + slot
+                for y in range(NQ):
+                    Q_i[y] = float32(0.0)  # spare rows past N_q compute on zeros
+                for r in range(RPT):
+                    load_stats(m_i, l_i, r, l_hbm, m_hbm, bh, row0 + r * RS, part, cnt)
+                # Q_i, O_i: reloaded from HBM for every K/V block (staged, coalesced)
+                moved_q = load_q(Q_i, stage, q, bh, i * BR, row0, part)
+                moved_o = load_o(acc, stage, o, bh, i * BR, row0, part, l_i)
+                if COUNT:
+                    cnt[Q_R] += moved_q
+                    cnt[O_R] += moved_o
+                online_update(Q_i, K_j, V_j, bc, key0, row0, part, scale_log2, m_i, l_i,
+                              acc)
+                # O_i: written back to HBM after every K/V block, normalised
+                moved_o = store_o(o, stage, acc, bh, i * BR, row0, part, l_i)
+                if COUNT:
+                    cnt[O_W] += moved_o
+                last_j = T_c - 1
+                if CAUSAL:
+                    last_j = min(last_j, (min((i + 1) * BR, n_q) - 1) // BC)
+                for r in range(RPT):
+                    store_stats(l_hbm, m_hbm, lse, m_i, l_i, r, bh, row0 + r * RS, part,
+                                SAVE_LSE and j == last_j, cnt)
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -163,7 +190,7 @@ class KVOuter(Schedule):
     name = "kv_outer"
     summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
     LOOP_NEST = """
-        for (b, h) in parallel:               # one CTA per head, Br threads
+        for (b, h) in parallel:               # one CTA per head
             write O = 0, l = 0, m = -inf      # HBM initialisation (Algorithm 1, line 2)
             for j in range(Tc):               # serial inside the CTA
                 load K_j, V_j                 # HBM -> shared, once
@@ -206,7 +233,8 @@ class KVOuter(Schedule):
         return min(bc, d), bc
 
     def shared_bytes(self, p: Problem, count: bool) -> int:
-        return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
+        stage = stage_rows(p.block_q, p.d, p.dv) * max(p.d, p.dv)
+        return 4 * (p.block_k * (p.d + p.dv) + stage) + (8 * counter_slots(True) if count else 0)
 
     def allocate_workspace(self, p: Problem) -> tuple:
         from ..runtime import device_empty
@@ -214,12 +242,13 @@ class KVOuter(Schedule):
         return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        tpr = threads_per_row(p.d, p.dv, p.block_q)
-        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)]
+        rpt, tpr = thread_layout(p.d, p.dv, p.block_q)
+        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rpt, tpr, p.causal, p.save_lse,
+                            count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         l_hbm, m_hbm = workspace or self.allocate_workspace(p)
-        tpr = threads_per_row(p.d, p.dv, p.block_q)
+        threads = thread_layout(p.d, p.dv, p.block_q).threads(p.block_q)
         (kernel,) = self.kernels(p, count)
-        kernel[p.bh, p.block_q * tpr](q, k, v, out, l_hbm, m_hbm, lse, counts,
-                                np.float32(scale * math.log2(math.e)))
+        kernel[p.bh, threads](q, k, v, out, l_hbm, m_hbm, lse, counts,
+                              np.float32(scale * math.log2(math.e)))

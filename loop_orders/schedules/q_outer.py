@@ -1,6 +1,6 @@
 """q_outer: the FlashAttention-2 forward order. A query block and its accumulator stay on chip.
 
-    for each (batch, head), query block i in parallel       # one CTA each, Br threads
+    for each (batch, head), query block i in parallel       # one CTA each
         load Q_i                                             # once
         m_i = -inf, l_i = 0, acc_i = 0                       # registers
         for j in 0 .. c_i - 1:                               # c_i = Tc, or fewer when causal
@@ -23,11 +23,7 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import (
-    make_online_update,
-    make_row_io,
-    threads_per_row,
-)
+from ..microkernel import Layout, make_online_update, make_row_io, thread_layout
 from ..runtime import SHARED_ALIGN, cuda, kernel_options
 from ..schedule import Problem, Schedule, ceil_div, register
 from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_counts
@@ -37,16 +33,19 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 
 @cache
-def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - the paper's names
-    NT = BR * TPR  # noqa: N806 - threads per CTA: TPR per query row
-    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread
-    online_update = make_online_update(D, DV, TPR, CAUSAL)
-    load_q, _, store_o = make_row_io(D, DV, TPR)
+def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    layout = Layout(RPT, TPR)
+    NT = layout.threads(BR)  # noqa: N806 - threads per CTA
+    RS = BR // RPT  # noqa: N806 - a thread's rows are RS apart
+    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread and row
+    NQ, NACC = RPT * DP, RPT * DVP  # noqa: N806 - registers for the thread's q and acc
+    online_update = make_online_update(D, DV, RPT, RS, TPR, CAUSAL)
+    load_q, _, store_o = make_row_io(BR, D, DV, RPT, TPR, BC)  # staged through K_j, V_j
     load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
-    @cuda.jit(**kernel_options(NT))
+    @cuda.jit(**kernel_options(NT, layout.registers(D, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
@@ -54,29 +53,30 @@ def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - th
         part = t % TPR
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row = i * BR + t // TPR
-        owns_row = row < n_q
+        row0 = i * BR + t // TPR  # this thread's rows: row0 + r RS, r < RPT
 
         K_j = cuda.shared.array((BC, D), float32, alignment=SHARED_ALIGN)  # noqa: N806
         V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
-        Q_i = cuda.local.array(DP, float32)  # noqa: N806 - this thread's slice of a row
-        acc = cuda.local.array(DVP, float32)
+        Q_i = cuda.local.array(NQ, float32)  # noqa: N806 - this thread's slices of rows
+        acc = cuda.local.array(NACC, float32)
+        m_i = cuda.local.array(RPT, float32)
+        l_i = cuda.local.array(RPT, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
 
-        for y in range(DP):
+        for y in range(NQ):
             Q_i[y] = float32(0.0)  # rows past N_q compute on zeros and write nothing
-        for y in range(DVP):
+        for y in range(NACC):
             acc[y] = float32(0.0)
-        if owns_row:
-            # Q_i: read from HBM once, stays in registers for every K/V block
-            moved = load_q(Q_i, q, bh, row, part)
-            if COUNT:
-                cnt[Q_R] += moved
+        for r in range(RPT):
+            m_i[r] = float32(-math.inf)
+            l_i[r] = float32(0.0)
+        # Q_i: read from HBM once (staged through K_j), stays in registers for every K/V block
+        moved = load_q(Q_i, K_j, q, bh, i * BR, row0, part)
+        if COUNT:
+            cnt[Q_R] += moved
 
-        m_i = float32(-math.inf)
-        l_i = float32(0.0)
         last_query = min((i + 1) * BR, n_q) - 1
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
@@ -86,25 +86,26 @@ def make_kernel(BR, BC, D, DV, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - th
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j, V_j
             # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_K_j(K_j, k, bh, key0, bc)
-            moved_v = load_V_j(V_j, v, bh, key0, bc)
+            moved_k = load_K_j(K_j, k, bh, key0, bc, 0, D)
+            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
-            m_i, l_i = online_update(Q_i, K_j, V_j, bc, key0, row, part, scale_log2,
-                                     m_i, l_i, acc)
+            online_update(Q_i, K_j, V_j, bc, key0, row0, part, scale_log2, m_i, l_i, acc)
 
-        if owns_row:
-            # O_i: written to HBM once, normalised
-            moved = store_o(o, acc, bh, row, part, float32(1.0) / l_i)
-            if COUNT:
-                cnt[O_W] += moved
-            if SAVE_LSE and part == 0:
-                # lse_i: the row statistic the backward pass needs, written once
-                lse[bh, row] = (m_i + math.log2(l_i)) * float32(LN2)
-                if COUNT:
-                    cnt[LSE_W] += 1
+        # O_i: written to HBM once, normalised (staged through V_j)
+        moved = store_o(o, V_j, acc, bh, i * BR, row0, part, l_i)
+        if COUNT:
+            cnt[O_W] += moved
+        if SAVE_LSE and part == 0:
+            for r in range(RPT):
+                row = row0 + r * RS
+                if row < n_q:
+                    # lse_i: the row statistic the backward pass needs, written once
+                    lse[bh, row] = (m_i[r] + math.log2(l_i[r])) * float32(LN2)
+                    if COUNT:
+                        cnt[LSE_W] += 1
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -116,7 +117,7 @@ class QOuter(Schedule):
     name = "q_outer"
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     LOOP_NEST = """
-        for (b, h, i) in parallel:            # one CTA per query block, Br threads
+        for (b, h, i) in parallel:            # one CTA per query block
             load Q_i                          # HBM -> registers, once
             m_i, l_i, acc_i = -inf, 0, 0
             for j in range(c_i):              # c_i = Tc, or up to the diagonal when causal
@@ -154,11 +155,12 @@ class QOuter(Schedule):
         return 4 * p.block_k * (p.d + p.dv) + (8 * counter_slots(True) if count else 0)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        tpr = threads_per_row(p.d, p.dv, p.block_q)
-        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, tpr, p.causal, p.save_lse, count)]
+        rpt, tpr = thread_layout(p.d, p.dv, p.block_q)
+        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rpt, tpr, p.causal, p.save_lse,
+                            count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        tpr = threads_per_row(p.d, p.dv, p.block_q)
+        threads = thread_layout(p.d, p.dv, p.block_q).threads(p.block_q)
         (kernel,) = self.kernels(p, count)
-        kernel[(p.tr, p.bh), p.block_q * tpr](q, k, v, out, lse, counts,
-                                        np.float32(scale * math.log2(math.e)))
+        kernel[(p.tr, p.bh), threads](q, k, v, out, lse, counts,
+                                      np.float32(scale * math.log2(math.e)))
