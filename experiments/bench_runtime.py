@@ -36,8 +36,11 @@ TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=
 HEADS = 16
 BLOCKS = {64: (128, 64), 128: (64, 32)}  # (block_q, block_k) per head dim (48 KB shared)
 BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256], "block_k": 64}
-# Thread layouts (rows per thread, threads per row; microkernel.Layout) tried at N = 4096.
-LAYOUT_SWEEP = {"n": 4096, "d": [64, 128], "layouts": [(2, 2), (2, 4), (1, 2), (1, 4)]}
+# Tuning at N = 4096: tile sizes x thread layouts (rows per thread, threads per row; see
+# microkernel.Layout), per head dim.
+LAYOUT_SWEEP = {"n": 4096, "d": {
+    64: {"blocks": [(128, 32), (128, 64)], "layouts": [(1, 2), (2, 2), (2, 4)]},
+    128: {"blocks": [(64, 16), (128, 16), (64, 32)], "layouts": [(1, 4), (2, 4), (1, 2)]}}}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 
@@ -199,39 +202,44 @@ def run_blocksize(out_dir: Path, rng) -> None:
 
 
 def run_layouts(out_dir: Path, rng) -> None:
-    """Every thread layout of the flash micro-kernel: registers, local memory and runtime.
+    """Every tile size and thread layout of the flash micro-kernel: registers, local memory
+    and runtime, beside SDPA (efficient) at the same shape.
 
-    The layout is forced through LOOP_ORDERS_LAYOUT; a schedule whose kernels do not change
-    with it (dense) is timed once."""
+    The layout is forced through LOOP_ORDERS_LAYOUT; kernels that do not change with it
+    (dense's) are timed once per tile size."""
     rows, seen = [], set()
     n = LAYOUT_SWEEP["n"]
     batch, heads = shape_for(n)
-    for d, sched, layout in itertools.product(LAYOUT_SWEEP["d"], lo.all_schedules(),
-                                              LAYOUT_SWEEP["layouts"]):
-        p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
-                            block_q=BLOCKS[d][0], block_k=BLOCKS[d][1])
-        row = {"schedule": sched.name, "layout": f"{layout[0]},{layout[1]}", "n": n, "d": d,
-               "batch": batch, "heads": heads, "block_q": p.block_q, "block_k": p.block_k,
-               "regs": "", "local_bytes": "", "ms_median": "", "tflops": "", "status": "ok"}
-        os.environ["LOOP_ORDERS_LAYOUT"] = row["layout"]
-        try:
-            kernels = tuple(sched.kernels(p, False))
-            if kernels in seen:
-                continue
-            seen.add(kernels)
-            lo.api.check_launch(sched, p, count=False)
-            ms, _ = bench_schedule(sched, p, rng)
-            row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
-                       regs=max(kernels[0].get_regs_per_thread().values()),
-                       local_bytes=max(kernels[0].get_local_mem_per_thread().values()))
-        except (ValueError, RuntimeError, MemoryError) as exc:
-            row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
-        finally:
-            del os.environ["LOOP_ORDERS_LAYOUT"]
-        rows.append(row)
-        print(f"layout {sched.name:8s} d={d} {row['layout']}: {row['ms_median']} ms "
-              f"{row['tflops']} TFLOP/s regs {row['regs']} local {row['local_bytes']} "
-              f"{row['status'][:60]}", flush=True)
+    for d, grid in LAYOUT_SWEEP["d"].items():
+        p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads)
+        base = measure("torch_sdpa_efficient", "float32", "efficient", p, rng)
+        rows.append({"schedule": base["provider"], "layout": "", **base, "regs": "",
+                     "local_bytes": ""})
+        for sched, (block_q, block_k), layout in itertools.product(
+                lo.all_schedules(), grid["blocks"], grid["layouts"]):
+            p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
+                                block_q=block_q, block_k=block_k)
+            row = {"schedule": sched.name, "layout": f"{layout[0]},{layout[1]}",
+                   **blank_row(sched.name, "float32", p), "regs": "", "local_bytes": ""}
+            os.environ["LOOP_ORDERS_LAYOUT"] = row["layout"]
+            try:
+                kernels = tuple(sched.kernels(p, False))
+                if kernels in seen:
+                    continue
+                seen.add(kernels)
+                lo.api.check_launch(sched, p, count=False)
+                ms, _ = bench_schedule(sched, p, rng)
+                row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
+                           regs=max(kernels[0].get_regs_per_thread().values()),
+                           local_bytes=max(kernels[0].get_local_mem_per_thread().values()))
+            except (ValueError, RuntimeError, MemoryError) as exc:
+                row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+            finally:
+                del os.environ["LOOP_ORDERS_LAYOUT"]
+            rows.append(row)
+            print(f"tuning {sched.name:8s} d={d} {block_q}x{block_k} {row['layout']}: "
+                  f"{row['ms_median']} ms {row['tflops']} TFLOP/s regs {row['regs']} local "
+                  f"{row['local_bytes']} {row['status'][:60]}", flush=True)
         write_csv(out_dir / "bench_layouts.csv", rows, PROV)
 
 

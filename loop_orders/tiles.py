@@ -83,6 +83,46 @@ def make_tile_storer(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compil
     return _tile_copy(ROWS, COLS, THREADS, True)
 
 
+@cache
+def make_tile_prefetcher(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
+    """(fetch, put, PER_THREAD): a tile load split in two, so its HBM latency hides behind
+    compute. fetch(regs, src, bh, row0, n_rows) issues this thread's loads of the tile's
+    rows [row0, row0 + n_rows) into registers (regs: a local array of PER_THREAD) and returns
+    how many it made; nothing waits for them until put(tile, regs, n_rows) stores them to the
+    shared tile. Consecutive threads take consecutive elements of a row (coalesced)."""
+    PER_THREAD = -(-ROWS * COLS // THREADS)  # noqa: N806 - ceil: the last round may be partial
+    STEP = THREADS // COLS if THREADS % COLS == 0 else 0  # noqa: N806 - whole rows a round
+
+    @cuda.jit(device=True, inline="always")
+    def position(t, u):
+        """Row and column of this thread's u-th element (unsigned: no index fix-ups)."""
+        if STEP:
+            return t // uint32(COLS) + uint32(u * STEP), t % uint32(COLS)
+        e = t + uint32(u * THREADS)
+        return e // uint32(COLS), e % uint32(COLS)
+
+    @cuda.jit(device=True, inline="always")
+    def fetch(regs, src, bh, row0, n_rows):
+        t = uint32(cuda.threadIdx.x)
+        moved = 0
+        for u in range(PER_THREAD):
+            r, c = position(t, u)
+            if r < n_rows:
+                regs[u] = float32(src[uint64(bh), uint64(row0) + r, c])
+                moved += 1
+        return moved
+
+    @cuda.jit(device=True, inline="always")
+    def put(tile, regs, n_rows):
+        t = uint32(cuda.threadIdx.x)
+        for u in range(PER_THREAD):
+            r, c = position(t, u)
+            if r < n_rows:
+                tile[r, c] = regs[u]
+
+    return fetch, put, PER_THREAD
+
+
 @cuda.jit(device=True)
 def zero_counts(cnt):
     for s in range(cnt.shape[0]):

@@ -35,6 +35,12 @@ from ..tiles import counter_slots, flush_counts, make_tile_loader, make_tile_sto
     slot("lse", "write"))
 
 SOFTMAX_MAX_THREADS = 128
+SCORE_CHUNK = 32  # columns of S_ij or P_ij staged in shared memory at a time
+
+
+def score_chunk(block_k: int) -> int:
+    """Columns of S_ij (kernel 1) or P_ij (kernel 3) that pass through shared memory at once."""
+    return min(block_k, SCORE_CHUNK)
 
 
 def softmax_threads(n_k: int) -> int:
@@ -51,8 +57,10 @@ def softmax_shared_bytes(n_k: int) -> int:
 def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
     NCNT = counter_slots(COUNT)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
-    store_S_ij = make_tile_storer(BR, BC, BR)  # noqa: N806
+    SW = score_chunk(BC)  # noqa: N806
+    store_S_ij = make_tile_storer(BR, SW, BR)  # noqa: N806
     load_q, _, _ = make_row_io(BR, D, D, 1, 1, BC)  # one thread per row, staged through K_j
+    SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
 
     @cuda.jit
     def dense_scores(q, k, s_hbm, counts, scale):
@@ -64,8 +72,9 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
         row = i * BR + t
         n_rows = min(BR, n_q - i * BR)
         K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
-        # S_ij, padded by one column so that each thread's row starts in its own bank
-        S_ij = cuda.shared.array((BR, BC + 1), float32)  # noqa: N806
+        # SW columns of S_ij at a time, padded by one column so that each row starts in
+        # its own bank
+        S_ij = cuda.shared.array((BR, SW1), float32)  # noqa: N806
         Q_i = cuda.local.array(D, float32)  # noqa: N806
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
@@ -83,19 +92,22 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
             if COUNT:
                 cnt[K_R] += moved
             cuda.syncthreads()  # K_j is in shared memory for all rows
-            for c in range(bc):
-                score = float32(-math.inf)  # masked scores are written too
-                if not CAUSAL or key0 + c <= row:
-                    dot = float32(0.0)
-                    for x in range(D):
-                        dot += Q_i[x] * K_j[c, x]
-                    score = dot * scale
-                S_ij[t, c] = score
-            cuda.syncthreads()  # S_ij is complete in shared memory
-            # S_ij: the quadratic intermediate, written to HBM (whole rows, coalesced)
-            moved = store_S_ij(S_ij, s_hbm, bh, i * BR, n_rows, key0, bc)
-            if COUNT:
-                cnt[S_W] += moved
+            for c0 in range(0, bc, SW):
+                width = min(SW, bc - c0)
+                for c in range(width):
+                    score = float32(-math.inf)  # masked scores are written too
+                    if not CAUSAL or key0 + c0 + c <= row:
+                        dot = float32(0.0)
+                        for x in range(D):
+                            dot += Q_i[x] * K_j[c0 + c, x]
+                        score = dot * scale
+                    S_ij[t, c] = score
+                cuda.syncthreads()  # this chunk of S_ij is complete in shared memory
+                # S_ij: the quadratic intermediate, written to HBM (whole rows, coalesced)
+                moved = store_S_ij(S_ij, s_hbm, bh, i * BR, n_rows, key0 + c0, width)
+                if COUNT:
+                    cnt[S_W] += moved
+                cuda.syncthreads()  # the chunk is stored: S_ij may be overwritten
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -165,8 +177,10 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
 def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
-    load_P_ij = make_tile_loader(BR, BC, BR)  # noqa: N806
+    SW = score_chunk(BC)  # noqa: N806
+    load_P_ij = make_tile_loader(BR, SW, BR)  # noqa: N806
     _, _, store_o = make_row_io(BR, DV, DV, 1, 1, BC)  # one thread per row, staged through V_j
+    SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
 
     @cuda.jit
     def dense_pv(p_hbm, v, o, counts):
@@ -178,8 +192,9 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
         row = i * BR + t
         n_rows = min(BR, n_q - i * BR)
         V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
-        # P_ij, padded by one column so that each thread's row starts in its own bank
-        P_ij = cuda.shared.array((BR, BC + 1), float32)  # noqa: N806
+        # SW columns of P_ij at a time, padded by one column so that each row starts in
+        # its own bank
+        P_ij = cuda.shared.array((BR, SW1), float32)  # noqa: N806
         acc = cuda.local.array(DV, float32)
         one = cuda.local.array(1, float32)  # l = 1: the rows of P are normalised already
         cnt = cuda.local.array(NCNT, int64)
@@ -191,21 +206,25 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
         for j in range((n_k + BC - 1) // BC):
             key0 = j * BC
             bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every row is done with the previous V_j and P_ij
+            cuda.syncthreads()  # every row is done with the previous V_j
             # V_j: every query block reads all of V
-            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
-            # P_ij: read back from HBM once per element (whole rows, coalesced)
-            moved_p = load_P_ij(P_ij, p_hbm, bh, i * BR, n_rows, key0, bc)
+            moved = load_V_j(V_j, v, bh, key0, bc, 0, DV)
             if COUNT:
-                cnt[V_R] += moved_v
-                cnt[P_R] += moved_p
-            cuda.syncthreads()  # V_j and P_ij are in shared memory for all rows
-            for c in range(bc):
-                if not CAUSAL or key0 + c <= row:
-                    # a masked key (P = 0) never touches V: 0 * NaN would be NaN
-                    p = P_ij[t, c]
-                    for x in range(DV):
-                        acc[x] += p * V_j[c, x]
+                cnt[V_R] += moved
+            for c0 in range(0, bc, SW):
+                width = min(SW, bc - c0)
+                cuda.syncthreads()  # every row is done with the previous chunk of P_ij
+                # P_ij: read back from HBM once per element (whole rows, coalesced)
+                moved = load_P_ij(P_ij, p_hbm, bh, i * BR, n_rows, key0 + c0, width)
+                if COUNT:
+                    cnt[P_R] += moved
+                cuda.syncthreads()  # V_j and this chunk of P_ij are in shared memory
+                for c in range(width):
+                    if not CAUSAL or key0 + c0 + c <= row:
+                        # a masked key (P = 0) never touches V: 0 * NaN would be NaN
+                        p = P_ij[t, c]
+                        for x in range(DV):
+                            acc[x] += p * V_j[c0 + c, x]
         # O_i: written to HBM once (staged through V_j, coalesced)
         moved = store_o(o, V_j, acc, bh, i * BR, row, 0, one)
         if COUNT:
@@ -264,7 +283,7 @@ class Dense(Schedule):
 
     def shared_bytes(self, p: Problem, count: bool) -> int:
         counters = 8 * counter_slots(True) if count else 0
-        tiles = 4 * (p.block_k * max(p.d, p.dv) + p.block_q * (p.block_k + 1))
+        tiles = 4 * (p.block_k * max(p.d, p.dv) + p.block_q * (score_chunk(p.block_k) + 1))
         return max(tiles, softmax_shared_bytes(p.n_k)) + counters
 
     def check(self, p: Problem) -> None:

@@ -26,7 +26,16 @@ from ..ledger import Ledger, slot
 from ..microkernel import Layout, make_online_update, make_row_io, thread_layout
 from ..runtime import SHARED_ALIGN, cuda, kernel_options
 from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_counts
+from ..tiles import (
+    LN2,
+    counter_slots,
+    flush_counts,
+    make_tile_loader,
+    make_tile_prefetcher,
+    zero_counts,
+)
+
+PREFETCH_REGISTERS = 16  # registers per thread that may hold the next K/V tile in flight
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
@@ -41,6 +50,11 @@ def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
     NQ, NACC = RPT * DP, RPT * DVP  # noqa: N806 - registers for the thread's q and acc
     online_update = make_online_update(D, DV, RPT, RS, TPR, CAUSAL)
     load_q, _, store_o = make_row_io(BR, D, DV, RPT, TPR, BC)  # staged through K_j, V_j
+    fetch_K, put_K, PK = make_tile_prefetcher(BC, D, NT)  # noqa: N806
+    fetch_V, put_V, PV = make_tile_prefetcher(BC, DV, NT)  # noqa: N806
+    # Fetch K_j+1, V_j+1 during block j's compute when the registers they hold meanwhile
+    # fit beside q and acc without spilling (checked with ptxas); else load K_j, V_j in turn.
+    PREFETCH = PK + PV <= PREFETCH_REGISTERS  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
@@ -59,6 +73,8 @@ def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
         V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
         Q_i = cuda.local.array(NQ, float32)  # noqa: N806 - this thread's slices of rows
         acc = cuda.local.array(NACC, float32)
+        K_next = cuda.local.array(PK, float32)  # noqa: N806 - this thread's share of K_j+1
+        V_next = cuda.local.array(PV, float32)  # noqa: N806
         m_i = cuda.local.array(RPT, float32)
         l_i = cuda.local.array(RPT, float32)
         cnt = cuda.local.array(NCNT, int64)
@@ -81,17 +97,29 @@ def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
             c_i = min(c_i, last_query // BC + 1)  # later K/V blocks are all masked
+        # K_j, V_j: reloaded from HBM by every query block (K_0, V_0 fetched here)
+        moved_k = fetch_K(K_next, k, bh, 0, min(BC, n_k)) if PREFETCH else 0
+        moved_v = fetch_V(V_next, v, bh, 0, min(BC, n_k)) if PREFETCH else 0
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous K_j, V_j
-            # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_K_j(K_j, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
+            if PREFETCH:
+                put_K(K_j, K_next, bc)  # waits for the loads fetched during block j - 1
+                put_V(V_j, V_next, bc)
+            else:
+                moved_k = load_K_j(K_j, k, bh, key0, bc, 0, D)
+                moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
+            if PREFETCH and j + 1 < c_i:
+                # K_j+1, V_j+1: loads issued now, awaited only at the next put, so their
+                # HBM latency overlaps this block's compute
+                bc_next = min(BC, n_k - key0 - BC)
+                moved_k = fetch_K(K_next, k, bh, key0 + BC, bc_next)
+                moved_v = fetch_V(V_next, v, bh, key0 + BC, bc_next)
             online_update(Q_i, K_j, V_j, bc, key0, row0, part, scale_log2, m_i, l_i, acc)
 
         # O_i: written to HBM once, normalised (staged through V_j)
