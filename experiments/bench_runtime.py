@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +30,20 @@ import numpy as np
 import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, flops, write_csv
 from loop_orders import runtime
+from loop_orders.microkernel import thread_layout
 from loop_orders.results import atomic_write_text, provenance
 
 SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
 TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=16, N=4096
 HEADS = 16
-BLOCKS = {64: (128, 64), 128: (64, 32)}  # (block_q, block_k) per head dim (48 KB shared)
-BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256], "block_k": 64}
+BLOCKS = {64: (128, 32), 128: (64, 16)}  # (block_q, block_k) per head dim, unless --tune
+LAYOUTS: dict = {}  # forced thread layout per head dim ("RPT,TPR"), set by --tune
+BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256]}  # block_k: BLOCKS
 # Tuning at N = 4096: tile sizes x thread layouts (rows per thread, threads per row; see
 # microkernel.Layout), per head dim.
 LAYOUT_SWEEP = {"n": 4096, "d": {
-    64: {"blocks": [(128, 32), (128, 64)], "layouts": [(1, 2), (2, 2), (2, 4)]},
-    128: {"blocks": [(64, 16), (128, 16), (64, 32)], "layouts": [(1, 4), (2, 4), (1, 2)]}}}
+    64: {"blocks": [(128, 32), (128, 64)], "layouts": [(1, 2), (2, 2)]},
+    128: {"blocks": [(64, 16), (128, 16)], "layouts": [(1, 4), (2, 4)]}}}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 
@@ -126,7 +129,29 @@ def finished_rows(path: Path) -> dict:
 def blank_row(name, dtype, p, status="ok") -> dict:
     return {"provider": name, "dtype": dtype, "batch": p.batch, "heads": p.heads, "n": p.n_q,
             "d": p.d, "causal": p.causal, "block_q": p.block_q, "block_k": p.block_k,
+            "layout": layout_in_effect(p),
             "ms_median": "", "tflops": "", "rel_error": "", "status": status}
+
+
+def layout_in_effect(p) -> str:
+    """RPT,TPR of the flash micro-kernel (microkernel.Layout) at p; dense does not use it."""
+    try:
+        return "{},{}".format(*thread_layout(p.d, p.dv, p.block_q))
+    except ValueError:
+        return "invalid"
+
+
+@contextmanager
+def forced_layout(layout: str | None):
+    """Run with LOOP_ORDERS_LAYOUT=layout (microkernel.thread_layout), or unchanged if None."""
+    if layout is None:
+        yield
+        return
+    os.environ["LOOP_ORDERS_LAYOUT"] = layout
+    try:
+        yield
+    finally:
+        del os.environ["LOOP_ORDERS_LAYOUT"]
 
 
 def measure(name, dtype, what, p, rng) -> dict:
@@ -135,7 +160,7 @@ def measure(name, dtype, what, p, rng) -> dict:
     try:
         if isinstance(what, str):
             ms, err = bench_torch(what, dtype, p, rng)
-            row["block_q"] = row["block_k"] = ""
+            row["block_q"] = row["block_k"] = row["layout"] = ""
         else:
             lo.api.check_launch(what, p, count=False)
             ms, err = bench_schedule(what, p, rng)
@@ -169,7 +194,8 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
             if predicted > POINT_BUDGET_S:
                 row = blank_row(name, dtype, p, f"skipped: predicted {predicted:.1f} s per launch")
             else:
-                row = measure(name, dtype, what, p, rng)
+                with forced_layout(LAYOUTS.get(d)):
+                    row = measure(name, dtype, what, p, rng)
                 if row["status"] == "ok":
                     last_ms[trend] = row["ms_median"]
             rows.append(row)
@@ -180,7 +206,8 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
 def run_blocksize(out_dir: Path, rng) -> None:
     """Block size vs model traffic and runtime (cf. FlashAttention Figure 2, middle)."""
     rows = []
-    n, d, block_k = BLOCKSIZE_SWEEP["n"], BLOCKSIZE_SWEEP["d"], BLOCKSIZE_SWEEP["block_k"]
+    n, d = BLOCKSIZE_SWEEP["n"], BLOCKSIZE_SWEEP["d"]
+    block_k = BLOCKS[d][1]
     batch, heads = shape_for(n)
     for sched in lo.all_schedules():
         for block_q in BLOCKSIZE_SWEEP["block_q"]:
@@ -201,46 +228,79 @@ def run_blocksize(out_dir: Path, rng) -> None:
     write_csv(out_dir / "bench_blocksize.csv", rows, PROV)
 
 
-def run_layouts(out_dir: Path, rng) -> None:
+def run_layouts(out_dir: Path, only: set | None, rng) -> list[dict]:
     """Every tile size and thread layout of the flash micro-kernel: registers, local memory
-    and runtime, beside SDPA (efficient) at the same shape.
+    and runtime, beside SDPA (efficient) at the same shape. Returns the rows.
 
     The layout is forced through LOOP_ORDERS_LAYOUT; kernels that do not change with it
     (dense's) are timed once per tile size."""
     rows, seen = [], set()
     n = LAYOUT_SWEEP["n"]
     batch, heads = shape_for(n)
+    schedules = [s for s in lo.all_schedules() if only is None or s.name in only]
     for d, grid in LAYOUT_SWEEP["d"].items():
-        p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads)
+        p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
+                            block_q=BLOCKS[d][0], block_k=BLOCKS[d][1])
         base = measure("torch_sdpa_efficient", "float32", "efficient", p, rng)
-        rows.append({"schedule": base["provider"], "layout": "", **base, "regs": "",
-                     "local_bytes": ""})
+        rows.append({"schedule": base["provider"], **base, "regs": "", "local_bytes": ""})
         for sched, (block_q, block_k), layout in itertools.product(
-                lo.all_schedules(), grid["blocks"], grid["layouts"]):
+                schedules, grid["blocks"], grid["layouts"]):
             p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
                                 block_q=block_q, block_k=block_k)
-            row = {"schedule": sched.name, "layout": f"{layout[0]},{layout[1]}",
-                   **blank_row(sched.name, "float32", p), "regs": "", "local_bytes": ""}
-            os.environ["LOOP_ORDERS_LAYOUT"] = row["layout"]
-            try:
-                kernels = tuple(sched.kernels(p, False))
-                if kernels in seen:
-                    continue
-                seen.add(kernels)
-                lo.api.check_launch(sched, p, count=False)
-                ms, _ = bench_schedule(sched, p, rng)
-                row.update(ms_median=round(ms, 4), tflops=round(flops(p) / ms / 1e9, 3),
-                           regs=max(kernels[0].get_regs_per_thread().values()),
-                           local_bytes=max(kernels[0].get_local_mem_per_thread().values()))
-            except (ValueError, RuntimeError, MemoryError) as exc:
-                row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
-            finally:
-                del os.environ["LOOP_ORDERS_LAYOUT"]
+            forced = f"{layout[0]},{layout[1]}"
+            with forced_layout(forced):
+                row = {"schedule": sched.name, **blank_row(sched.name, "float32", p),
+                       "regs": "", "local_bytes": ""}
+                row.update(time_layout(sched, p, seen, rng) or {"status": "duplicate"})
+            if row["status"] == "duplicate":
+                continue
             rows.append(row)
             print(f"tuning {sched.name:8s} d={d} {block_q}x{block_k} {row['layout']}: "
                   f"{row['ms_median']} ms {row['tflops']} TFLOP/s regs {row['regs']} local "
                   f"{row['local_bytes']} {row['status'][:60]}", flush=True)
         write_csv(out_dir / "bench_layouts.csv", rows, PROV)
+    return rows
+
+
+def time_layout(sched, p, seen: set, rng) -> dict | None:
+    """Time one tuning point (None if its kernels were timed already): fields to update."""
+    try:
+        kernels = tuple(sched.kernels(p, False))
+        if kernels in seen:
+            return None
+        seen.add(kernels)
+        lo.api.check_launch(sched, p, count=False)
+        ms, _ = bench_schedule(sched, p, rng)
+    except (ValueError, RuntimeError, MemoryError) as exc:
+        return {"status": f"refused: {str(exc).splitlines()[0][:160]}"}
+    return {"ms_median": round(ms, 4), "tflops": round(flops(p) / ms / 1e9, 3),
+            "regs": max(kernels[0].get_regs_per_thread().values()),
+            "local_bytes": max(kernels[0].get_local_mem_per_thread().values())}
+
+
+def finished_tuning(path: Path) -> list[dict]:
+    """The tuning rows a previous run of this same commit wrote (numbers parsed), if any."""
+    if not path.exists():
+        return []
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if r["git_sha"] == PROV["git_sha"]]
+    for r in rows:
+        r["d"] = int(r["d"])
+        if r["block_q"]:
+            r["block_q"], r["block_k"] = int(r["block_q"]), int(r["block_k"])
+        if r["ms_median"]:
+            r["ms_median"] = float(r["ms_median"])
+    return rows
+
+
+def fastest_configs(rows: list[dict]) -> dict:
+    """{d: (block_q, block_k, layout)}: the fastest of our schedules' tuning rows per d."""
+    best = {}
+    for r in rows:
+        ours = r["status"] == "ok" and r["block_q"] != ""  # torch rows have no tiles
+        if ours and (r["d"] not in best or r["ms_median"] < best[r["d"]]["ms_median"]):
+            best[r["d"]] = r
+    return {d: (r["block_q"], r["block_k"], r["layout"]) for d, r in best.items()}
 
 
 def kernel_report(rng) -> dict:
@@ -253,13 +313,15 @@ def kernel_report(rng) -> dict:
                             block_q=BLOCKS[d][0], block_k=BLOCKS[d][1])
         bufs = Buffers(sched, p, rng)
         times = {}
-        for count in (False, True):
-            bufs.launch(0, count=count)
-            times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
+        with forced_layout(LAYOUTS.get(d)):
+            for count in (False, True):
+                bufs.launch(0, count=count)
+                times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
+            kernels = {count: sched.kernels(p, count) for count in (False, True)}
         report["counting"].append({"schedule": sched.name, "n": n, "d": d, "ms_off": times[False],
                                    "ms_on": times[True]})
         for count in (False, True):
-            for kernel in sched.kernels(p, count):
+            for kernel in kernels[count]:
                 for sig, regs in kernel.get_regs_per_thread().items():
                     ptx = kernel.inspect_asm(sig)
                     report["kernels"].append({
@@ -294,7 +356,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-extras", action="store_true",
                         help="skip the block-size sweep and the kernel report")
     parser.add_argument("--layouts", action="store_true",
-                        help="only the thread-layout sweep (bench_layouts.csv)")
+                        help="only the tuning sweep of tiles and layouts (bench_layouts.csv)")
+    parser.add_argument("--tune", action="store_true",
+                        help="run the tuning sweep first; the sweep then uses, per d, the "
+                             "fastest tiles and layout it found")
+    parser.add_argument("--tune-providers", default="q_outer",
+                        help="schedules the tuning sweep times (comma-separated)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
@@ -309,20 +376,26 @@ def main(argv=None) -> int:
              "d": args.d or SWEEP["d"],
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
-    if args.layouts:
-        run_layouts(args.out, rng)
-        print(f"bench_runtime: done in {time.time() - t0:.0f} s")
-        return 0
+    if args.layouts or args.tune:
+        rows = (finished_tuning(args.out / "bench_layouts.csv") if args.tune else None) or \
+            run_layouts(args.out, set(args.tune_providers.split(",")), rng)
+        tuned = fastest_configs(rows)
+        print(f"bench_runtime: tuning done in {time.time() - t0:.0f} s: {tuned}", flush=True)
+        if args.layouts:
+            return 0
+        for d, (block_q, block_k, layout) in tuned.items():
+            BLOCKS[d], LAYOUTS[d] = (block_q, block_k), layout
+    report_file = args.out / "bench_kernels.json"
+    reported = report_file.exists() and \
+        json.loads(report_file.read_text())["provenance"]["git_sha"] == PROV["git_sha"]
+    if not args.no_extras and not reported:  # first: counting overhead, compiler's report
+        report = kernel_report(rng)
+        report["provenance"] = PROV
+        atomic_write_text(report_file, json.dumps(report, indent=1, default=str))
+        print(json.dumps(report["counting"], indent=1), flush=True)
     run_sweep(args.out, sweep, only, rng)
-    if args.no_extras:
-        print(f"bench_runtime: done in {time.time() - t0:.0f} s")
-        return 0
-    run_blocksize(args.out, rng)
-    report = kernel_report(rng)
-    report["provenance"] = PROV
-    atomic_write_text(args.out / "bench_kernels.json", json.dumps(report, indent=1,
-                                                                  default=str))
-    print(json.dumps(report["counting"], indent=1))
+    if not args.no_extras:
+        run_blocksize(args.out, rng)
     print(f"bench_runtime: done in {time.time() - t0:.0f} s")
     return 0
 

@@ -16,7 +16,7 @@ for stage in "$@"; do case "$stage" in
          grep -E "relative error" "$OUT/pytest_gpu.log"; tail -3 "$OUT/pytest_gpu.log" ;;
   layouts) timeout 300 python3 -m experiments.bench_runtime --layouts --out "$OUT" 2>&1 \
            | tee "$OUT/layouts.log" | tail -30 ;;
-  bench) timeout 400 python3 -m experiments.bench_runtime --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
+  bench) timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.bench_runtime --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
            | tee "$OUT/bench.log" | tail -80 ;;
   ncu)   timeout 400 python3 -m experiments.hw_traffic --out "$OUT" ${HW_ARGS:-} 2>&1 | tail -70 ;;
   *) echo "usage: gpu_run.sh tests|bench|layouts|ncu ..."; exit 2 ;;

@@ -50,20 +50,25 @@ class Layout(NamedTuple):
         return 255 if self.rpt * (d + dv) // self.tpr > 64 else 128
 
 
+LAYOUT_ORDER = [Layout(1, 2), Layout(1, 4), Layout(2, 4), Layout(2, 2), Layout(2, 1)]
+
+
 def thread_layout(d: int, dv: int, block_q: int) -> Layout:
-    """The first layout, most register blocking first, whose rows' q and acc slices fit in
-    128 registers, whose parts split both head dims into 4-wide chunks, and whose CTA is whole
-    warps (a row's lanes then share a warp). The simulator has no shuffles: TPR = 1 there.
-    `LOOP_ORDERS_LAYOUT=RPT,TPR` forces a layout (for tuning; it must still be valid).
+    """The first of the candidate layouts whose rows' q and acc slices take at most 64
+    registers (so a 128-register cap leaves room for scores, addresses and the K/V tile in
+    flight), whose parts split both head dims into 4-wide chunks, and whose CTA is whole
+    warps (a row's lanes then share a warp). Candidates are ordered by measured speed on
+    the H200 (results/bench_layouts.csv). The simulator has no shuffles: TPR = 1 there.
+    `LOOP_ORDERS_LAYOUT=RPT,TPR` forces a layout (for tuning; it must still be valid, and
+    may then use up to 128 registers of q and acc, compiled with a 255-register cap).
     """
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
-    candidates = [Layout(*map(int, forced.split(",")))] if forced else [
-        Layout(2, 2), Layout(2, 4), Layout(1, 2), Layout(1, 4), Layout(2, 1), Layout(1, 1)]
+    candidates = [Layout(*map(int, forced.split(",")))] if forced else LAYOUT_ORDER
     for lay in candidates:
         if lay.tpr > 1 and (SIMULATOR or d % (4 * lay.tpr) or dv % (4 * lay.tpr)
                             or lay.threads(block_q) % 32):
             continue
-        if block_q % lay.rpt or lay.rpt * (d + dv) // lay.tpr > 128:
+        if block_q % lay.rpt or lay.rpt * (d + dv) // lay.tpr > (128 if forced else 64):
             continue
         return lay
     if forced:
