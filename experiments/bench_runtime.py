@@ -36,9 +36,12 @@ from loop_orders.results import atomic_write_text, provenance
 SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
 TOKENS = 4 * 16 * 4096  # batch * heads * N, the reference shape B=4, H=16, N=4096
 HEADS = 16
-BLOCKS = {64: (128, 32), 128: (64, 16)}  # (block_q, block_k) per head dim, unless --tune
+# (block_q, block_k) per head dim, unless --tune: the fastest q_outer tiles of the tuning
+# sweep (results/bench_layouts.csv)
+BLOCKS = {64: (128, 64), 128: (64, 16)}
 LAYOUTS: dict = {}  # forced thread layout per head dim ("RPT,TPR"), set by --tune
-BLOCKSIZE_SWEEP = {"n": 4096, "d": 64, "block_q": [16, 32, 64, 128, 256]}  # block_k: BLOCKS
+BLOCKSIZE_SWEEP = {"schedules": ["q_outer"], "n": 4096, "d": 64,
+                   "block_q": [16, 32, 64, 128, 256]}  # block_k from BLOCKS
 # Tuning at N = 4096: tile sizes x thread layouts (rows per thread, threads per row; see
 # microkernel.Layout), per head dim.
 LAYOUT_SWEEP = {"n": 4096, "d": {
@@ -209,7 +212,7 @@ def run_blocksize(out_dir: Path, rng) -> None:
     n, d = BLOCKSIZE_SWEEP["n"], BLOCKSIZE_SWEEP["d"]
     block_k = BLOCKS[d][1]
     batch, heads = shape_for(n)
-    for sched in lo.all_schedules():
+    for sched in map(lo.get_schedule, BLOCKSIZE_SWEEP["schedules"]):
         for block_q in BLOCKSIZE_SWEEP["block_q"]:
             p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
                                 block_q=block_q, block_k=block_k)
@@ -322,15 +325,15 @@ def kernel_report(rng) -> dict:
                                    "ms_on": times[True]})
         for count in (False, True):
             for kernel in kernels[count]:
-                for sig, regs in kernel.get_regs_per_thread().items():
-                    ptx = kernel.inspect_asm(sig)
+                regs, local = kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread()
+                shared, asm = kernel.get_shared_mem_per_block(), kernel.inspect_asm()
+                for sig in regs:  # each dict is keyed by the compiled argument types
                     report["kernels"].append({
                         "schedule": sched.name, "kernel": kernel.py_func.__name__,
-                        "count": count, "constants": _closure(kernel), "regs": regs,
-                        "local_bytes": kernel.get_local_mem_per_thread(sig),
-                        "shared_bytes": kernel.get_shared_mem_per_block(sig),
-                        "atomics_in_ptx": ptx.count("atom."),
-                        "vector_shared_loads": ptx.count("ld.shared.v4")})
+                        "count": count, "constants": _closure(kernel), "regs": regs[sig],
+                        "local_bytes": local[sig], "shared_bytes": shared[sig],
+                        "atomics_in_ptx": asm[sig].count("atom."),
+                        "vector_shared_loads": asm[sig].count("ld.shared.v4")})
     return report
 
 
@@ -393,9 +396,9 @@ def main(argv=None) -> int:
         report["provenance"] = PROV
         atomic_write_text(report_file, json.dumps(report, indent=1, default=str))
         print(json.dumps(report["counting"], indent=1), flush=True)
-    run_sweep(args.out, sweep, only, rng)
     if not args.no_extras:
         run_blocksize(args.out, rng)
+    run_sweep(args.out, sweep, only, rng)
     print(f"bench_runtime: done in {time.time() - t0:.0f} s")
     return 0
 

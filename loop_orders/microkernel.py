@@ -50,25 +50,27 @@ class Layout(NamedTuple):
         return 255 if self.rpt * (d + dv) // self.tpr > 64 else 128
 
 
-LAYOUT_ORDER = [Layout(1, 2), Layout(1, 4), Layout(2, 4), Layout(2, 2), Layout(2, 1)]
+# Candidates, fastest first as measured on the H200 (results/bench_layouts.csv), each with
+# the most registers its rows' q and acc slices may take: (1, 2) at d = 64 (64 registers,
+# a 128-register cap); (2, 4) at d = 128, where two rows per thread beat one by 1.5x.
+LAYOUT_ORDER = [(Layout(1, 2), 64), (Layout(2, 4), 128), (Layout(2, 2), 128),
+                (Layout(1, 4), 64), (Layout(2, 1), 64)]
 
 
 def thread_layout(d: int, dv: int, block_q: int) -> Layout:
-    """The first of the candidate layouts whose rows' q and acc slices take at most 64
-    registers (so a 128-register cap leaves room for scores, addresses and the K/V tile in
-    flight), whose parts split both head dims into 4-wide chunks, and whose CTA is whole
-    warps (a row's lanes then share a warp). Candidates are ordered by measured speed on
-    the H200 (results/bench_layouts.csv). The simulator has no shuffles: TPR = 1 there.
-    `LOOP_ORDERS_LAYOUT=RPT,TPR` forces a layout (for tuning; it must still be valid, and
-    may then use up to 128 registers of q and acc, compiled with a 255-register cap).
+    """The first candidate layout whose rows' q and acc slices fit its register budget,
+    whose parts split both head dims into 4-wide chunks, and whose CTA is whole warps (a
+    row's lanes then share a warp); else one thread per row. The simulator has no shuffles:
+    TPR = 1 there. `LOOP_ORDERS_LAYOUT=RPT,TPR` forces a layout (for tuning; it must still
+    be valid, with up to 128 registers of q and acc).
     """
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
-    candidates = [Layout(*map(int, forced.split(",")))] if forced else LAYOUT_ORDER
-    for lay in candidates:
+    candidates = [(Layout(*map(int, forced.split(","))), 128)] if forced else LAYOUT_ORDER
+    for lay, budget in candidates:
         if lay.tpr > 1 and (SIMULATOR or d % (4 * lay.tpr) or dv % (4 * lay.tpr)
                             or lay.threads(block_q) % 32):
             continue
-        if block_q % lay.rpt or lay.rpt * (d + dv) // lay.tpr > (128 if forced else 64):
+        if block_q % lay.rpt or lay.rpt * (d + dv) // lay.tpr > budget:
             continue
         return lay
     if forced:
