@@ -3,7 +3,8 @@
 The measurements themselves need a GPU and minutes of device time, so `loop-orders figures`
 does not rerun them: `python -m experiments.bench_runtime` and `python -m
 experiments.hw_traffic` do (README, "GPU experiments"). This step plots whatever of
-bench_runtime.csv and hw_traffic.csv the results directory holds, and says which is missing.
+bench_runtime.csv, hw_traffic.csv and bench_blocksize.csv the results directory holds, and
+says which is missing.
 """
 
 from __future__ import annotations
@@ -52,10 +53,34 @@ def plot_hw(rows: list[dict], out: Path) -> list[Path]:
     return plot_bench.save_with_provenance(fig, rows[0], out, "hw_traffic")
 
 
+def plot_blocksize(rows: list[dict], out: Path) -> list[Path]:
+    """Block size Br vs the model's HBM bytes and the measured runtime, side by side (the
+    analogue of the FlashAttention paper's Figure 2, middle), one schedule per row."""
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    fig, axes = common.pyplot().subplots(len(schedules), 2, figsize=(9, 3.6 * len(schedules)),
+                                         squeeze=False)
+    for (left, right), name in zip(axes, schedules, strict=True):
+        pts = sorted((int(r["block_q"]), int(r["model_bytes"]), r["ms_median"], r["status"])
+                     for r in rows if r["schedule"] == name)
+        labels = [str(p[0]) for p in pts]
+        left.bar(labels, [p[1] / 1e9 for p in pts], color="tab:blue")
+        left.set_ylabel("HBM traffic, model (GB)")
+        timed = [(str(p[0]), float(p[2])) for p in pts if p[3] == "ok"]
+        right.bar([t[0] for t in timed], [t[1] for t in timed], color="tab:orange")
+        right.set_ylabel("runtime (ms, median)")
+        first = next(r for r in rows if r["schedule"] == name)
+        for ax in (left, right):
+            ax.set_xlabel("Br (query rows per block)")
+            ax.set_title(f"{name}: N={first['n']}, d={first['d']}, Bc={first['block_k']}, "
+                         f"B·H={int(first['batch']) * int(first['heads'])}", fontsize=9)
+    return plot_bench.save_with_provenance(fig, rows[0], out, "bench_blocksize")
+
+
 def plot(ctx: common.Context) -> list:
     written = []
     for name, required, draw in (("bench_runtime.csv", "provider", plot_bench.plot),
-                                 ("hw_traffic.csv", "ncu_ld_bytes", plot_hw)):
+                                 ("hw_traffic.csv", "ncu_ld_bytes", plot_hw),
+                                 ("bench_blocksize.csv", "model_bytes", plot_blocksize)):
         path = ctx.results_dir / name
         if path.exists():
             written += draw(plot_bench.read_rows(path, required), ctx.figures_dir)

@@ -12,7 +12,7 @@ from pathlib import Path
 import loop_orders as lo
 from loop_orders import results
 
-from . import common, explainer, theorem2, traffic
+from . import common, explainer, gpu_notes, theorem2, traffic
 
 # Where the paper's statements live in our code: (label, file, a text on the line).
 ANCHORS = [
@@ -29,6 +29,12 @@ ANCHORS = [
      "# K_j, V_j: reloaded from HBM"),
     ("FA-2 forward: write O_i once", "loop_orders/schedules/q_outer.py", "# O_i: written"),
     ("FA-2 forward, q_outer traffic model", "loop_orders/schedules/q_outer.py", "def model("),
+    ("FA-2 forward: the next K/V tile fetched during compute", "loop_orders/schedules/q_outer.py",
+     "# K_j+1, V_j+1"),
+    ("Shared micro-kernel (S = Q K^T, online softmax, P V)", "loop_orders/microkernel.py",
+     "def make_online_update("),
+    ("Rows to and from HBM as coalesced tiles", "loop_orders/microkernel.py",
+     "def make_row_io("),
     ("online-softmax recurrence (explainer)", "loop_orders/reference.py", "def online_row("),
     ("Standard attention (Algorithm 0) model", "loop_orders/schedules/dense.py", "def model("),
     ("Theorem 2 Θ(N²d²/M), Θ(Nd + N²)", "loop_orders/theory.py", "def flash_traffic("),
@@ -84,7 +90,7 @@ def provenance_block(ctx: common.Context) -> str:
         lines.append(f"| `{ctx.results_path(name).name}` | `{p.get('git_sha')}` | "
                      f"{p.get('device')} | {p.get('date')} | {v.get('numpy')} / "
                      f"{v.get('numba-cuda')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + gpu_notes.provenance_rows(ctx.results_dir))
 
 
 def blocks(ctx: common.Context) -> dict[str, str]:
@@ -93,7 +99,7 @@ def blocks(ctx: common.Context) -> dict[str, str]:
             "explainer-ledger": explainer.ledger_table(ex),
             "explainer-walkthrough": explainer.walkthrough_table(ex),
             "traffic-summary": traffic_summary(ctx), "theorem2-slopes": slope_table(ctx),
-            "provenance": provenance_block(ctx)}
+            "provenance": provenance_block(ctx), **gpu_notes.blocks(ctx.results_dir)}
 
 
 def replace_blocks(text: str, new: dict[str, str]) -> str:

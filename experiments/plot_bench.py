@@ -28,7 +28,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
             n, ms, tf = zip(*pts, strict=True)
             dtype = next(r["dtype"] for r in sel if r["provider"] == provider)
             axes[0, col].loglog(n, ms, "o-", label=f"{provider} ({dtype})", base=2)
-            axes[1, col].semilogx(n, tf, "o-", label=provider, base=2)
+            axes[1, col].loglog(n, tf, "o-", label=provider, base=2)
         axes[0, col].set_title(f"d={d}, causal={causal}, batch*heads*N = 262144")
         axes[0, col].set_ylabel("median ms per forward")
         axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")

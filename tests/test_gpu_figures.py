@@ -75,3 +75,52 @@ def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
     assert [int(r["n"]) for r in rows] == [512, 1024]
     with (tmp_path / "bench_runtime.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 2
+
+
+def test_plot_blocksize_draws_traffic_and_runtime(tmp_path):
+    base = {"device": "fixture", "git_sha": "f" * 40, "date": "2026-11-30", "n": 4096,
+            "d": 64, "batch": 4, "heads": 16, "block_k": 64}
+    rows = [{**base, "schedule": "q_outer", "block_q": bq, "model_bytes": 2**40 // bq,
+             "ms_median": "" if bq == 16 else 10 + bq / 100,
+             "status": "refused: fixture" if bq == 16 else "ok"} for bq in (16, 32, 64)]
+    _write(tmp_path / "bench_blocksize.csv", rows)
+    loaded = plot_bench.read_rows(tmp_path / "bench_blocksize.csv", "model_bytes")
+    paths = gpu_figures.plot_blocksize(loaded, tmp_path / "fig")
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+
+
+def test_tuning_picks_the_fastest_of_our_configurations_and_resumes(tmp_path, monkeypatch):
+    from experiments import bench_runtime as bench
+
+    monkeypatch.setattr(bench, "PROV", {"git_sha": "abc"})
+    rows = [
+        {"schedule": "torch_sdpa_efficient", "d": 64, "block_q": "", "block_k": "",
+         "layout": "", "ms_median": 1.0, "status": "ok"},
+        {"schedule": "q_outer", "d": 64, "block_q": 128, "block_k": 64, "layout": "1,2",
+         "ms_median": 3.0, "status": "ok"},
+        {"schedule": "q_outer", "d": 64, "block_q": 128, "block_k": 32, "layout": "2,2",
+         "ms_median": 2.0, "status": "ok"},
+        {"schedule": "q_outer", "d": 64, "block_q": 64, "block_k": 32, "layout": "2,4",
+         "ms_median": "", "status": "refused: fixture"},
+        {"schedule": "q_outer", "d": 128, "block_q": 64, "block_k": 16, "layout": "2,4",
+         "ms_median": 5.0, "status": "ok"},
+    ]
+    assert bench.fastest_configs(rows) == {64: (128, 32, "2,2"), 128: (64, 16, "2,4")}
+    bench.write_csv(tmp_path / "bench_layouts.csv", rows, {"git_sha": "abc"})
+    again = bench.finished_tuning(tmp_path / "bench_layouts.csv")
+    assert bench.fastest_configs(again) == {64: (128, 32, "2,2"), 128: (64, 16, "2,4")}
+    monkeypatch.setattr(bench, "PROV", {"git_sha": "another commit"})
+    assert bench.finished_tuning(tmp_path / "bench_layouts.csv") == []
+
+
+def test_gpu_notes_blocks_from_committed_results_and_without_them(tmp_path):
+    from experiments import gpu_notes
+    from experiments.common import REPO_ROOT
+
+    committed = gpu_notes.blocks(REPO_ROOT / "results")
+    assert "Not measured yet" not in "".join(committed.values())
+    assert "largest |ncu L1 bytes − counted| / counted" in committed["hw-traffic"]
+    assert "q_outer / SDPA efficient" in committed["bench-summary"]
+    empty = gpu_notes.blocks(tmp_path)
+    assert all(v.startswith("*Not measured yet") for v in empty.values())
+    assert gpu_notes.provenance_rows(tmp_path) == []
