@@ -49,8 +49,13 @@ def results_dir(override: str | os.PathLike | None = None) -> Path:
     return Path(chosen)
 
 
+# What the experiments write: changes there do not make the code that measured "dirty".
+OUTPUTS = ("results", "figures", "paper_notes.md")
+
+
 def git_sha(root: Path = REPO_ROOT) -> str:
-    """HEAD's SHA, with '-dirty' when tracked files differ from it; 'unknown' outside git.
+    """HEAD's SHA, with '-dirty' when tracked files other than the experiments' outputs
+    (OUTPUTS) differ from it; 'unknown' outside git.
 
     $LOOP_ORDERS_GIT_SHA overrides it, for a copy of the tree without .git (a GPU machine).
     """
@@ -59,7 +64,8 @@ def git_sha(root: Path = REPO_ROOT) -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", *(f":(exclude){o}" for o in OUTPUTS)],
                                cwd=root, capture_output=True, text=True, check=True,
                                timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):

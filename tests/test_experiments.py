@@ -238,3 +238,26 @@ def test_figures_quick_end_to_end(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "corrupt or partial" in err and err.count("\n") == 1
+
+
+def test_git_sha_is_dirty_for_code_changes_only(tmp_path, monkeypatch):
+    import subprocess
+
+    from loop_orders.results import git_sha
+
+    monkeypatch.delenv("LOOP_ORDERS_GIT_SHA", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("1")
+    (tmp_path / "paper_notes.md").write_text("1")
+    (tmp_path / "code.py").write_text("1")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "results" / "r.json").write_text("2")  # an experiment's output
+    (tmp_path / "paper_notes.md").write_text("2")
+    assert git_sha(tmp_path) == head
+    (tmp_path / "code.py").write_text("2")  # the code that measures
+    assert git_sha(tmp_path) == head + "-dirty"

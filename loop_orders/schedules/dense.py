@@ -94,7 +94,7 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
             cuda.syncthreads()  # K_j is in shared memory for all rows
             for c0 in range(0, bc, SW):
                 width = min(SW, bc - c0)
-                for c in range(width):
+                for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
                     score = float32(-math.inf)  # masked scores are written too
                     if not CAUSAL or key0 + c0 + c <= row:
                         dot = float32(0.0)
@@ -219,7 +219,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
                 if COUNT:
                     cnt[P_R] += moved
                 cuda.syncthreads()  # V_j and this chunk of P_ij are in shared memory
-                for c in range(width):
+                for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
                     if not CAUSAL or key0 + c0 + c <= row:
                         # a masked key (P = 0) never touches V: 0 * NaN would be NaN
                         p = P_ij[t, c]
