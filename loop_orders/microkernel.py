@@ -46,7 +46,8 @@ class Layout(NamedTuple):
         return block_q // self.rpt * self.tpr
 
     def registers(self, d: int, dv: int) -> int:
-        """The register cap to compile with: RPT rows of q and acc need more than 128."""
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM), or 255 when
+        the rows' q and acc slices alone take more than 64 registers."""
         return 255 if self.rpt * (d + dv) // self.tpr > 64 else 128
 
 
