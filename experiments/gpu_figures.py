@@ -20,14 +20,19 @@ def run(ctx: common.Context) -> None:
     """Nothing to measure here; see the module docstring."""
 
 
+L2_BYTES = 60 * 2**20  # the H200 we measure on (DESIGN.md: 132 SMs, 60 MB L2)
+
+
 def plot_hw(rows: list[dict], out: Path) -> list[Path]:
-    """Per schedule: model, counted, ncu logical and DRAM bytes vs N (float32, not causal),
-    and DRAM / logical bytes, where the 60 MB L2 absorbs re-reads."""
+    """Two figures: per schedule, model, counted, ncu logical and DRAM bytes vs N (float32,
+    not causal); and DRAM / logical bytes vs N, where the L2 absorbs re-reads, with the N at
+    which one B·H·N² float32 matrix (dense's S or P) fills the L2."""
     sel = [r for r in rows if r["dtype"] == "float32" and r["causal"] == "False"]
     schedules = list(dict.fromkeys(r["schedule"] for r in sel))
-    width = len(schedules) + 1
-    fig, axes = common.pyplot().subplots(1, width, figsize=(4.6 * width, 4.2))
-    for ax, name in zip(axes, schedules, strict=False):
+    fig, axes = common.pyplot().subplots(1, len(schedules), figsize=(4.6 * len(schedules), 4.2),
+                                         squeeze=False)
+    ratio_fig, ratio_ax = common.pyplot().subplots(figsize=(6.4, 4.4))
+    for ax, name in zip(axes[0], schedules, strict=True):
         pts = sorted((int(r["n"]), r) for r in sel if r["schedule"] == name)
         n = [p[0] for p in pts]
         series = {
@@ -45,12 +50,16 @@ def plot_hw(rows: list[dict], out: Path) -> list[Path]:
         ax.legend(fontsize=7)
         ratio = [d / max(1, c) for d, c in zip(series["DRAM rd+wr"], series["counted"],
                                                strict=True)]
-        axes[-1].semilogx(n, ratio, "o-", label=name, base=2)
-    axes[-1].axhline(1.0, color="grey", lw=0.8)
-    axes[-1].set_title("DRAM bytes / logical bytes (< 1: L2 hits)")
-    axes[-1].set_xlabel("N")
-    axes[-1].legend(fontsize=7)
-    return plot_bench.save_with_provenance(fig, rows[0], out, "hw_traffic")
+        ratio_ax.semilogx(n, ratio, "o-", label=name, base=2)
+    bh = int(sel[0]["batch"]) * int(sel[0]["heads"])
+    ratio_ax.axvline((L2_BYTES / (4 * bh)) ** 0.5, color="grey", ls=":",
+                     label=f"B·H·N²·4 B = L2 ({L2_BYTES >> 20} MB), B·H = {bh}")
+    ratio_ax.axhline(1.0, color="grey", lw=0.8)
+    ratio_ax.set_title("DRAM bytes / logical bytes (< 1: L2 hits)", fontsize=10)
+    ratio_ax.set_xlabel("N")
+    ratio_ax.legend(fontsize=7)
+    return (plot_bench.save_with_provenance(fig, rows[0], out, "hw_traffic")
+            + plot_bench.save_with_provenance(ratio_fig, rows[0], out, "hw_traffic_l2"))
 
 
 def plot_blocksize(rows: list[dict], out: Path) -> list[Path]:

@@ -43,7 +43,7 @@ def _write(path, rows):
 
 def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
     base = {"dtype": "float32", "causal": "False", "device": "fixture", "git_sha": "f" * 40,
-            "date": "2026-11-30"}
+            "date": "2026-11-30", "batch": 2, "heads": 4}
     rows = [{**base, "schedule": s, "n": n, "model_bytes": 4 * n * n,
              "counted_bytes": 4 * n * n, "ncu_ld_bytes": 3 * n * n, "ncu_st_bytes": n * n,
              "dram_read_bytes": n * n, "dram_write_bytes": n * n}
@@ -51,6 +51,8 @@ def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
     _write(tmp_path / "hw_traffic.csv", rows)
     loaded = plot_bench.read_rows(tmp_path / "hw_traffic.csv", "ncu_ld_bytes")
     paths = gpu_figures.plot_hw(loaded, tmp_path / "fig")
+    assert {p.name for p in paths} == {"hw_traffic.png", "hw_traffic.pdf", "hw_traffic_l2.png",
+                                       "hw_traffic_l2.pdf"}
     assert all(p.exists() and p.stat().st_size > 0 for p in paths)
     with pytest.raises(ValueError, match="no column 'provider'"):
         plot_bench.read_rows(tmp_path / "hw_traffic.csv", "provider")
