@@ -26,8 +26,10 @@ L2_BYTES = 60 * 2**20  # the H200 we measure on (DESIGN.md: 132 SMs, 60 MB L2)
 def plot_hw(rows: list[dict], out: Path) -> list[Path]:
     """Two figures: per schedule, model, counted, ncu logical and DRAM bytes vs N (float32,
     not causal); and DRAM / logical bytes vs N, where the L2 absorbs re-reads, with the N at
-    which one B·H·N² float32 matrix (dense's S or P) fills the L2."""
-    sel = [r for r in rows if r["dtype"] == "float32" and r["causal"] == "False"]
+    which one B·H·N² float32 matrix (dense's S or P) fills the L2. Tiles: the file's first."""
+    tiles = (rows[0]["block_q"], rows[0]["block_k"])
+    sel = [r for r in rows if r["dtype"] == "float32" and r["causal"] == "False"
+           and (r["block_q"], r["block_k"]) == tiles]
     schedules = list(dict.fromkeys(r["schedule"] for r in sel))
     fig, axes = common.pyplot().subplots(1, len(schedules), figsize=(4.6 * len(schedules), 4.2),
                                          squeeze=False)
@@ -44,7 +46,7 @@ def plot_hw(rows: list[dict], out: Path) -> list[Path]:
         }
         for (label, ys), style in zip(series.items(), ["-", "o", "x", "s--"], strict=True):
             ax.loglog(n, ys, style, label=label, base=2)
-        ax.set_title(name)
+        ax.set_title(f"{name} (Br × Bc = {tiles[0]} × {tiles[1]})", fontsize=10)
         ax.set_xlabel("N")
         ax.set_ylabel("bytes")
         ax.legend(fontsize=7)

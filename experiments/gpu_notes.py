@@ -41,14 +41,17 @@ def hw_traffic(results_dir: Path) -> str:
         return _missing(path)
     worst = max(abs(float(r["ncu_vs_counted"])) for r in rows)
     same = sum(r["model_bytes"] == r["counted_bytes"] for r in rows)
-    lines = [f"{len(rows)} configurations (every schedule × N × causal × dtype, B·H = "
-             f"{int(rows[0]['batch']) * int(rows[0]['heads'])}, d = {rows[0]['d']}, "
-             f"Br = {rows[0]['block_q']}, Bc = {rows[0]['block_k']}): model = counted in "
-             f"{same}; largest |ncu L1 bytes − counted| / counted = **{worst:.2g}**.", "",
+    tiles = list(dict.fromkeys((r["block_q"], r["block_k"]) for r in rows))
+    lines = [f"{len(rows)} configurations (every schedule × Br × Bc in "
+             f"{', '.join(f'{q} × {k}' for q, k in tiles)} × N × causal × dtype, B·H = "
+             f"{int(rows[0]['batch']) * int(rows[0]['heads'])}, d = {rows[0]['d']}): model = "
+             f"counted in {same}; largest |ncu L1 bytes − counted| / counted = **{worst:.2g}**."
+             f" Float32, not causal, Br × Bc = {tiles[0][0]} × {tiles[0][1]}:", "",
              "| schedule | N | counted = ncu L1 (GB) | DRAM read + write (GB) | DRAM / logical |",
              "|---|---|---|---|---|"]
     for r in rows:
-        if r["dtype"] == "float32" and r["causal"] == "False":
+        if (r["dtype"], r["causal"], (r["block_q"], r["block_k"])) == ("float32", "False",
+                                                                       tiles[0]):
             dram = int(r["dram_read_bytes"]) + int(r["dram_write_bytes"])
             lines.append(f"| {r['schedule']} | {r['n']} | {_gb(r['counted_bytes'])} | "
                          f"{dram / 1e9:.3f} | {dram / int(r['counted_bytes']):.3f} |")

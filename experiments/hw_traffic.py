@@ -2,7 +2,7 @@
 
     python -m experiments.hw_traffic [--out DIR] [--quick]        # on a GPU machine with ncu
 
-For every registered schedule and configuration (N, causal, dtype): the counted build gives
+For every registered schedule and configuration (tiles, N, causal, dtype): the counted build gives
 the counters (model == counted is asserted); the uncounted build, the one we time, runs once
 under `ncu`, which reports global load/store bytes seen by L1 (the logical traffic) and the
 bytes that reached DRAM after the L2, summed over all of a schedule's kernels. So the counter
@@ -31,8 +31,9 @@ from loop_orders import runtime
 from loop_orders.results import provenance
 
 SWEEP = {"n": [256, 512, 1024, 2048, 4096], "causal": [False, True],
+         "blocks": [(64, 64), (128, 64), (32, 32)],  # (block_q, block_k)
          "dtype": ["float32", "float16"]}
-BATCH, HEADS, D, BLOCK_Q, BLOCK_K = 2, 4, 64, 64, 64
+BATCH, HEADS, D = 2, 4, 64
 METRICS = {
     "ncu_ld_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum",
     "ncu_st_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum",
@@ -45,15 +46,16 @@ KERNEL_REGEX = "regex:" + "|".join(lo.schedule_names() + ["dense_"])
 
 def configs(quick: bool) -> list[dict]:
     ns = SWEEP["n"][:2] if quick else SWEEP["n"]
-    return [{"schedule": s, "n": n, "causal": c, "dtype": t}
-            for s in lo.schedule_names() for n in ns for c in SWEEP["causal"]
-            for t in SWEEP["dtype"]]
+    blocks = SWEEP["blocks"][:1] if quick else SWEEP["blocks"]
+    return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
+            for s in lo.schedule_names() for (bq, bk) in blocks for n in ns
+            for c in SWEEP["causal"] for t in SWEEP["dtype"]]
 
 
 def problem(cfg) -> lo.Problem:
     return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=D, batch=BATCH, heads=HEADS,
-                           block_q=BLOCK_Q, block_k=BLOCK_K, causal=cfg["causal"],
-                           dtype=cfg["dtype"])
+                           block_q=cfg["block_q"], block_k=cfg["block_k"],
+                           causal=cfg["causal"], dtype=cfg["dtype"])
 
 
 def launch_all(config_file: Path) -> None:
@@ -107,7 +109,6 @@ def main(argv=None) -> int:
         assert counted == model, f"counters != model for {cfg}"
         check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
         rows.append({**cfg, "d": D, "dv": D, "batch": BATCH, "heads": HEADS,
-                     "block_q": BLOCK_Q, "block_k": BLOCK_K,
                      "model_bytes": model.bytes(p.itemsize),
                      "counted_bytes": counted.bytes(p.itemsize),
                      "kernels": len(sched.kernels(p, False))})

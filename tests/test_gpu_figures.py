@@ -43,7 +43,7 @@ def _write(path, rows):
 
 def test_plot_hw_and_refusal_of_wrong_file(tmp_path):
     base = {"dtype": "float32", "causal": "False", "device": "fixture", "git_sha": "f" * 40,
-            "date": "2026-11-30", "batch": 2, "heads": 4}
+            "date": "2026-11-30", "batch": 2, "heads": 4, "block_q": 64, "block_k": 64}
     rows = [{**base, "schedule": s, "n": n, "model_bytes": 4 * n * n,
              "counted_bytes": 4 * n * n, "ncu_ld_bytes": 3 * n * n, "ncu_st_bytes": n * n,
              "dram_read_bytes": n * n, "dram_write_bytes": n * n}
@@ -126,3 +126,14 @@ def test_gpu_notes_blocks_from_committed_results_and_without_them(tmp_path):
     empty = gpu_notes.blocks(tmp_path)
     assert all(v.startswith("*Not measured yet") for v in empty.values())
     assert gpu_notes.provenance_rows(tmp_path) == []
+
+
+def test_hw_traffic_sweep_covers_every_schedule_and_tile_size_and_fits():
+    import loop_orders as lo
+
+    cfgs = hw_traffic.configs(quick=False)
+    assert {c["schedule"] for c in cfgs} == set(lo.schedule_names())
+    assert {(c["block_q"], c["block_k"]) for c in cfgs} == set(hw_traffic.SWEEP["blocks"])
+    for c in cfgs:  # every configuration is within the kernels' shared-memory limits
+        p = hw_traffic.problem(c)
+        assert lo.get_schedule(c["schedule"]).shared_bytes(p, True) <= 48 * 1024
