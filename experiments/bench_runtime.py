@@ -250,13 +250,12 @@ def run_layouts(out_dir: Path, only: set | None, rng) -> list[dict]:
                 schedules, grid["blocks"], grid["layouts"]):
             p = lo.make_problem(sched.name, n_q=n, d=d, batch=batch, heads=heads,
                                 block_q=block_q, block_k=block_k)
-            forced = f"{layout[0]},{layout[1]}"
-            with forced_layout(forced):
+            with forced_layout(f"{layout[0]},{layout[1]}"):
+                timed = time_layout(sched, p, seen, rng)
+                if timed is None:  # these kernels were timed already
+                    continue
                 row = {"schedule": sched.name, **blank_row(sched.name, "float32", p),
-                       "regs": "", "local_bytes": ""}
-                row.update(time_layout(sched, p, seen, rng) or {"status": "duplicate"})
-            if row["status"] == "duplicate":
-                continue
+                       "regs": "", "local_bytes": "", **timed}
             rows.append(row)
             print(f"tuning {sched.name:8s} d={d} {block_q}x{block_k} {row['layout']}: "
                   f"{row['ms_median']} ms {row['tflops']} TFLOP/s regs {row['regs']} local "

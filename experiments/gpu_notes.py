@@ -157,22 +157,18 @@ def q_outer_profile(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def provenance_rows(results_dir: Path) -> list[str]:
-    """Provenance table rows for the GPU results files present."""
+def provenances(results_dir: Path) -> list[tuple[str, dict]]:
+    """(file name, provenance) of each GPU results file present; the csv files carry it in
+    their columns (versions as JSON), bench_kernels.json under "provenance"."""
     out = []
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv"):
         rows = _rows(results_dir / name)
         if rows:
-            v = json.loads(rows[0]["versions"])
-            out.append(f"| `{name}` | `{rows[0]['git_sha']}` | {rows[0]['device']} | "
-                       f"{rows[0]['date']} | {v.get('numpy')} / {v.get('numba-cuda')} |")
+            out.append((name, {**rows[0], "versions": json.loads(rows[0]["versions"])}))
     kernels = results_dir / "bench_kernels.json"
     if kernels.exists():
-        p = json.loads(kernels.read_text())["provenance"]
-        v = p.get("versions", {})
-        out.append(f"| `bench_kernels.json` | `{p.get('git_sha')}` | {p.get('device')} | "
-                   f"{p.get('date')} | {v.get('numpy')} / {v.get('numba-cuda')} |")
+        out.append((kernels.name, json.loads(kernels.read_text())["provenance"]))
     return out
 
 

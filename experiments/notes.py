@@ -84,13 +84,13 @@ def slope_table(ctx: common.Context) -> str:
 def provenance_block(ctx: common.Context) -> str:
     lines = ["| results file | git SHA | device | date | numpy / numba-cuda |",
              "|---|---|---|---|---|"]
-    for name in (traffic.NAME, theorem2.NAME, theorem2.SLOPES, explainer.NAME):
-        p = results.load(ctx.results_path(name))["provenance"]
+    files = [(ctx.results_path(name).name, results.load(ctx.results_path(name))["provenance"])
+             for name in (traffic.NAME, theorem2.NAME, theorem2.SLOPES, explainer.NAME)]
+    for name, p in files + gpu_notes.provenances(ctx.results_dir):
         v = p.get("versions", {})
-        lines.append(f"| `{ctx.results_path(name).name}` | `{p.get('git_sha')}` | "
-                     f"{p.get('device')} | {p.get('date')} | {v.get('numpy')} / "
-                     f"{v.get('numba-cuda')} |")
-    return "\n".join(lines + gpu_notes.provenance_rows(ctx.results_dir))
+        lines.append(f"| `{name}` | `{p.get('git_sha')}` | {p.get('device')} | "
+                     f"{p.get('date')} | {v.get('numpy')} / {v.get('numba-cuda')} |")
+    return "\n".join(lines)
 
 
 def blocks(ctx: common.Context) -> dict[str, str]:

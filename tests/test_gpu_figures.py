@@ -125,7 +125,7 @@ def test_gpu_notes_blocks_from_committed_results_and_without_them(tmp_path):
     assert "q_outer / SDPA efficient" in committed["bench-summary"]
     empty = gpu_notes.blocks(tmp_path)
     assert all(v.startswith("*Not measured yet") for v in empty.values())
-    assert gpu_notes.provenance_rows(tmp_path) == []
+    assert gpu_notes.provenances(tmp_path) == []
 
 
 def test_hw_traffic_sweep_covers_every_schedule_and_tile_size_and_fits():
