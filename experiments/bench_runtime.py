@@ -38,15 +38,16 @@ TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=
 HEADS = 16
 # (block_q, block_k) per head dim, unless --tune: the fastest q_outer tiles of the tuning
 # sweep (results/bench_layouts.csv)
-BLOCKS = {64: (128, 64), 128: (64, 16)}
-LAYOUTS: dict = {}  # forced thread layout per head dim ("RPT,TPR"), set by --tune
+BLOCKS = {64: (64, 64), 128: (64, 32)}
+LAYOUTS: dict = {}  # forced thread layout per head dim ("RM,KN"), set by --tune
 BLOCKSIZE_SWEEP = {"schedules": ["q_outer"], "n": 4096, "d": 64,
                    "block_q": [16, 32, 64, 128, 256]}  # block_k from BLOCKS
-# Tuning at N = 4096: tile sizes x thread layouts (rows per thread, threads per row; see
+# Tuning at N = 4096: tile sizes x thread layouts (query rows and keys of S per thread; see
 # microkernel.Layout), per head dim.
 LAYOUT_SWEEP = {"n": 4096, "d": {
-    64: {"blocks": [(128, 32), (128, 64)], "layouts": [(1, 2), (2, 2)]},
-    128: {"blocks": [(64, 16), (128, 16)], "layouts": [(1, 4), (2, 4)]}}}
+    64: {"blocks": [(64, 32), (64, 64), (128, 32), (128, 64)],
+         "layouts": [(4, 4), (4, 2), (8, 4)]},
+    128: {"blocks": [(64, 32), (64, 64), (128, 64)], "layouts": [(4, 2), (4, 4)]}}}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 
@@ -137,9 +138,9 @@ def blank_row(name, dtype, p, status="ok") -> dict:
 
 
 def layout_in_effect(p) -> str:
-    """RPT,TPR of the flash micro-kernel (microkernel.Layout) at p; dense does not use it."""
+    """RM,KN of the flash micro-kernel (microkernel.Layout) at p; dense does not use it."""
     try:
-        return "{},{}".format(*thread_layout(p.d, p.dv, p.block_q))
+        return "{},{}".format(*thread_layout(p.block_q, p.block_k))
     except ValueError:
         return "invalid"
 
@@ -320,17 +321,21 @@ def kernel_report(rng) -> dict:
                 bufs.launch(0, count=count)
                 times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
             kernels = {count: sched.kernels(p, count) for count in (False, True)}
+            shared = {count: sched.shared_bytes(p, count) for count in (False, True)}
+            layout = layout_in_effect(p) if sched.name != "dense" else ""
         report["counting"].append({"schedule": sched.name, "n": n, "d": d, "ms_off": times[False],
                                    "ms_on": times[True]})
         for count in (False, True):
             for kernel in kernels[count]:
                 regs, local = kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread()
-                shared, asm = kernel.get_shared_mem_per_block(), kernel.inspect_asm()
+                asm = kernel.inspect_asm()
                 for sig in regs:  # each dict is keyed by the compiled argument types
                     report["kernels"].append({
                         "schedule": sched.name, "kernel": kernel.py_func.__name__,
-                        "count": count, "constants": _closure(kernel), "regs": regs[sig],
-                        "local_bytes": local[sig], "shared_bytes": shared[sig],
+                        "count": count, "constants": _closure(kernel),
+                        "layout": layout,
+                        "regs": regs[sig],
+                        "local_bytes": local[sig], "shared_bytes": shared[count],
                         "atomics_in_ptx": asm[sig].count("atom."),
                         "vector_shared_loads": asm[sig].count("ld.shared.v4")})
     return report

@@ -95,7 +95,7 @@ def bench_tuning(results_dir: Path) -> str:
     rows = _rows(path)
     if rows is None:
         return _missing(path)
-    lines = ["| schedule | d | Br × Bc | layout (RPT, TPR) | registers | local bytes | ms | "
+    lines = ["| schedule | d | Br × Bc | layout (RM, KN) | registers | local bytes | ms | "
              "TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tiles = f"{r['block_q']} × {r['block_k']}" if r["block_q"] else "—"
@@ -115,12 +115,12 @@ def bench_kernels(results_dir: Path) -> str:
     for c in report["counting"]:
         lines.append(f"| {c['schedule']} | {c['n']} | {c['d']} | {c['ms_off']:.3f} | "
                      f"{c['ms_on']:.3f} | {c['ms_on'] / c['ms_off']:.3f} |")
-    lines += ["", "| kernel | counting | Br, Bc | RPT, TPR | registers | local bytes | shared "
+    lines += ["", "| kernel | counting | Br, Bc | RM, KN | registers | local bytes | shared "
               "bytes | atomics in PTX | ld.shared.v4 |", "|---|---|---|---|---|---|---|---|---|"]
     for k in report["kernels"]:
         c = k["constants"]
         tiles = f"{c['BR']}, {c['BC']}" if "BR" in c else "—"
-        layout = f"{c['RPT']}, {c['TPR']}" if "RPT" in c else "—"
+        layout = k.get("layout", "").replace(",", ", ") or "—"
         lines.append(f"| {k['kernel']} | {k['count']} | {tiles} | {layout} | {k['regs']} | "
                      f"{k['local_bytes']} | {k['shared_bytes']} | {k['atomics_in_ptx']} | "
                      f"{k['vector_shared_loads']} |")

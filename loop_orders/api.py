@@ -102,7 +102,7 @@ def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
     lo_, hi = 0, MAX_BLOCK_K  # shared memory grows with block_k: bisect
     while lo_ < hi:
         mid = (lo_ + hi + 1) // 2
-        if sched.shared_bytes(replace(p, block_k=mid), count) <= runtime.SHARED_BYTES_LIMIT:
+        if sched.shared_bytes(replace(p, block_k=mid), count) <= sched.shared_limit():
             lo_ = mid
         else:
             hi = mid - 1
@@ -116,14 +116,14 @@ def check_launch(sched: Schedule, p: Problem, count: bool, host_inputs: bool = T
     """
     sched.check(p)
     need = sched.shared_bytes(p, count)
-    if need > runtime.SHARED_BYTES_LIMIT:
+    if need > sched.shared_limit():
         most = _largest_block_k(sched, p, count)
         fix = (f"use 1 <= block_k <= {most} at these head dims" if most else
                f"no block_k fits: use smaller head dims (d + dv = {p.d + p.dv})")
         raise ValueError(
             f"block_k: {sched.name} needs {need} bytes of shared memory per CTA for "
             f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is "
-            f"{runtime.SHARED_BYTES_LIMIT} bytes: {fix}")
+            f"{sched.shared_limit()} bytes: {fix}")
     if p.bh > runtime.MAX_GRID_Y:
         raise ValueError(f"batch: batch*heads = {p.bh} exceeds {runtime.MAX_GRID_Y}")
     parts = memory_need(sched, p, count, host_inputs)

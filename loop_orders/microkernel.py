@@ -1,26 +1,37 @@
-"""The tile micro-kernel shared by kv_outer and q_outer: a thread's query rows against one K/V tile.
+"""The tile micro-kernel shared by kv_outer and q_outer: one query block against one K/V tile.
 
-Thread layout (`Layout`). Each thread serves RPT query rows ("rows per thread"), Br / RPT
-apart, and each row is served by TPR consecutive threads ("parts"); a part holds a slice of
-its rows' head dims in registers: DP = D / TPR dims of Q_i and DVP = DV / TPR dims of the
-accumulator, per row. A score is the sum of the parts' partial dot products, combined with
-`shfl_xor` between the row's TPR lanes. The two knobs trade the same registers differently:
-  * RPT = 2 makes every K/V element read from shared memory feed two rows' FMAs instead of
-    one, halving shared-memory loads per FMA (register blocking);
-  * TPR = 2 or 4 splits d, so RPT rows of Q_i and of the accumulator still fit in registers.
-Under the simulator (no warp shuffles) TPR is 1.
+Both flash orders fold a K/V tile into a query block's running (m_i, l_i, acc_i) with the same
+device functions; only the loops around them differ, so measured differences come from the
+loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
-Which dims a part owns (`part_dim`): with D a multiple of 4 TPR, part p owns the 4-wide chunks
-p, p + TPR, p + 2 TPR, ... so its shared-memory reads are 16-byte vectors and the parts of a
-warp hit different banks; otherwise part p owns dims p, p + TPR, ...
+    thread t = (tr, tc), tr = t // TC, tc = t % TC;  TR = ceil(Br / RM), TC = ceil(Bc / KN)
+    its RM query rows:   tr + a TR         (a < RM)
+    its KN keys of S:    tc + b TC         (b < KN)        -> RM x KN scores in registers
+    its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
-The update, per row and group of keys c (scores pre-scaled by log2 e, so exp is exp2):
-    s = Q_i K_c^T;  m' = max(m, max s);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
-    l += sum 2^(s - m');  acc += 2^(s - m') V_c
-Keys after the query (causal) get weight 0 and are never multiplied into acc, so a NaN in a
-masked row of K or V cannot reach the output; a NaN score does reach it (2^NaN = NaN).
-The loops over rows, D and DV have compile-time trip counts and unroll, keeping q, acc, m, l
-and the scores in registers (their local arrays are only ever indexed by constants).
+    S = Q_i K_j^T:  for each 4 dims x: RM + KN 16-byte shared loads feed 4 RM KN FMAs
+    row max:        each thread's partial max of its KN keys -> shared -> reduced by all TC
+    P:              2^(S - m) written to shared (P_ij never leaves the chip)
+    acc += P V_j:   for each 4 keys c: RM loads of P and 4 XH of V feed 16 RM XH FMAs
+
+With RM = KN = 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread owning
+one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit. The row
+sums l_i stay per-thread partials, summed over the TC threads of a row only when O_i is
+written. Nothing needs warp shuffles, so the simulator runs the same code as the GPU.
+
+The update, per row and tile (scores pre-scaled by log2 e, so exp is exp2):
+    m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
+    l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
+Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
+multiplied into acc (a diagonal or tail tile takes a guarded loop), so a NaN in a masked row
+of K or V cannot reach the output.
+
+Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij and the row
+reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
+number of 16-byte chunks so that a warp's loads of different rows hit different banks; the
+padding columns are zero (the buffer is cleared once per CTA), so the dot products can run
+over whole 4-wide chunks. All indices are unsigned (no negative-index fix-ups) and every loop
+has a compile-time trip count, so scores, accumulators and statistics stay in registers.
 """
 
 from __future__ import annotations
@@ -30,329 +41,295 @@ import os
 from functools import cache
 from typing import NamedTuple
 
-from numba import float32, uint32, uint64
+from numba import float32, int32, uint32, uint64
 
-from .runtime import SIMULATOR, cuda
-from .tiles import make_tile_loader, make_tile_storer
+from .runtime import MAX_THREADS_PER_BLOCK, cuda
+
+NEG_INF = float32(-math.inf)
 
 
 class Layout(NamedTuple):
-    """How a CTA's threads cover its Br query rows: RPT rows per thread, TPR threads per row."""
+    """How a CTA's threads tile S_ij: RM query rows and KN keys per thread.
 
-    rpt: int
-    tpr: int
+    A CTA has TR = ceil(Br / RM) by TC = ceil(Bc / KN) threads. Where RM or KN does not
+    divide the tile, the last threads also own rows past Br (computed on zeros, never
+    written) or keys past Bc (masked like keys past N_k)."""
 
-    def threads(self, block_q: int) -> int:
-        return block_q // self.rpt * self.tpr
+    rm: int
+    kn: int
 
-    def registers(self, d: int, dv: int) -> int:
-        """The register cap to compile with: 128 (two CTAs of 256 threads per SM), or 255 when
-        the rows' q and acc slices alone take more than 64 registers."""
-        return 255 if self.rpt * (d + dv) // self.tpr > 64 else 128
+    def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
+        """(TR, TC)."""
+        return -(-block_q // self.rm), -(-block_k // self.kn)
+
+    def threads(self, block_q: int, block_k: int) -> int:
+        tr, tc = self.grid(block_q, block_k)
+        return tr * tc
+
+    def registers(self, block_k: int, dv: int) -> int:
+        """The register cap to compile with: 128 (four CTAs of 128 threads per SM) unless
+        the thread's scores and accumulators alone take more than 64 registers."""
+        tc = self.grid(1, block_k)[1]
+        acc = self.rm * 4 * -(-dv // (4 * tc))
+        return 255 if acc + self.rm * self.kn > 64 else 128
 
 
-# Candidates, fastest first as measured on the H200 (results/bench_layouts.csv), each with
-# the most registers its rows' q and acc slices may take: (1, 2) at d = 64 (64 registers,
-# a 128-register cap); (2, 4) at d = 128, where two rows per thread beat one by 1.5x.
-LAYOUT_ORDER = [(Layout(1, 2), 64), (Layout(2, 4), 128), (Layout(2, 2), 128),
-                (Layout(1, 4), 64), (Layout(2, 1), 64)]
-
-
-def thread_layout(d: int, dv: int, block_q: int) -> Layout:
-    """The first candidate layout whose rows' q and acc slices fit its register budget,
-    whose parts split both head dims into 4-wide chunks, and whose CTA is whole warps (a
-    row's lanes then share a warp); else one thread per row. The simulator has no shuffles:
-    TPR = 1 there. `LOOP_ORDERS_LAYOUT=RPT,TPR` forces a layout (for tuning; it must still
-    be valid, with up to 128 registers of q and acc).
-    """
+def thread_layout(block_q: int, block_k: int) -> Layout:
+    """RM = KN = 4 (at most the tile), doubled in turn while the CTA would exceed 1024
+    threads. `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
-    candidates = [(Layout(*map(int, forced.split(","))), 128)] if forced else LAYOUT_ORDER
-    for lay, budget in candidates:
-        if lay.tpr > 1 and (SIMULATOR or d % (4 * lay.tpr) or dv % (4 * lay.tpr)
-                            or lay.threads(block_q) % 32):
-            continue
-        if block_q % lay.rpt or lay.rpt * (d + dv) // lay.tpr > budget:
-            continue
-        return lay
     if forced:
-        raise ValueError(f"LOOP_ORDERS_LAYOUT={forced} does not fit d={d}, dv={dv}, "
-                         f"block_q={block_q}")
-    return Layout(1, 1)
+        lay = Layout(*map(int, forced.split(",")))
+        if lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
+            raise ValueError(f"LOOP_ORDERS_LAYOUT={forced} needs more than "
+                             f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
+                             f"block_k={block_k}")
+        return lay
+    lay = Layout(min(4, block_q), min(4, block_k))
+    while lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
+        lay = Layout(2 * lay.rm, lay.kn) if lay.rm <= lay.kn else Layout(lay.rm, 2 * lay.kn)
+    return lay
 
 
-def make_part_dim(width: int, tpr: int):
-    """Device function (part, y) -> head dim of the y-th element that `part` owns."""
-    vec = width % (4 * tpr) == 0
-
-    @cuda.jit(device=True, inline="always")
-    def part_dim(part, y):
-        if vec:
-            return uint64(((y >> 2) * tpr + part) * 4 + (y & 3))
-        return uint64(y * tpr + part)
-
-    return part_dim
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
-@cache
-def make_row_io(BR: int, D: int, DV: int, RPT: int, TPR: int, SC: int):  # noqa: N803
-    """HBM I/O of a query block's rows (Q_i in; O_i in and out), staged through a shared
-    tile of SC rows so that HBM sees whole rows, coalesced, while each thread takes or gives
-    only its parts' slices of its RPT rows (row0 + r Br/RPT). Each call is made by every
-    thread of the CTA (barriers inside) and returns the elements this thread moved."""
-    q_dim = make_part_dim(D, TPR)
-    v_dim = make_part_dim(DV, TPR)
-    DP, DVP = D // TPR, DV // TPR  # noqa: N806
-    RS = BR // RPT  # noqa: N806
-    NT = BR // RPT * TPR  # noqa: N806
-    load_q_chunk = make_tile_loader(SC, D, NT)
-    load_o_chunk = make_tile_loader(SC, DV, NT)
-    store_o_chunk = make_tile_storer(SC, DV, NT)
-
-    @cuda.jit(device=True, inline="always")
-    def chunk_row(row0, r, chunk0, n):
-        """Row r's index in the chunk of n rows from chunk0, or -1 if it is not there."""
-        local = row0 + r * RS - chunk0
-        return local if 0 <= local < n else -1
-
-    @cuda.jit(device=True, inline="always")
-    def take_q(q_rows, r, stage, local, part):
-        if local >= 0:
-            for y in range(DP):
-                q_rows[r * DP + y] = stage[local, q_dim(part, y)]
-
-    @cuda.jit(device=True, inline="always")
-    def take_o(acc, r, stage, local, part, factor):
-        if local >= 0:
-            for y in range(DVP):
-                acc[r * DVP + y] = stage[local, v_dim(part, y)] * factor
-
-    @cuda.jit(device=True, inline="always")
-    def give_o(stage, acc, r, local, part, l_r):
-        if local >= 0:
-            factor = float32(1.0) / l_r
-            for y in range(DVP):
-                stage[local, v_dim(part, y)] = acc[r * DVP + y] * factor
-
-    @cuda.jit(device=True)
-    def load_q(q_rows, stage, q, bh, block0, row0, part):
-        moved = 0
-        end = min(block0 + BR, q.shape[1])
-        for chunk0 in range(block0, end, SC):
-            n = min(SC, end - chunk0)
-            cuda.syncthreads()  # every thread is done with the stage's previous contents
-            moved += load_q_chunk(stage, q, bh, chunk0, n, 0, D)
-            cuda.syncthreads()  # the chunk of Q_i is in shared memory
-            take_q(q_rows, 0, stage, chunk_row(row0, 0, chunk0, n), part)
-            if RPT == 2:
-                take_q(q_rows, 1, stage, chunk_row(row0, 1, chunk0, n), part)
-        return moved
-
-    @cuda.jit(device=True)
-    def load_o(acc, stage, o, bh, block0, row0, part, l):  # noqa: E741
-        """acc = O_i l_i: the unnormalised accumulator back from the stored O_i."""
-        moved = 0
-        end = min(block0 + BR, o.shape[1])
-        for chunk0 in range(block0, end, SC):
-            n = min(SC, end - chunk0)
-            cuda.syncthreads()  # every thread is done with the stage's previous contents
-            moved += load_o_chunk(stage, o, bh, chunk0, n, 0, DV)
-            cuda.syncthreads()  # the chunk of O_i is in shared memory
-            take_o(acc, 0, stage, chunk_row(row0, 0, chunk0, n), part, l[0])
-            if RPT == 2:
-                take_o(acc, 1, stage, chunk_row(row0, 1, chunk0, n), part, l[1])
-        return moved
-
-    @cuda.jit(device=True)
-    def store_o(o, stage, acc, bh, block0, row0, part, l):  # noqa: E741
-        """O_i = acc / l_i."""
-        moved = 0
-        end = min(block0 + BR, o.shape[1])
-        for chunk0 in range(block0, end, SC):
-            n = min(SC, end - chunk0)
-            cuda.syncthreads()  # every thread is done with the stage's previous contents
-            give_o(stage, acc, 0, chunk_row(row0, 0, chunk0, n), part, l[0])
-            if RPT == 2:
-                give_o(stage, acc, 1, chunk_row(row0, 1, chunk0, n), part, l[1])
-            cuda.syncthreads()  # the chunk of O_i is complete in shared memory
-            moved += store_o_chunk(stage, o, bh, chunk0, n, 0, DV)
-        return moved
-
-    return load_q, load_o, store_o
+def _stride(width: int) -> int:
+    """A row stride for `width` floats: whole 16-byte chunks, an odd number of them."""
+    s = _round4(width)
+    return s if (s // 4) % 2 else s + 4
 
 
-@cuda.jit(device=True, inline="always")
-def lane_mask(tpr):
-    """The TPR lanes that own one row: shuffles name only them, so rows of a warp may
-    diverge (causal masks differ per row) without a shuffle waiting on another row's lanes."""
-    return uint32((1 << tpr) - 1) << uint32(cuda.laneid & (32 - tpr))
+class SharedLayout(NamedTuple):
+    """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
 
+    q: int  # Q_i, Br rows (also the stage through which O_i is written)
+    qs: int
+    k: int  # K_j, Bc rows
+    ks: int
+    v: int  # V_j, Bc rows
+    vs: int
+    p: int  # P_ij, Br rows
+    ps: int
+    red: int  # per-thread row partials (max, then sums), RM per thread
+    o: int  # kv_outer only: the stage through which O_i is read (Br rows, stride qs)
+    stats: int  # kv_outer only: l_i then m_i of the block's rows
+    size: int  # floats in all
 
-@cuda.jit(device=True, inline="always")
-def sum_parts(x, tpr):
-    """Sum a value over the TPR threads that own one row (a butterfly over their lanes)."""
-    if tpr >= 2:
-        x += cuda.shfl_xor_sync(lane_mask(tpr), x, 1)
-    if tpr == 4:
-        x += cuda.shfl_xor_sync(lane_mask(tpr), x, 2)
-    return x
-
-
-@cuda.jit(device=True, inline="always")
-def share_from_part0(x, tpr):
-    """Part 0's value of x, for every part of the row (part 0 alone loads row statistics)."""
-    if tpr >= 2:
-        x = cuda.shfl_sync(lane_mask(tpr), x, cuda.laneid & (32 - tpr))
-    return x
+    @property
+    def bytes(self) -> int:
+        return 4 * self.size
 
 
 @cache
-def make_online_update(D: int, DV: int, RPT: int, RS: int, TPR: int, CAUSAL: bool):  # noqa: N803
-    """Fold one K/V tile into the (m, l, acc) of a thread's RPT rows, row0 + r RS.
+def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
+                  reload: bool) -> SharedLayout:
+    """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows. Tiles
+    have a row for every row (key) a thread owns, past Br (Bc) too."""
+    tr, tc = lay.grid(BR, BC)
+    rows, keys = tr * lay.rm, tc * lay.kn
+    qs = _stride(max(D, DV))
+    ks = _stride(D)
+    vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
+    ps = _stride(keys)
+    sizes = [rows * qs, keys * ks, BC * vs, rows * ps, tr * tc * lay.rm,
+             rows * qs if reload else 0, 2 * rows if reload else 0]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    q, k, v, p, red, o, stats, size = offsets
+    return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, o, stats, size)
 
-    Keys go four at a time: four independent FMA chains per row share each q element, the
-    RPT rows share each K and V element loaded from shared memory, one max check covers four
-    keys per row, and acc takes four rank-1 updates per element. The n_keys % 4 leftover keys
-    go one at a time. Loop bounds depend only on n_keys, the same for all threads, so every
-    shuffle is reached by all parts of a row.
 
-    The steps for row 1 are written out after those for row 0 (`if RPT == 2`), not looped:
-    a loop over r with shuffles and exp2 inside would not unroll, and a runtime r would put
-    acc and the scores in local memory instead of registers.
+@cache
+def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
+                      CAUSAL: bool, RELOAD: bool):
+    """Device functions over one CTA's shared buffer `buf` (see the module docstring):
+
+    clear(buf)                        zero the buffer (once per CTA, before any tile lands)
+    online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc)
+                                      fold K_j, V_j (keys key0 .. key0 + n_keys) into the
+                                      thread's rows row0 + tr + a TR
+    row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
+    give_o(buf, acc, l_row)           O_i = acc / l_i into its stage (kv_outer's O_i
+                                      stage, else the Q_i tile, which is done with by then)
+    take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
+                                      from the stats rows (l as part tc = 0's partial)
+    keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
+    Those with barriers (online_update, row_sums) are called by every thread of the CTA.
     """
-    assert RPT in (1, 2), "a thread serves one or two query rows"
-    q_dim = make_part_dim(D, TPR)
-    v_dim = make_part_dim(DV, TPR)
-    DP, DVP = D // TPR, DV // TPR  # noqa: N806
-    NS = 4 * RPT  # noqa: N806 - scores in flight: four keys for each row
-    NEG_INF = float32(-math.inf)  # noqa: N806
+    lay = Layout(RM, KN)
+    TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
+    NT = TR * TC  # noqa: N806
+    ROWS = TR * RM  # noqa: N806 - rows of the Q_i, P_ij and O_i tiles (Br or a few more)
+    sm = shared_layout(BR, BC, D, DV, lay, RELOAD)
+    XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
+    XN = 4 * XH  # noqa: N806 - accumulators per row
+    NS = RM * KN  # noqa: N806 - scores per thread
+    DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
+    FAST = BC % 4 == 0  # noqa: N806 - full tiles go four keys at a time
+    Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
+    P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
+    OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
 
     @cuda.jit(device=True, inline="always")
-    def visible(row0, r, key0, n_keys):
-        """How many of the tile's keys row r sees: all, or (causal) those up to the row."""
+    def coords():
+        """(t, tr, tc) of this thread, unsigned."""
+        t = uint32(cuda.threadIdx.x)
+        return t, t // uint32(TC), t % uint32(TC)
+
+    @cuda.jit(device=True, inline="always")
+    def q_at(tr, a):
+        """Index of row a of the thread in a Br-row tile of stride QS at 0."""
+        return (uint64(tr) + uint64(a * TR)) * uint64(QS)
+
+    @cuda.jit(device=True, inline="always")
+    def dim(tc, h, w):
+        """Head dim of the thread's w-th element of chunk h."""
+        return (uint64(tc) + uint64(h * TC)) * uint64(4) + uint64(w)
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, key0, n_keys):
+        """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
         if CAUSAL:
-            return max(0, min(n_keys, row0 + r * RS - key0 + 1))
+            return max(0, min(n_keys, row - key0 + 1))
         return n_keys
 
-    @cuda.jit(device=True, inline="always")
-    def rescale(m, l, acc, r, new_max):  # noqa: E741
-        """Raise row r's running max to new_max: scale l and acc by 2^(m - new_max)."""
-        if new_max > m[r]:  # skipped whenever the max is unchanged (most keys)
-            alpha = math.exp2(m[r] - new_max)  # 0 before the first key
-            l[r] *= alpha
-            for y in range(DVP):
-                acc[r * DVP + y] *= alpha
-            m[r] = new_max
+    @cuda.jit(device=True)
+    def clear(buf):
+        for e in range(cuda.threadIdx.x, SIZE, NT):
+            buf[e] = float32(0.0)
 
     @cuda.jit(device=True, inline="always")
-    def weight(m, r, s):
-        """2^(s - m_r): the unnormalised softmax weight of a score (2^s while no key is seen)."""
-        return math.exp2(s - (m[r] if m[r] > NEG_INF else float32(0.0)))
+    def scores(s, buf, tr, tc):
+        """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim."""
+        for e in range(NS):
+            s[e] = float32(0.0)
+        for x4 in range(DX4):
+            for a in range(RM):
+                qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
+                for b in range(KN):
+                    kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
+                    for u in range(4):
+                        s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
 
     @cuda.jit(device=True, inline="always")
-    def dots4(s, r, q_rows, K_j, c, part):  # noqa: N803
-        """Row r's partial scores against keys c .. c + 3 (this part's dims only)."""
-        d0 = float32(0.0)
-        d1 = float32(0.0)
-        d2 = float32(0.0)
-        d3 = float32(0.0)
-        for y in range(DP):
-            x = q_dim(part, y)
-            qy = q_rows[r * DP + y]
-            d0 += qy * K_j[c, x]
-            d1 += qy * K_j[c + 1, x]
-            d2 += qy * K_j[c + 2, x]
-            d3 += qy * K_j[c + 3, x]
-        s[4 * r] = d0
-        s[4 * r + 1] = d1
-        s[4 * r + 2] = d2
-        s[4 * r + 3] = d3
+    def rescale(m, l, acc, a, new_max):  # noqa: E741
+        """Raise row a's running max to new_max: scale l and acc by 2^(m - new_max)."""
+        if new_max > m[a]:  # skipped whenever the max is unchanged (most tiles)
+            alpha = math.exp2(m[a] - new_max)  # 0 before the first key
+            l[a] *= alpha
+            for y in range(XN):
+                acc[a * XN + y] *= alpha
+            m[a] = new_max
 
     @cuda.jit(device=True, inline="always")
-    def softmax4(s, r, n_vis, c, scale_log2, m, l, acc):  # noqa: E741
-        """Turn row r's four partial scores into weights, updating m, l (and acc's scale).
-
-        All lanes of the row reach the shuffles (outside the visibility conditionals); then
-        a masked key gets score -inf: weight 0, and it never touches V.
-        """
-        for u in range(4):
-            dot = sum_parts(s[4 * r + u], TPR)
-            s[4 * r + u] = dot * scale_log2 if c + u < n_vis else NEG_INF
-        rescale(m, l, acc, r, max(max(s[4 * r], s[4 * r + 1]), max(s[4 * r + 2], s[4 * r + 3])))
-        for u in range(4):
-            s[4 * r + u] = weight(m, r, s[4 * r + u])
-        l[r] += (s[4 * r] + s[4 * r + 1]) + (s[4 * r + 2] + s[4 * r + 3])
+    def accumulate_full(buf, acc, tr, tc):
+        """acc += P_ij V_j over all Bc keys, four at a time (every key visible)."""
+        for c4 in range(BC // 4):
+            for a in range(RM):
+                pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
+                for h in range(XH):
+                    for u in range(4):
+                        vc = uint64(V) + uint64((4 * c4 + u) * VS)
+                        p = buf[pa + uint64(u)]
+                        for w in range(4):
+                            acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
 
     @cuda.jit(device=True, inline="always")
-    def fma4(a, s, r, v0, v1, v2, v3):
-        """a + row r's four weights times one element of four V rows, as four FMAs."""
-        a += s[4 * r] * v0
-        a += s[4 * r + 1] * v1
-        a += s[4 * r + 2] * v2
-        a += s[4 * r + 3] * v3
-        return a
+    def accumulate_guarded(buf, acc, tr, tc, vis, n_keys):
+        """acc += P_ij V_j one key at a time, each row only over the keys it sees."""
+        for c in range(n_keys):
+            vc = uint64(V) + uint64(c) * uint64(VS)
+            for a in range(RM):
+                if c < vis[a]:
+                    p = buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(c)]
+                    for h in range(XH):
+                        for w in range(4):
+                            acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
 
     @cuda.jit(device=True, inline="always")
-    def accumulate4(acc, s, V_j, c, part):  # noqa: N803
-        """acc_r += the weights of keys c .. c + 3 times their V rows, every row seeing all
-        four: the rows share each V element loaded."""
-        for y in range(DVP):
-            x = v_dim(part, y)
-            v0 = V_j[c, x]
-            v1 = V_j[c + 1, x]
-            v2 = V_j[c + 2, x]
-            v3 = V_j[c + 3, x]
-            acc[y] = fma4(acc[y], s, 0, v0, v1, v2, v3)
-            if RPT == 2:
-                acc[DVP + y] = fma4(acc[DVP + y], s, 1, v0, v1, v2, v3)
-
-    @cuda.jit(device=True, inline="always")
-    def accumulate_visible(acc, r, s, V_j, c, part, n_vis):  # noqa: N803
-        """acc_r += the weights of those of keys c .. c + 3 that row r sees (the diagonal)."""
-        for u in range(4):
-            if c + u < n_vis:
-                for y in range(DVP):
-                    acc[r * DVP + y] += s[4 * r + u] * V_j[c + u, v_dim(part, y)]
-
-    @cuda.jit(device=True, inline="always")
-    def one_key(q_rows, K_j, V_j, c, r, n_vis, part, scale_log2, m, l, acc):  # noqa: N803, E741
-        """Fold the single key c into row r."""
-        dot = float32(0.0)
-        for y in range(DP):
-            dot += q_rows[r * DP + y] * K_j[c, q_dim(part, y)]
-        score = sum_parts(dot, TPR) * scale_log2
-        if c < n_vis:
-            rescale(m, l, acc, r, score)
-            p = weight(m, r, score)
-            l[r] += p
-            for y in range(DVP):
-                acc[r * DVP + y] += p * V_j[c, v_dim(part, y)]
+    def reduce_rows(buf, tr, a, is_max):
+        """Max or sum over the TC threads of row a of their partials in the reduction rows."""
+        base = uint64(RED) + uint64(tr) * uint64(TC * RM) + uint64(a)
+        x = buf[base]
+        for c in range(1, TC):
+            y = buf[base + uint64(c * RM)]
+            x = max(x, y) if is_max else x + y
+        return x
 
     @cuda.jit(device=True)
-    def online_update(q_rows, K_j, V_j, n_keys, key0, row0, part, scale_log2, m, l, acc):  # noqa: N803, E741
-        s = cuda.local.array(NS, float32)  # row r's scores, then weights, at s[4 r: 4 r + 4]
-        vis0 = visible(row0, 0, key0, n_keys)
-        vis1 = visible(row0, 1, key0, n_keys)
-        c = 0
-        while c + 4 <= n_keys:
-            cu = uint64(c)  # unsigned: no negative-index fix-up on the shared loads
-            # Both rows' scores first, so the K loads they share are issued once.
-            dots4(s, 0, q_rows, K_j, cu, part)
-            if RPT == 2:
-                dots4(s, 1, q_rows, K_j, cu, part)
-            softmax4(s, 0, vis0, c, scale_log2, m, l, acc)
-            if RPT == 2:
-                softmax4(s, 1, vis1, c, scale_log2, m, l, acc)
-            if c + 4 <= vis0:  # row 0 sees the fewest keys, so every row sees all four
-                accumulate4(acc, s, V_j, cu, part)
-            else:  # the causal diagonal
-                accumulate_visible(acc, 0, s, V_j, c, part, vis0)
-                if RPT == 2:
-                    accumulate_visible(acc, 1, s, V_j, c, part, vis1)
-            c += 4
-        while c < n_keys:
-            one_key(q_rows, K_j, V_j, c, 0, vis0, part, scale_log2, m, l, acc)
-            if RPT == 2:
-                one_key(q_rows, K_j, V_j, c, 1, vis1, part, scale_log2, m, l, acc)
-            c += 1
+    def online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc):  # noqa: E741
+        t, tr, tc = coords()
+        s = cuda.local.array(NS, float32)  # the thread's scores, then weights
+        vis = cuda.local.array(RM, int32)  # keys each row sees
+        scores(s, buf, tr, tc)
+        for a in range(RM):
+            vis[a] = visible(row0 + int(tr) + a * TR, key0, n_keys)
+            part_max = NEG_INF
+            for b in range(KN):
+                e = a * KN + b
+                # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
+                s[e] = s[e] * scale_log2 if int(tc) + b * TC < vis[a] else NEG_INF
+                part_max = max(part_max, s[e])
+            buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = part_max
+        cuda.syncthreads()  # every thread's partial row maxima are in shared memory
+        for a in range(RM):
+            rescale(m, l, acc, a, reduce_rows(buf, tr, a, True))
+            shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
+            for b in range(KN):
+                p = math.exp2(s[a * KN + b] - shift)
+                l[a] += p
+                # P_ij: stays on chip, in shared memory for the P V_j product
+                buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
+                    + uint64(b * TC)] = p
+        cuda.syncthreads()  # P_ij is complete (and the row maxima are read)
+        if FAST and vis[0] == BC:  # row 0 sees the fewest keys: every row sees all of them
+            accumulate_full(buf, acc, tr, tc)
+        else:  # a tail tile or the causal diagonal
+            accumulate_guarded(buf, acc, tr, tc, vis, n_keys)
 
-    return online_update
+    @cuda.jit(device=True)
+    def row_sums(buf, l, l_row):  # noqa: E741
+        t, tr, _ = coords()
+        cuda.syncthreads()  # every thread is done with the reduction rows
+        for a in range(RM):
+            buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = l[a]
+        cuda.syncthreads()  # every thread's partial row sums are in shared memory
+        for a in range(RM):
+            l_row[a] = reduce_rows(buf, tr, a, False)
+
+    @cuda.jit(device=True, inline="always")
+    def give_o(buf, acc, l_row):
+        _, tr, tc = coords()
+        for a in range(RM):
+            factor = float32(1.0) / l_row[a]
+            for h in range(XH):
+                for w in range(4):
+                    x = dim(tc, h, w)
+                    if x < DV:
+                        buf[uint64(OUT) + q_at(tr, a) + x] = acc[a * XN + 4 * h + w] * factor
+
+    @cuda.jit(device=True, inline="always")
+    def take_o(buf, acc, l, l_row, m):  # noqa: E741
+        _, tr, tc = coords()
+        for a in range(RM):
+            r = uint64(tr) + uint64(a * TR)
+            l_row[a] = buf[uint64(STATS) + r]
+            m[a] = buf[uint64(STATS + ROWS) + r]
+            l[a] = l_row[a] if tc == 0 else float32(0.0)  # one partial per row holds it all
+            for h in range(XH):
+                for w in range(4):
+                    x = dim(tc, h, w)
+                    o = buf[uint64(O) + q_at(tr, a) + x] if x < DV else float32(0.0)
+                    acc[a * XN + 4 * h + w] = o * l_row[a]
+
+    @cuda.jit(device=True, inline="always")
+    def keep_stats(buf, l_row, m):
+        _, tr, tc = coords()
+        if tc == 0:
+            for a in range(RM):
+                r = uint64(tr) + uint64(a * TR)
+                buf[uint64(STATS) + r] = l_row[a]
+                buf[uint64(STATS + ROWS) + r] = m[a]
+
+    return clear, online_update, row_sums, give_o, take_o, keep_stats

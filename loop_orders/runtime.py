@@ -13,6 +13,7 @@ README.md. The simulator never needs it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from pathlib import Path
@@ -83,6 +84,9 @@ if SIMULATOR:
 
 # Static shared memory a CTA may declare without opting in to more (bytes).
 SHARED_BYTES_LIMIT = 48 * 1024
+# Shared memory a CTA may use after opting in (dynamic shared memory), on the H100/H200;
+# the simulator stands in for that GPU. On a GPU the device's own limit is used.
+HOPPER_OPTIN_SHARED_BYTES = 232448
 MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_Y = 65535
 
@@ -105,6 +109,41 @@ def kernel_options(threads: int, registers: int = 128) -> dict:
     if SIMULATOR:
         return {}
     return {"launch_bounds": (threads, max(1, 65536 // (threads * registers)))}
+
+
+@functools.cache
+def dynamic_shared_limit() -> int:
+    """Bytes of shared memory one CTA may use with the opt-in (see `launch`)."""
+    if SIMULATOR:
+        return HOPPER_OPTIN_SHARED_BYTES
+    return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+_opted_in: set = set()
+
+
+def _opt_in_shared(kernel, args, shared_bytes: int) -> None:
+    """Let the kernel compiled for these arguments take `shared_bytes` of dynamic shared
+    memory. Above 48 KB CUDA needs the function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES,
+    which Numba has no public API for: we set it on the compiled function as Numba's own
+    `set_shared_memory_carveout` sets its attribute."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    key = (id(compiled), shared_bytes)
+    if key in _opted_in:
+        return
+    cufunc = compiled._codelibrary.get_cufunc()
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, shared_bytes, cufunc.handle, cufunc.device.id)
+    _opted_in.add(key)
+
+
+def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
+    """kernel[grid, block](*args) with `shared_bytes` of dynamic shared memory per CTA."""
+    if not SIMULATOR and shared_bytes > SHARED_BYTES_LIMIT:
+        _opt_in_shared(kernel, args, shared_bytes)
+    kernel[grid, block, 0, shared_bytes](*args)
 
 
 def _host_available_bytes() -> int:

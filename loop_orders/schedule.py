@@ -111,6 +111,13 @@ class Schedule(ABC):
     def shared_bytes(self, p: Problem, count: bool) -> int:
         """Largest shared memory one CTA of this schedule declares (bytes)."""
 
+    def shared_limit(self) -> int:
+        """Shared memory one CTA may use: 48 KB of static arrays unless the schedule's
+        kernels take dynamic shared memory (and opt in to more, `runtime.launch`)."""
+        from .runtime import SHARED_BYTES_LIMIT
+
+        return SHARED_BYTES_LIMIT
+
     @abstractmethod
     def launch(self, p: Problem, q, k, v, out, lse, counts, *, scale: float, count: bool,
                workspace=None):

@@ -26,10 +26,12 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool):  # noqa: N803
+def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
     """Device function copying between a shared tile and rows [row0, row0 + n_rows),
     columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
     tile as float32, or out of it in hbm's dtype. Returns the elements this thread moved.
+    The tile is a 2-D shared array, or with AT = (offset, stride) the rows of a 1-D shared
+    buffer from `offset` on, `stride` floats apart.
 
     Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
     warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
@@ -40,13 +42,23 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool):  # noqa: N803
     # Whether each round of the CTA covers whole rows and the rounds cover the tile exactly.
     WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
 
+    FLAT = AT is not None  # noqa: N806
+    OFFSET, STRIDE = AT if FLAT else (0, 0)  # noqa: N806
+
     @cuda.jit(device=True, inline="always")
     def copy(tile, hbm, bh, row0, col0, r, c):
         # unsigned indices: Numba then skips its negative-index fix-up on every access
-        if TO_HBM:
-            hbm[uint64(bh), uint64(row0) + r, uint64(col0) + c] = tile[r, c]
+        h = (uint64(bh), uint64(row0) + r, uint64(col0) + c)
+        if FLAT:
+            at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c)
+            if TO_HBM:
+                hbm[h] = tile[at]
+            else:
+                tile[at] = float32(hbm[h])
+        elif TO_HBM:
+            hbm[h] = tile[r, c]
         else:
-            tile[r, c] = float32(hbm[uint64(bh), uint64(row0) + r, uint64(col0) + c])
+            tile[r, c] = float32(hbm[h])
 
     @cuda.jit(device=True)
     def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols):
@@ -70,57 +82,18 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool):  # noqa: N803
 
 
 @cache
-def make_tile_loader(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
-    """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy).
-    Every thread of the CTA must call it; the caller puts the barriers around it."""
-    return _tile_copy(ROWS, COLS, THREADS, False)
+def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
+    """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy;
+    sizes are compile-time). Every thread of the CTA must call it; the caller puts the
+    barriers around it."""
+    return _tile_copy(ROWS, COLS, THREADS, False, at)
 
 
 @cache
-def make_tile_storer(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
+def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
     """store_tile(tile, dst, bh, row0, n_rows, col0, n_cols): shared -> HBM (see _tile_copy).
     Every thread of the CTA must call it; the caller puts the barriers around it."""
-    return _tile_copy(ROWS, COLS, THREADS, True)
-
-
-@cache
-def make_tile_prefetcher(ROWS: int, COLS: int, THREADS: int):  # noqa: N803 - compile-time sizes
-    """(fetch, put, PER_THREAD): a tile load split in two, so its HBM latency hides behind
-    compute. fetch(regs, src, bh, row0, n_rows) issues this thread's loads of the tile's
-    rows [row0, row0 + n_rows) into registers (regs: a local array of PER_THREAD) and returns
-    how many it made; nothing waits for them until put(tile, regs, n_rows) stores them to the
-    shared tile. Consecutive threads take consecutive elements of a row (coalesced)."""
-    PER_THREAD = -(-ROWS * COLS // THREADS)  # noqa: N806 - ceil: the last round may be partial
-    STEP = THREADS // COLS if THREADS % COLS == 0 else 0  # noqa: N806 - whole rows a round
-
-    @cuda.jit(device=True, inline="always")
-    def position(t, u):
-        """Row and column of this thread's u-th element (unsigned: no index fix-ups)."""
-        if STEP:
-            return t // uint32(COLS) + uint32(u * STEP), t % uint32(COLS)
-        e = t + uint32(u * THREADS)
-        return e // uint32(COLS), e % uint32(COLS)
-
-    @cuda.jit(device=True, inline="always")
-    def fetch(regs, src, bh, row0, n_rows):
-        t = uint32(cuda.threadIdx.x)
-        moved = 0
-        for u in range(PER_THREAD):
-            r, c = position(t, u)
-            if r < n_rows:
-                regs[u] = float32(src[uint64(bh), uint64(row0) + r, c])
-                moved += 1
-        return moved
-
-    @cuda.jit(device=True, inline="always")
-    def put(tile, regs, n_rows):
-        t = uint32(cuda.threadIdx.x)
-        for u in range(PER_THREAD):
-            r, c = position(t, u)
-            if r < n_rows:
-                tile[r, c] = regs[u]
-
-    return fetch, put, PER_THREAD
+    return _tile_copy(ROWS, COLS, THREADS, True, at)
 
 
 @cuda.jit(device=True)

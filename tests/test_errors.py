@@ -62,10 +62,12 @@ def test_causal_needs_square(rng):
 
 @pytest.mark.parametrize("schedule", ["q_outer", "kv_outer"])
 def test_shared_memory_refused_with_need_and_limit(schedule, rng):
-    q, k, v = random_qkv(rng, 1, 1, 4, 128, 128)
-    with pytest.raises(ValueError, match=r"block_k: .* needs (\d+) bytes .* limit is 49152") as e:
-        lo.attention(q, k, v, schedule=schedule, block_k=64)
-    assert int(e.value.args[0].split(" needs ")[1].split()[0]) >= 4 * 64 * (128 + 128)
+    q, k, v = random_qkv(rng, 1, 1, 4, 256, 256)
+    limit = lo.get_schedule(schedule).shared_limit()
+    with pytest.raises(ValueError,
+                       match=rf"block_k: .* needs (\d+) bytes .* limit is {limit}") as e:
+        lo.attention(q, k, v, schedule=schedule, block_k=128)
+    assert int(e.value.args[0].split(" needs ")[1].split()[0]) >= 4 * 128 * (256 + 256)
 
 
 def test_head_dim_limit(rng):
@@ -83,7 +85,7 @@ def test_dense_row_length_limit():
     (["traffic", "--schedule", "nope", "--n", "6", "--d", "2"], "unknown schedule"),
     (["traffic", "--schedule", "dense", "--n", "6", "--d", "2", "--block-q", "0"], "block_q"),
     (["traffic", "--schedule", "dense", "--n", "x", "--d", "2"], "--n: invalid int"),
-    (["run", "--schedule", "q_outer", "--n", "8", "--d", "128", "--block-k", "64"], "block_k"),
+    (["run", "--schedule", "q_outer", "--n", "8", "--d", "256", "--block-k", "128"], "block_k"),
     (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--causal", "--repeat", "0"],
      "repeat"),
     (["traffic", "--n", "6", "--d", "2"], "--schedule"),
@@ -230,7 +232,7 @@ def test_numpy_integer_block_sizes_and_float32_scale_accepted(qkv, schedule):
      "--block-k: invalid int value"),
     (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--dtype", "float64"],
      "--dtype: invalid choice"),
-    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "128", "--block-k", "64",
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "256", "--block-k", "128",
       "--measure"], "block_k: q_outer needs"),
     (["run", "--schedule", "nope", "--n", "8", "--d", "4"], "unknown schedule"),
     (["run", "--schedule", "q_outer", "--n", "0", "--d", "4"], "n: got 0"),

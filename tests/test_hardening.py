@@ -213,9 +213,10 @@ def test_dense_quadratic_workspace_refused_against_the_real_limit():
 @pytest.mark.parametrize("schedule", ["q_outer", "kv_outer"])
 def test_shared_memory_refusal_states_the_supported_block_k(schedule):
     sched = lo.get_schedule(schedule)
-    p = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=64)
+    p = lo.make_problem(schedule, n_q=8, d=256, block_q=8, block_k=128)
     need = sched.shared_bytes(p, False)
-    with pytest.raises(ValueError, match=rf"block_k: .* needs {need} bytes .* limit is 49152 "
+    with pytest.raises(ValueError, match=rf"block_k: .* needs {need} bytes .* limit is "
+                                         rf"{sched.shared_limit()} "
                                          r"bytes: use 1 <= block_k <= (\d+) at these head dims"
                        ) as refusal:
         lo.api.check_launch(sched, p, count=False)

@@ -1,44 +1,58 @@
-"""The micro-kernel's thread-layout policy (microkernel.thread_layout) as on a GPU."""
+"""The micro-kernel's thread-layout policy (microkernel.thread_layout) and shared-memory plan."""
 
 import pytest
 
-from loop_orders import microkernel
-from loop_orders.microkernel import Layout, thread_layout
+from loop_orders.microkernel import Layout, shared_layout, thread_layout
 
 
-@pytest.fixture
-def on_gpu(monkeypatch):
-    """Pretend shuffles exist (the policy only; no kernel is compiled here)."""
-    monkeypatch.setattr(microkernel, "SIMULATOR", False)
+@pytest.fixture(autouse=True)
+def no_forced_layout(monkeypatch):
     monkeypatch.delenv("LOOP_ORDERS_LAYOUT", raising=False)
 
 
-def test_policy_follows_the_measured_order(on_gpu):
-    assert thread_layout(64, 64, 128) == Layout(1, 2)  # 64 registers of q and acc
-    assert thread_layout(128, 128, 64) == Layout(2, 4)  # two rows per thread at d = 128
-    assert thread_layout(64, 64, 8) == Layout(1, 4)  # (1, 2) would be 16 threads: no warp
-    assert thread_layout(6, 6, 4) == Layout(2, 1)  # d not in 4-wide chunks per part
-    assert thread_layout(5, 3, 1) == Layout(1, 1)
+def test_policy_is_four_rows_by_four_keys_per_thread():
+    assert thread_layout(64, 32) == Layout(4, 4)  # 16 x 8 = 128 threads
+    assert thread_layout(128, 64) == Layout(4, 4)  # 32 x 16 = 512 threads
+    assert thread_layout(5, 3) == Layout(4, 3)  # rows past Br: two threads of rows
+    assert thread_layout(1, 1) == Layout(1, 1)
+    assert thread_layout(512, 512) == Layout(16, 16)  # grown until 1024 threads
 
 
-def test_every_layout_is_whole_warps_and_splits_head_dims(on_gpu):
-    for d in (8, 16, 32, 64, 128, 256):
-        for block_q in (16, 32, 64, 128, 256, 512):
-            lay = thread_layout(d, d, block_q)
-            if lay.tpr > 1:
-                assert lay.threads(block_q) % 32 == 0 and d % (4 * lay.tpr) == 0
-            assert block_q % lay.rpt == 0 and lay.threads(block_q) <= 1024
+def test_every_layout_fits_a_cta_and_covers_the_tile():
+    for block_q in (1, 3, 16, 33, 64, 128, 255, 512):
+        for block_k in (1, 5, 16, 32, 64, 100, 512):
+            lay = thread_layout(block_q, block_k)
+            tr, tc = lay.grid(block_q, block_k)
+            assert lay.threads(block_q, block_k) == tr * tc <= 1024
+            assert tr * lay.rm >= block_q and tc * lay.kn >= block_k
+            assert (tr - 1) * lay.rm < block_q and (tc - 1) * lay.kn < block_k
 
 
-def test_forced_layout_is_used_or_refused(on_gpu, monkeypatch):
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "2,2")
-    assert thread_layout(64, 64, 128) == Layout(2, 2)
-    assert Layout(2, 2).registers(64, 64) == 255 and Layout(1, 2).registers(64, 64) == 128
-    with pytest.raises(ValueError, match="LOOP_ORDERS_LAYOUT=2,2 does not fit d=128"):
-        thread_layout(128, 128, 64)
+def test_forced_layout_is_used_or_refused(monkeypatch):
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,2")
+    assert thread_layout(64, 32) == Layout(4, 2)
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "1,1")
+    with pytest.raises(ValueError, match="LOOP_ORDERS_LAYOUT=1,1 needs more than 1024"):
+        thread_layout(64, 32)
 
 
-def test_simulator_never_splits_rows(monkeypatch):
-    monkeypatch.setattr(microkernel, "SIMULATOR", True)
-    monkeypatch.delenv("LOOP_ORDERS_LAYOUT", raising=False)
-    assert thread_layout(64, 64, 128).tpr == 1
+def test_registers_cap_follows_scores_and_accumulators():
+    assert Layout(4, 4).registers(32, 64) == 128  # 16 scores + 32 accumulators
+    assert Layout(4, 4).registers(32, 128) == 255  # 16 + 64
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
+    lay = Layout(4, 4)
+    sm = shared_layout(64, 32, 64, 64, lay, reload)
+    # row strides: whole 16-byte chunks, an odd number of them (rows start in different banks)
+    for stride in (sm.qs, sm.ks, sm.ps):
+        assert stride % 4 == 0 and (stride // 4) % 2 == 1
+    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 32
+    starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.o, sm.stats, sm.size]
+    assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
+    assert sm.k - sm.q == 64 * sm.qs and sm.v - sm.k == 32 * sm.ks
+    assert sm.p - sm.v == 32 * sm.vs and sm.red - sm.p == 64 * sm.ps
+    assert sm.o - sm.red == lay.threads(64, 32) * lay.rm
+    assert (sm.stats - sm.o, sm.size - sm.stats) == ((64 * sm.qs, 128) if reload else (0, 0))
+    assert sm.bytes == 4 * sm.size

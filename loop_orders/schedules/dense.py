@@ -24,7 +24,6 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import make_row_io
 from ..runtime import SHARED_BYTES_LIMIT, SHARED_F32, cuda, device_empty
 from ..schedule import Problem, Schedule, ceil_div, register
 from ..tiles import counter_slots, flush_counts, make_tile_loader, make_tile_storer, zero_counts
@@ -54,12 +53,52 @@ def softmax_shared_bytes(n_k: int) -> int:
 
 
 @cache
+def make_row_io(BR: int, W: int, SC: int):  # noqa: N803 - compile-time sizes
+    """(load_rows, store_rows): a query block's rows of width W between HBM and one thread
+    per row's registers, staged through a shared tile of SC rows so that HBM sees whole
+    rows, coalesced. Every thread of the CTA calls them (barriers inside); they return the
+    elements this thread moved."""
+    load_chunk = make_tile_loader(SC, W, BR)
+    store_chunk = make_tile_storer(SC, W, BR)
+
+    @cuda.jit(device=True)
+    def load_rows(regs, stage, src, bh, block0, row):
+        moved = 0
+        end = min(block0 + BR, src.shape[1])
+        for chunk0 in range(block0, end, SC):
+            n = min(SC, end - chunk0)
+            cuda.syncthreads()  # every thread is done with the stage's previous contents
+            moved += load_chunk(stage, src, bh, chunk0, n, 0, W)
+            cuda.syncthreads()  # the chunk is in shared memory
+            if 0 <= row - chunk0 < n:
+                for x in range(W):
+                    regs[x] = stage[row - chunk0, x]
+        return moved
+
+    @cuda.jit(device=True)
+    def store_rows(dst, stage, regs, bh, block0, row):
+        moved = 0
+        end = min(block0 + BR, dst.shape[1])
+        for chunk0 in range(block0, end, SC):
+            n = min(SC, end - chunk0)
+            cuda.syncthreads()  # every thread is done with the stage's previous contents
+            if 0 <= row - chunk0 < n:
+                for x in range(W):
+                    stage[row - chunk0, x] = regs[x]
+            cuda.syncthreads()  # the chunk is complete in shared memory
+            moved += store_chunk(stage, dst, bh, chunk0, n, 0, W)
+        return moved
+
+    return load_rows, store_rows
+
+
+@cache
 def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
     NCNT = counter_slots(COUNT)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
     SW = score_chunk(BC)  # noqa: N806
     store_S_ij = make_tile_storer(BR, SW, BR)  # noqa: N806
-    load_q, _, _ = make_row_io(BR, D, D, 1, 1, BC)  # one thread per row, staged through K_j
+    load_q, _ = make_row_io(BR, D, BC)  # one thread per row, staged through K_j
     SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
 
     @cuda.jit
@@ -80,7 +119,7 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
         if COUNT:
             zero_counts(cnt)
         # Q_i: read from HBM once (staged through K_j, coalesced)
-        moved = load_q(Q_i, K_j, q, bh, i * BR, row, 0)
+        moved = load_q(Q_i, K_j, q, bh, i * BR, row)
         if COUNT:
             cnt[Q_R] += moved
         for j in range((n_k + BC - 1) // BC):
@@ -179,7 +218,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
     SW = score_chunk(BC)  # noqa: N806
     load_P_ij = make_tile_loader(BR, SW, BR)  # noqa: N806
-    _, _, store_o = make_row_io(BR, DV, DV, 1, 1, BC)  # one thread per row, staged through V_j
+    _, store_o = make_row_io(BR, DV, BC)  # one thread per row, staged through V_j
     SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
 
     @cuda.jit
@@ -196,13 +235,11 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
         # its own bank
         P_ij = cuda.shared.array((BR, SW1), float32)  # noqa: N806
         acc = cuda.local.array(DV, float32)
-        one = cuda.local.array(1, float32)  # l = 1: the rows of P are normalised already
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
         for x in range(DV):
             acc[x] = float32(0.0)
-        one[0] = float32(1.0)
         for j in range((n_k + BC - 1) // BC):
             key0 = j * BC
             bc = min(BC, n_k - key0)
@@ -226,7 +263,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
                         for x in range(DV):
                             acc[x] += p * V_j[c0 + c, x]
         # O_i: written to HBM once (staged through V_j, coalesced)
-        moved = store_o(o, V_j, acc, bh, i * BR, row, 0, one)
+        moved = store_o(o, V_j, acc, bh, i * BR, row)
         if COUNT:
             cnt[O_W] += moved
         if COUNT:

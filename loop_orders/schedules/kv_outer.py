@@ -28,16 +28,24 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import (
-    Layout,
-    make_online_update,
-    make_row_io,
-    share_from_part0,
-    thread_layout,
+from ..microkernel import Layout, make_micro_kernel, shared_layout, thread_layout
+from ..runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    dynamic_shared_limit,
+    kernel_options,
+    launch,
 )
-from ..runtime import SHARED_ALIGN, cuda, kernel_options
 from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_counts
+from ..tiles import (
+    LN2,
+    counter_slots,
+    flush_counts,
+    make_tile_loader,
+    make_tile_storer,
+    zero_counts,
+)
 
 (Q_R, K_R, V_R, O_R, O_W, L_R, L_W, M_R, M_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "read"),
@@ -45,140 +53,118 @@ from ..tiles import LN2, counter_slots, flush_counts, make_tile_loader, zero_cou
     slot("m", "write"), slot("lse", "write"))
 
 
-def stage_rows(block_q: int, d: int, dv: int) -> int:
-    """Rows of the shared stage through which Q_i and O_i move: 8 KB of it, at most Br."""
-    return max(1, min(block_q, 2048 // max(d, dv)))
-
-
 @cache
-def make_kernel(BR, BC, D, DV, RPT, TPR, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    layout = Layout(RPT, TPR)
-    NT = layout.threads(BR)  # noqa: N806 - threads per CTA
-    RS = BR // RPT  # noqa: N806 - a thread's rows are RS apart
-    DP, DVP = D // TPR, DV // TPR  # noqa: N806 - head dims per thread and row
-    NQ, NACC = RPT * DP, RPT * DVP  # noqa: N806 - registers for the thread's q and acc
-    SC, SW = stage_rows(BR, D, DV), max(D, DV)  # noqa: N806 - the stage's rows and width
-    online_update = make_online_update(D, DV, RPT, RS, TPR, CAUSAL)
-    load_q, load_o, store_o = make_row_io(BR, D, DV, RPT, TPR, SC)
-    load_K_j = make_tile_loader(BC, D, NT)  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT)  # noqa: N806
+def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    layout = Layout(RM, KN)
+    NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
+    TC = layout.grid(BR, BC)[1]  # noqa: N806 - threads sharing a query row
+    sm = shared_layout(BR, BC, D, DV, layout, True)
+    ROWS = layout.grid(BR, BC)[0] * RM  # noqa: N806 - rows of the O_i stage and of l_i, m_i
+    NACC = RM * (sm.vs // TC)  # noqa: N806 - the thread's accumulators
+    clear, online_update, row_sums, give_o, take_o, keep_stats = make_micro_kernel(
+        BR, BC, D, DV, RM, KN, CAUSAL, True)
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
+    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.qs))  # noqa: N806
+    store_O_i = make_tile_storer(BR, DV, NT, (sm.o, sm.qs))  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
-    def init_stats(l_hbm, m_hbm, bh, row, part, cnt):
-        """l = 0 and m = -inf for one row, by its part 0. Each row's l and m are only ever
-        touched by its own part 0, in program order, so no barrier guards them."""
-        if row < l_hbm.shape[1] and part == 0:
-            l_hbm[bh, row] = float32(0.0)
-            m_hbm[bh, row] = float32(-math.inf)
-            if COUNT:
-                cnt[L_W] += 1
-                cnt[M_W] += 1
-
-    @cuda.jit(device=True, inline="always")
-    def load_stats(m_i, l_i, r, l_hbm, m_hbm, bh, row, part, cnt):
-        """Row r's l_i, m_i from HBM (0 and -inf for a spare row past N_q, which computes
-        on them and touches no HBM). Part 0 loads them; the other parts get them by shuffle."""
-        l_i[r] = float32(0.0)
-        m_i[r] = float32(-math.inf)
-        if row < l_hbm.shape[1] and part == 0:
+    def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
+        """l_i, m_i of the block's rows into the stats rows, thread t taking row t."""
+        for r in range(cuda.threadIdx.x, n_rows, NT):
             # l_i, m_i: reloaded from HBM for every K/V block
-            l_i[r] = l_hbm[bh, row]
-            m_i[r] = m_hbm[bh, row]
+            buf[sm.stats + r] = l_hbm[bh, row0 + r]
+            buf[sm.stats + ROWS + r] = m_hbm[bh, row0 + r]
             if COUNT:
                 cnt[L_R] += 1
                 cnt[M_R] += 1
-        l_i[r] = share_from_part0(l_i[r], TPR)
-        m_i[r] = share_from_part0(m_i[r], TPR)
 
     @cuda.jit(device=True, inline="always")
-    def store_stats(l_hbm, m_hbm, lse, m_i, l_i, r, bh, row, part, last, cnt):
-        """Row r's l_i, m_i back to HBM (by part 0), and lse_i once i is final."""
-        if row < l_hbm.shape[1] and part == 0:
+    def store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows, last, cnt):
+        """l_i, m_i of the block's rows back to HBM from the stats rows; lse_i once final."""
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            l_r = buf[sm.stats + r]
+            m_r = buf[sm.stats + ROWS + r]
             # l_i, m_i: written back to HBM after every K/V block
-            l_hbm[bh, row] = l_i[r]
-            m_hbm[bh, row] = m_i[r]
+            l_hbm[bh, row0 + r] = l_r
+            m_hbm[bh, row0 + r] = m_r
             if COUNT:
                 cnt[L_W] += 1
                 cnt[M_W] += 1
             if last:
                 # lse_i: the statistic the backward pass needs, once i is final
-                lse[bh, row] = (m_i[r] + math.log2(l_i[r])) * float32(LN2)
+                lse[bh, row0 + r] = (m_r + math.log2(l_r)) * float32(LN2)
                 if COUNT:
                     cnt[LSE_W] += 1
 
-    @cuda.jit(**kernel_options(NT, layout.registers(D, DV)))
+    @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
-        t = cuda.threadIdx.x
-        part = t % TPR
-        slot = t // TPR  # this thread's rows of query block i: i Br + slot + r RS, r < RPT
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR  # noqa: N806
         T_c = (n_k + BC - 1) // BC  # noqa: N806
 
-        K_j = cuda.shared.array((BC, D), float32, alignment=SHARED_ALIGN)  # noqa: N806
-        V_j = cuda.shared.array((BC, DV), float32, alignment=SHARED_ALIGN)  # noqa: N806
-        stage = cuda.shared.array((SC, SW), float32, alignment=SHARED_ALIGN)  # Q_i, O_i pass
-        Q_i = cuda.local.array(NQ, float32)  # noqa: N806 - this thread's slices of rows
-        acc = cuda.local.array(NACC, float32)  # their slices of O_i, unnormalised (l_i O_i)
-        m_i = cuda.local.array(RPT, float32)
-        l_i = cuda.local.array(RPT, float32)
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # all tiles
+        acc = cuda.local.array(NACC, float32)  # this thread's part of O_i, unnormalised
+        m_i = cuda.local.array(RM, float32)
+        l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
+        l_row = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
-
-        # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM (with acc = 0 and
-        # l = 1, store_o writes O = acc / l = 0).
-        for y in range(NACC):
-            acc[y] = float32(0.0)
-        for r in range(RPT):
-            l_i[r] = float32(1.0)
+        clear(buf)  # padding stays zero; the O_i stage starts as O = 0, l = 0, m = -inf
+        for r in range(cuda.threadIdx.x, ROWS, NT):
+            buf[sm.stats + ROWS + r] = float32(-math.inf)
+        cuda.syncthreads()  # the initial O_i, l_i, m_i are in shared memory
+        # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM
         for i in range(T_r):
-            moved = store_o(o, stage, acc, bh, i * BR, i * BR + slot, part, l_i)
+            n_rows = min(BR, n_q - i * BR)
+            moved = store_O_i(buf, o, bh, i * BR, n_rows, 0, DV)
             if COUNT:
                 cnt[O_W] += moved
-            for r in range(RPT):
-                init_stats(l_hbm, m_hbm, bh, i * BR + slot + r * RS, part, cnt)
+            store_stats(buf, l_hbm, m_hbm, lse, bh, i * BR, n_rows, False, cnt)
 
         for j in range(T_c):
             key0 = j * BC
             bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every row is done with the previous K_j, V_j
+            cuda.syncthreads()  # every thread is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_K_j(K_j, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(V_j, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
+            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
-            cuda.syncthreads()  # K_j, V_j are in shared memory for all rows
-
             i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
             for i in range(i0, T_r):
-                row0 = i * BR + slot
-                for y in range(NQ):
-                    Q_i[y] = float32(0.0)  # spare rows past N_q compute on zeros
-                for r in range(RPT):
-                    load_stats(m_i, l_i, r, l_hbm, m_hbm, bh, row0 + r * RS, part, cnt)
-                # Q_i, O_i: reloaded from HBM for every K/V block (staged, coalesced)
-                moved_q = load_q(Q_i, stage, q, bh, i * BR, row0, part)
-                moved_o = load_o(acc, stage, o, bh, i * BR, row0, part, l_i)
+                row0 = i * BR
+                n_rows = min(BR, n_q - row0)
+                cuda.syncthreads()  # every thread is done with the last step's Q_i, O_i, l, m
+                # Q_i, O_i, l_i, m_i: reloaded from HBM for every K/V block
+                moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D)
+                moved_o = load_O_i(buf, o, bh, row0, n_rows, 0, DV)
+                load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt)
                 if COUNT:
                     cnt[Q_R] += moved_q
                     cnt[O_R] += moved_o
-                online_update(Q_i, K_j, V_j, bc, key0, row0, part, scale_log2, m_i, l_i,
-                              acc)
+                cuda.syncthreads()  # K_j, V_j, Q_i, O_i, l_i and m_i are in shared memory
+                take_o(buf, acc, l_i, l_row, m_i)
+                online_update(buf, bc, key0, row0, scale_log2, m_i, l_i, acc)
+                row_sums(buf, l_i, l_row)
+                give_o(buf, acc, l_row)
+                keep_stats(buf, l_row, m_i)
+                cuda.syncthreads()  # O_i, l_i, m_i are complete in shared memory
                 # O_i: written back to HBM after every K/V block, normalised
-                moved_o = store_o(o, stage, acc, bh, i * BR, row0, part, l_i)
+                moved_o = store_O_i(buf, o, bh, row0, n_rows, 0, DV)
                 if COUNT:
                     cnt[O_W] += moved_o
                 last_j = T_c - 1
                 if CAUSAL:
-                    last_j = min(last_j, (min((i + 1) * BR, n_q) - 1) // BC)
-                for r in range(RPT):
-                    store_stats(l_hbm, m_hbm, lse, m_i, l_i, r, bh, row0 + r * RS, part,
-                                SAVE_LSE and j == last_j, cnt)
+                    last_j = min(last_j, (row0 + n_rows - 1) // BC)
+                store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows,
+                            SAVE_LSE and j == last_j, cnt)
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -195,7 +181,7 @@ class KVOuter(Schedule):
             for j in range(Tc):               # serial inside the CTA
                 load K_j, V_j                 # HBM -> shared, once
                 for i in range(i0_j, Tr):     # i0_j = 0, or the diagonal block when causal
-                    load Q_i, O_i, l_i, m_i   # HBM -> registers, per K/V block
+                    load Q_i, O_i, l_i, m_i   # HBM -> shared memory, per K/V block
                     S_ij = Q_i K_j^T * scale
                     m_new = max(m_i, rowmax(S_ij))
                     P_ij = exp(S_ij - m_new)
@@ -232,9 +218,15 @@ class KVOuter(Schedule):
         bc = ceil_div(m, 4 * d)
         return min(bc, d), bc
 
+    def dynamic_shared_bytes(self, p: Problem) -> int:
+        lay = thread_layout(p.block_q, p.block_k)
+        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, True).bytes
+
     def shared_bytes(self, p: Problem, count: bool) -> int:
-        stage = stage_rows(p.block_q, p.d, p.dv) * max(p.d, p.dv)
-        return 4 * (p.block_k * (p.d + p.dv) + stage) + (8 * counter_slots(True) if count else 0)
+        return self.dynamic_shared_bytes(p) + (8 * counter_slots(True) if count else 0)
+
+    def shared_limit(self) -> int:
+        return dynamic_shared_limit()
 
     def allocate_workspace(self, p: Problem) -> tuple:
         from ..runtime import device_empty
@@ -242,13 +234,13 @@ class KVOuter(Schedule):
         return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        rpt, tpr = thread_layout(p.d, p.dv, p.block_q)
-        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rpt, tpr, p.causal, p.save_lse,
+        rm, kn = thread_layout(p.block_q, p.block_k)
+        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal, p.save_lse,
                             count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         l_hbm, m_hbm = workspace or self.allocate_workspace(p)
-        threads = thread_layout(p.d, p.dv, p.block_q).threads(p.block_q)
+        threads = thread_layout(p.block_q, p.block_k).threads(p.block_q, p.block_k)
         (kernel,) = self.kernels(p, count)
-        kernel[p.bh, threads](q, k, v, out, l_hbm, m_hbm, lse, counts,
-                              np.float32(scale * math.log2(math.e)))
+        launch(kernel, p.bh, threads, self.dynamic_shared_bytes(p), q, k, v, out, l_hbm, m_hbm,
+               lse, counts, np.float32(scale * math.log2(math.e)))
