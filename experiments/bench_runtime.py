@@ -38,16 +38,15 @@ TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=
 HEADS = 16
 # (block_q, block_k) per head dim, unless --tune: the fastest q_outer tiles of the tuning
 # sweep (results/bench_layouts.csv)
-BLOCKS = {64: (64, 64), 128: (64, 32)}
+BLOCKS = {64: (128, 64), 128: (128, 64)}
 LAYOUTS: dict = {}  # forced thread layout per head dim ("RM,KN"), set by --tune
 BLOCKSIZE_SWEEP = {"schedules": ["q_outer"], "n": 4096, "d": 64,
                    "block_q": [16, 32, 64, 128, 256]}  # block_k from BLOCKS
 # Tuning at N = 4096: tile sizes x thread layouts (query rows and keys of S per thread; see
 # microkernel.Layout), per head dim.
 LAYOUT_SWEEP = {"n": 4096, "d": {
-    64: {"blocks": [(64, 32), (64, 64), (128, 32), (128, 64)],
-         "layouts": [(4, 4), (4, 2), (8, 4)]},
-    128: {"blocks": [(64, 32), (64, 64), (128, 64)], "layouts": [(4, 2), (4, 4)]}}}
+    64: {"blocks": [(64, 32), (64, 64), (128, 64)], "layouts": [(8, 4), (4, 4)]},
+    128: {"blocks": [(64, 64), (128, 64)], "layouts": [(4, 4), (4, 2)]}}}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 
@@ -140,7 +139,7 @@ def blank_row(name, dtype, p, status="ok") -> dict:
 def layout_in_effect(p) -> str:
     """RM,KN of the flash micro-kernel (microkernel.Layout) at p; dense does not use it."""
     try:
-        return "{},{}".format(*thread_layout(p.block_q, p.block_k))
+        return "{},{}".format(*thread_layout(p.block_q, p.block_k, p.dv))
     except ValueError:
         return "invalid"
 

@@ -66,17 +66,26 @@ class Layout(NamedTuple):
         tr, tc = self.grid(block_q, block_k)
         return tr * tc
 
-    def registers(self, block_k: int, dv: int) -> int:
-        """The register cap to compile with: 128 (four CTAs of 128 threads per SM) unless
-        the thread's scores and accumulators alone take more than 64 registers."""
+    def data_registers(self, block_k: int, dv: int) -> int:
+        """Registers a thread's scores and accumulators take (RM KN + RM 4 XH)."""
         tc = self.grid(1, block_k)[1]
-        acc = self.rm * 4 * -(-dv // (4 * tc))
-        return 255 if acc + self.rm * self.kn > 64 else 128
+        return self.rm * self.kn + self.rm * 4 * -(-dv // (4 * tc))
+
+    def registers(self, block_k: int, dv: int) -> int:
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) unless
+        the thread's scores and accumulators alone take more than 64 registers."""
+        return 255 if self.data_registers(block_k, dv) > DATA_REGISTERS else 128
 
 
-def thread_layout(block_q: int, block_k: int) -> Layout:
-    """RM = KN = 4 (at most the tile), doubled in turn while the CTA would exceed 1024
-    threads. `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
+DATA_REGISTERS = 64  # scores + accumulators that fit beside the loads under a 128 cap
+
+
+def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
+    """KN = 4 keys (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose
+    scores and accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed
+    1024 threads (KN in turn). Measured on the H200 (results/bench_layouts.csv): at d = 64,
+    RM = 8 with Bc = 64 (8 loads per 128 FMAs); at d = 128, RM = 4.
+    `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
         lay = Layout(*map(int, forced.split(",")))
@@ -85,7 +94,10 @@ def thread_layout(block_q: int, block_k: int) -> Layout:
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
                              f"block_k={block_k}")
         return lay
-    lay = Layout(min(4, block_q), min(4, block_k))
+    kn = min(4, block_k)
+    fits = [rm for rm in (8, 4, 2, 1)
+            if rm <= block_q and Layout(rm, kn).data_registers(block_k, dv) <= DATA_REGISTERS]
+    lay = Layout(fits[0] if fits else 1, kn)
     while lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
         lay = Layout(2 * lay.rm, lay.kn) if lay.rm <= lay.kn else Layout(lay.rm, 2 * lay.kn)
     return lay
@@ -248,14 +260,17 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                             acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
 
     @cuda.jit(device=True, inline="always")
-    def reduce_rows(buf, tr, a, is_max):
-        """Max or sum over the TC threads of row a of their partials in the reduction rows."""
-        base = uint64(RED) + uint64(tr) * uint64(TC * RM) + uint64(a)
-        x = buf[base]
+    def reduce_rows(buf, tr, out, is_max):
+        """out[a] = the max or sum of row a's partials over its TC threads (from the
+        reduction rows; a thread's RM partials are contiguous, so they load 16 bytes at a
+        time)."""
+        base = uint64(RED) + uint64(tr) * uint64(TC * RM)
+        for a in range(RM):
+            out[a] = buf[base + uint64(a)]
         for c in range(1, TC):
-            y = buf[base + uint64(c * RM)]
-            x = max(x, y) if is_max else x + y
-        return x
+            for a in range(RM):
+                y = buf[base + uint64(c * RM + a)]
+                out[a] = max(out[a], y) if is_max else out[a] + y
 
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc):  # noqa: E741
@@ -273,8 +288,10 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 part_max = max(part_max, s[e])
             buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = part_max
         cuda.syncthreads()  # every thread's partial row maxima are in shared memory
+        row_max = cuda.local.array(RM, float32)
+        reduce_rows(buf, tr, row_max, True)
         for a in range(RM):
-            rescale(m, l, acc, a, reduce_rows(buf, tr, a, True))
+            rescale(m, l, acc, a, row_max[a])
             shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
             for b in range(KN):
                 p = math.exp2(s[a * KN + b] - shift)
@@ -295,8 +312,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         for a in range(RM):
             buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = l[a]
         cuda.syncthreads()  # every thread's partial row sums are in shared memory
-        for a in range(RM):
-            l_row[a] = reduce_rows(buf, tr, a, False)
+        reduce_rows(buf, tr, l_row, False)
 
     @cuda.jit(device=True, inline="always")
     def give_o(buf, acc, l_row):

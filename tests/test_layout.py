@@ -2,7 +2,7 @@
 
 import pytest
 
-from loop_orders.microkernel import Layout, shared_layout, thread_layout
+from loop_orders.microkernel import DATA_REGISTERS, Layout, shared_layout, thread_layout
 
 
 @pytest.fixture(autouse=True)
@@ -10,18 +10,22 @@ def no_forced_layout(monkeypatch):
     monkeypatch.delenv("LOOP_ORDERS_LAYOUT", raising=False)
 
 
-def test_policy_is_four_rows_by_four_keys_per_thread():
-    assert thread_layout(64, 32) == Layout(4, 4)  # 16 x 8 = 128 threads
-    assert thread_layout(128, 64) == Layout(4, 4)  # 32 x 16 = 512 threads
-    assert thread_layout(5, 3) == Layout(4, 3)  # rows past Br: two threads of rows
-    assert thread_layout(1, 1) == Layout(1, 1)
-    assert thread_layout(512, 512) == Layout(16, 16)  # grown until 1024 threads
+def test_policy_takes_the_most_rows_whose_registers_fit():
+    assert thread_layout(128, 64, 64) == Layout(8, 4)  # 32 scores + 32 accumulators
+    assert thread_layout(64, 32, 64) == Layout(4, 4)  # RM = 8 would need 64 accumulators
+    assert thread_layout(128, 64, 128) == Layout(4, 4)  # d = 128: 16 + 32
+    assert thread_layout(5, 3, 4) == Layout(4, 3)  # rows past Br: two threads of rows
+    assert thread_layout(1, 1, 1) == Layout(1, 1)
+    assert thread_layout(512, 512, 8) == Layout(16, 16)  # grown until 1024 threads
+    for block_q, block_k, dv in ((128, 64, 64), (64, 32, 64), (128, 64, 128), (64, 64, 256)):
+        lay = thread_layout(block_q, block_k, dv)
+        assert lay.data_registers(block_k, dv) <= DATA_REGISTERS or lay.rm == 1
 
 
 def test_every_layout_fits_a_cta_and_covers_the_tile():
     for block_q in (1, 3, 16, 33, 64, 128, 255, 512):
         for block_k in (1, 5, 16, 32, 64, 100, 512):
-            lay = thread_layout(block_q, block_k)
+            lay = thread_layout(block_q, block_k, 64)
             tr, tc = lay.grid(block_q, block_k)
             assert lay.threads(block_q, block_k) == tr * tc <= 1024
             assert tr * lay.rm >= block_q and tc * lay.kn >= block_k
@@ -30,10 +34,10 @@ def test_every_layout_fits_a_cta_and_covers_the_tile():
 
 def test_forced_layout_is_used_or_refused(monkeypatch):
     monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,2")
-    assert thread_layout(64, 32) == Layout(4, 2)
+    assert thread_layout(64, 32, 64) == Layout(4, 2)
     monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "1,1")
     with pytest.raises(ValueError, match="LOOP_ORDERS_LAYOUT=1,1 needs more than 1024"):
-        thread_layout(64, 32)
+        thread_layout(64, 32, 64)
 
 
 def test_registers_cap_follows_scores_and_accumulators():

@@ -219,7 +219,7 @@ class KVOuter(Schedule):
         return min(bc, d), bc
 
     def dynamic_shared_bytes(self, p: Problem) -> int:
-        lay = thread_layout(p.block_q, p.block_k)
+        lay = thread_layout(p.block_q, p.block_k, p.dv)
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, True).bytes
 
     def shared_bytes(self, p: Problem, count: bool) -> int:
@@ -234,13 +234,13 @@ class KVOuter(Schedule):
         return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
 
     def kernels(self, p: Problem, count: bool) -> list:
-        rm, kn = thread_layout(p.block_q, p.block_k)
+        rm, kn = thread_layout(p.block_q, p.block_k, p.dv)
         return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal, p.save_lse,
                             count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         l_hbm, m_hbm = workspace or self.allocate_workspace(p)
-        threads = thread_layout(p.block_q, p.block_k).threads(p.block_q, p.block_k)
+        threads = thread_layout(p.block_q, p.block_k, p.dv).threads(p.block_q, p.block_k)
         (kernel,) = self.kernels(p, count)
         launch(kernel, p.bh, threads, self.dynamic_shared_bytes(p), q, k, v, out, l_hbm, m_hbm,
                lse, counts, np.float32(scale * math.log2(math.e)))

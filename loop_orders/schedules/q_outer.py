@@ -168,7 +168,7 @@ class QOuter(Schedule):
         return big, min(big, d)
 
     def dynamic_shared_bytes(self, p: Problem) -> int:
-        lay = thread_layout(p.block_q, p.block_k)
+        lay = thread_layout(p.block_q, p.block_k, p.dv)
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, False).bytes
 
     def shared_bytes(self, p: Problem, count: bool) -> int:
@@ -178,12 +178,12 @@ class QOuter(Schedule):
         return dynamic_shared_limit()
 
     def kernels(self, p: Problem, count: bool) -> list:
-        rm, kn = thread_layout(p.block_q, p.block_k)
+        rm, kn = thread_layout(p.block_q, p.block_k, p.dv)
         return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal, p.save_lse,
                             count)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        threads = thread_layout(p.block_q, p.block_k).threads(p.block_q, p.block_k)
+        threads = thread_layout(p.block_q, p.block_k, p.dv).threads(p.block_q, p.block_k)
         (kernel,) = self.kernels(p, count)
         launch(kernel, (p.tr, p.bh), threads, self.dynamic_shared_bytes(p),
                q, k, v, out, lse, counts, np.float32(scale * math.log2(math.e)))
