@@ -102,7 +102,11 @@ def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
     lo_, hi = 0, MAX_BLOCK_K  # shared memory grows with block_k: bisect
     while lo_ < hi:
         mid = (lo_ + hi + 1) // 2
-        if sched.shared_bytes(replace(p, block_k=mid), count) <= sched.shared_limit():
+        try:
+            fits = sched.shared_bytes(replace(p, block_k=mid), count) <= sched.shared_limit()
+        except ValueError:  # no thread layout for this block_k (a forced one, say)
+            fits = False
+        if fits:
             lo_ = mid
         else:
             hi = mid - 1

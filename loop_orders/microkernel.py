@@ -116,7 +116,7 @@ def _stride(width: int) -> int:
 class SharedLayout(NamedTuple):
     """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
 
-    q: int  # Q_i, Br rows (also the stage through which O_i is written)
+    q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
     qs: int
     k: int  # K_j, Bc rows
     ks: int
@@ -125,7 +125,7 @@ class SharedLayout(NamedTuple):
     p: int  # P_ij, Br rows
     ps: int
     red: int  # per-thread row partials (max, then sums), RM per thread
-    o: int  # kv_outer only: the stage through which O_i is read (Br rows, stride qs)
+    o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij's place
     stats: int  # kv_outer only: l_i then m_i of the block's rows
     size: int  # floats in all
 
@@ -138,18 +138,18 @@ class SharedLayout(NamedTuple):
 def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
                   reload: bool) -> SharedLayout:
     """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows. Tiles
-    have a row for every row (key) a thread owns, past Br (Bc) too."""
+    have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
+    shares P_ij's space: O_i is taken before P_ij is written and given after P V_j."""
     tr, tc = lay.grid(BR, BC)
     rows, keys = tr * lay.rm, tc * lay.kn
     qs = _stride(max(D, DV))
     ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(keys)
-    sizes = [rows * qs, keys * ks, BC * vs, rows * ps, tr * tc * lay.rm,
-             rows * qs if reload else 0, 2 * rows if reload else 0]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    q, k, v, p, red, o, stats, size = offsets
-    return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, o, stats, size)
+    sizes = [rows * qs, keys * ks, BC * vs, rows * max(ps, qs if reload else 0),
+             tr * tc * lay.rm, 2 * rows if reload else 0]
+    q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, p if reload else 0, stats, size)
 
 
 @cache

@@ -53,10 +53,13 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     for stride in (sm.qs, sm.ks, sm.ps):
         assert stride % 4 == 0 and (stride // 4) % 2 == 1
     assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 32
-    starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.o, sm.stats, sm.size]
+    starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.stats, sm.size]
     assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
     assert sm.k - sm.q == 64 * sm.qs and sm.v - sm.k == 32 * sm.ks
-    assert sm.p - sm.v == 32 * sm.vs and sm.red - sm.p == 64 * sm.ps
-    assert sm.o - sm.red == lay.threads(64, 32) * lay.rm
-    assert (sm.stats - sm.o, sm.size - sm.stats) == ((64 * sm.qs, 128) if reload else (0, 0))
+    assert sm.p - sm.v == 32 * sm.vs
+    # kv_outer's O_i stage (stride qs) takes P_ij's place, which grows to hold it
+    assert sm.red - sm.p == 64 * (max(sm.ps, sm.qs) if reload else sm.ps)
+    assert sm.o == (sm.p if reload else 0)
+    assert sm.stats - sm.red == lay.threads(64, 32) * lay.rm
+    assert sm.size - sm.stats == (128 if reload else 0)
     assert sm.bytes == 4 * sm.size
