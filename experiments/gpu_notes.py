@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
-PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_f670df1.txt"
+PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_9504e24.txt"
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy"]
@@ -164,8 +164,11 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv"):
         rows = _rows(results_dir / name)
-        if rows:
-            out.append((name, {**rows[0], "versions": json.loads(rows[0]["versions"])}))
+        if rows:  # a file re-measured in part names every commit its rows come from
+            shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
+            dates = " + ".join(dict.fromkeys(r["date"] for r in rows))
+            out.append((name, {**rows[0], "git_sha": shas, "date": dates,
+                               "versions": json.loads(rows[0]["versions"])}))
     kernels = results_dir / "bench_kernels.json"
     if kernels.exists():
         out.append((kernels.name, json.loads(kernels.read_text())["provenance"]))
