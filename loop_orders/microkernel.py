@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from numba import float32, int32, uint32, uint64
 
-from .runtime import MAX_THREADS_PER_BLOCK, cuda
+from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda
 
 NEG_INF = float32(-math.inf)
 
@@ -179,6 +179,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     NS = RM * KN  # noqa: N806 - scores per thread
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     FAST = BC % 4 == 0  # noqa: N806 - full tiles go four keys at a time
+    EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
+    # On a GPU a row's TC threads are consecutive lanes of one warp (TC a power of two):
+    # its max is a shuffle butterfly. The simulator has no shuffles: shared memory there.
+    SHUFFLE = not SIMULATOR and TC <= 32 and TC & (TC - 1) == 0  # noqa: N806
+    LOG_TC = TC.bit_length() - 1  # noqa: N806
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
     OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
@@ -272,24 +277,44 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 y = buf[base + uint64(c * RM + a)]
                 out[a] = max(out[a], y) if is_max else out[a] + y
 
+    @cuda.jit(device=True, inline="always")
+    def shuffle_max(x):
+        """Max of x over the TC lanes of one row (TC consecutive lanes of a warp)."""
+        mask = uint32((1 << TC) - 1) << (uint32(cuda.laneid) & uint32(32 - TC))
+        for k in range(LOG_TC):
+            x = max(x, cuda.shfl_xor_sync(mask, x, 1 << k))
+        return x
+
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc):  # noqa: E741
         t, tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         vis = cuda.local.array(RM, int32)  # keys each row sees
+        row_max = cuda.local.array(RM, float32)
         scores(s, buf, tr, tc)
         for a in range(RM):
             vis[a] = visible(row0 + int(tr) + a * TR, key0, n_keys)
+        full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them
+        if EXACT and full:
+            for e in range(NS):
+                s[e] *= scale_log2
+        else:
+            for a in range(RM):
+                for b in range(KN):
+                    # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
+                    visible_key = int(tc) + b * TC < vis[a]
+                    s[a * KN + b] = s[a * KN + b] * scale_log2 if visible_key else NEG_INF
+        for a in range(RM):
             part_max = NEG_INF
             for b in range(KN):
-                e = a * KN + b
-                # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
-                s[e] = s[e] * scale_log2 if int(tc) + b * TC < vis[a] else NEG_INF
-                part_max = max(part_max, s[e])
-            buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = part_max
-        cuda.syncthreads()  # every thread's partial row maxima are in shared memory
-        row_max = cuda.local.array(RM, float32)
-        reduce_rows(buf, tr, row_max, True)
+                part_max = max(part_max, s[a * KN + b])
+            if SHUFFLE:
+                row_max[a] = shuffle_max(part_max)
+            else:
+                buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = part_max
+        if not SHUFFLE:
+            cuda.syncthreads()  # every thread's partial row maxima are in shared memory
+            reduce_rows(buf, tr, row_max, True)
         for a in range(RM):
             rescale(m, l, acc, a, row_max[a])
             shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
@@ -299,8 +324,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 # P_ij: stays on chip, in shared memory for the P V_j product
                 buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
                     + uint64(b * TC)] = p
-        cuda.syncthreads()  # P_ij is complete (and the row maxima are read)
-        if FAST and vis[0] == BC:  # row 0 sees the fewest keys: every row sees all of them
+        cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
+        if FAST and full:
             accumulate_full(buf, acc, tr, tc)
         else:  # a tail tile or the causal diagonal
             accumulate_guarded(buf, acc, tr, tc, vis, n_keys)
