@@ -82,7 +82,7 @@ def bench_summary(results_dir: Path) -> str:
             r = at.get((p, d, causal))
             cells.append(f"{float(r['ms_median']):.2f} ms ({float(r['tflops']):.1f})" if r else "—")
         q, s = at.get(("q_outer", d, causal)), at.get(("torch_sdpa_efficient", d, causal))
-        ratio = f"{float(s['ms_median']) / float(q['ms_median']):.2f}×" if q and s else "—"
+        ratio = f"{float(s['ms_median']) / float(q['ms_median']):.3f}×" if q and s else "—"
         lines.append(f"| {d} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
     r0 = next(iter(at.values()))
     return (f"N = {REFERENCE['n']}, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}"
