@@ -10,14 +10,17 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
     its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
     S = Q_i K_j^T:  for each 4 dims x: RM + KN 16-byte shared loads feed 4 RM KN FMAs
-    row max:        each thread's partial max of its KN keys -> shared -> reduced by all TC
+    row max:        each thread's partial max of its KN keys, combined over the row's TC
+                    threads: a shuffle butterfly on a GPU, shared memory on the simulator
     P:              2^(S - m) written to shared (P_ij never leaves the chip)
     acc += P V_j:   for each 4 keys c: RM loads of P and 4 XH of V feed 16 RM XH FMAs
 
-With RM = KN = 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread owning
-one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit. The row
-sums l_i stay per-thread partials, summed over the TC threads of a row only when O_i is
-written. Nothing needs warp shuffles, so the simulator runs the same code as the GPU.
+With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
+owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
+The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
+memory) only when O_i is written. The row max is the one step whose GPU and simulator code
+differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
+code avoids; the GPU tests (tests/test_gpu.py) cover the shuffle path.
 
 The update, per row and tile (scores pre-scaled by log2 e, so exp is exp2):
     m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)

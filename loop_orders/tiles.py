@@ -1,10 +1,11 @@
 """Device functions shared by the schedules: the algorithm, independent of loop order.
 
 Every schedule moves data between HBM and shared memory as tiles of whole rows, with
-`make_tile_loader` and `make_tile_storer`, so every HBM access is coalesced (a thread's own
-rows pass through a shared tile: `microkernel.make_row_io`); the flash orders also share the
-online-softmax micro-kernel in `microkernel.py`. What differs between schedules is only the
-loop nest around these calls, so measured differences come from the loop order.
+`make_tile_loader` and `make_tile_storer`, so every HBM access is coalesced (the flash orders'
+tiles are rows of one shared buffer; dense passes a thread's own rows through a shared tile);
+the flash orders also share the online-softmax micro-kernel in `microkernel.py`. What
+differs between schedules is only the loop nest around these calls, so measured differences
+come from the loop order.
 
 Counting: each HBM load/store site returns or knows the number of elements it moved; a thread
 adds them to a private counter array (slots from `ledger.slot`), and `flush_counts` adds the
