@@ -129,15 +129,19 @@ def finished_rows(path: Path) -> dict:
                 if r["status"] == "ok" and r["git_sha"] == PROV["git_sha"]}
 
 
-def blank_row(name, dtype, p, status="ok") -> dict:
+def blank_row(name, dtype, what, p, status="ok") -> dict:
+    """A row for provider `name` (what: its Schedule, or the torch backend's name)."""
     return {"provider": name, "dtype": dtype, "batch": p.batch, "heads": p.heads, "n": p.n_q,
             "d": p.d, "causal": p.causal, "block_q": p.block_q, "block_k": p.block_k,
-            "layout": layout_in_effect(p),
+            "layout": "" if isinstance(what, str) else layout_in_effect(what, p),
             "ms_median": "", "tflops": "", "rel_error": "", "status": status}
 
 
-def layout_in_effect(p) -> str:
-    """RM,KN of the flash micro-kernel (microkernel.Layout) at p; dense does not use it."""
+def layout_in_effect(sched, p) -> str:
+    """RM,KN of the flash micro-kernel (microkernel.Layout) at p, or "" for a schedule that
+    does not use it."""
+    if not sched.uses_micro_kernel:
+        return ""
     try:
         return "{},{}".format(*thread_layout(p.block_q, p.block_k, p.dv))
     except ValueError:
@@ -159,7 +163,7 @@ def forced_layout(layout: str | None):
 
 def measure(name, dtype, what, p, rng) -> dict:
     """One row: time a schedule (what = Schedule) or a torch SDPA backend (what = str)."""
-    row = blank_row(name, dtype, p)
+    row = blank_row(name, dtype, what, p)
     try:
         if isinstance(what, str):
             ms, err = bench_torch(what, dtype, p, rng)
@@ -195,7 +199,8 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
                 continue
             predicted = 4 * last_ms.get(trend, 0) / 1e3  # time grows about as N^2
             if predicted > POINT_BUDGET_S:
-                row = blank_row(name, dtype, p, f"skipped: predicted {predicted:.1f} s per launch")
+                row = blank_row(name, dtype, what, p,
+                                f"skipped: predicted {predicted:.1f} s per launch")
             else:
                 with forced_layout(LAYOUTS.get(d)):
                     row = measure(name, dtype, what, p, rng)
@@ -254,7 +259,7 @@ def run_layouts(out_dir: Path, only: set | None, rng) -> list[dict]:
                 timed = time_layout(sched, p, seen, rng)
                 if timed is None:  # these kernels were timed already
                     continue
-                row = {"schedule": sched.name, **blank_row(sched.name, "float32", p),
+                row = {"schedule": sched.name, **blank_row(sched.name, "float32", sched, p),
                        "regs": "", "local_bytes": "", **timed}
             rows.append(row)
             print(f"tuning {sched.name:8s} d={d} {block_q}x{block_k} {row['layout']}: "
@@ -321,7 +326,7 @@ def kernel_report(rng) -> dict:
                 times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
             kernels = {count: sched.kernels(p, count) for count in (False, True)}
             shared = {count: sched.shared_bytes(p, count) for count in (False, True)}
-            layout = layout_in_effect(p) if sched.name != "dense" else ""
+            layout = layout_in_effect(sched, p)
         report["counting"].append({"schedule": sched.name, "n": n, "d": d, "ms_off": times[False],
                                    "ms_on": times[True]})
         for count in (False, True):

@@ -94,6 +94,9 @@ class Schedule(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     LOOP_NEST: ClassVar[str]
+    # Whether the kernels run the flash micro-kernel (microkernel.make_micro_kernel), whose
+    # thread layout (microkernel.thread_layout) results files then record.
+    uses_micro_kernel: ClassVar[bool] = False
 
     def loop_nest(self) -> str:
         """The loop nest as pseudo-code (quoted in paper_notes.md)."""

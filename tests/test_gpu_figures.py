@@ -67,7 +67,7 @@ def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
 
     def fake_measure(name, dtype, what, p, rng):
         measured.append(p.n_q)
-        return {**bench.blank_row(name, dtype, p), "ms_median": p.n_q / 1000}
+        return {**bench.blank_row(name, dtype, what, p), "ms_median": p.n_q / 1000}
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     sweep = {"n": [512, 1024], "d": [64], "causal": [False]}
@@ -75,6 +75,7 @@ def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
     rows = bench.run_sweep(tmp_path, sweep, {"q_outer"}, rng=None)  # resumes N=512
     assert measured == [512, 1024]
     assert [int(r["n"]) for r in rows] == [512, 1024]
+    assert [r["layout"] for r in rows] == ["8,4"] * 2  # q_outer at Br x Bc = 128 x 64, d = 64
     with (tmp_path / "bench_runtime.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 2
 

@@ -174,6 +174,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
 @register
 class KVOuter(Schedule):
     name = "kv_outer"
+    uses_micro_kernel = True
     summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
     LOOP_NEST = """
         for (b, h) in parallel:               # one CTA per head

@@ -131,6 +131,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
 @register
 class QOuter(Schedule):
     name = "q_outer"
+    uses_micro_kernel = True
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     LOOP_NEST = """
         for (b, h, i) in parallel:            # one CTA per query block
