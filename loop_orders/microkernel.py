@@ -142,7 +142,9 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
                   reload: bool) -> SharedLayout:
     """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows. Tiles
     have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
-    shares P_ij's space: O_i is taken before P_ij is written and given after P V_j."""
+    shares P_ij's space: O_i is taken before P_ij is written (the caller puts a barrier between:
+    the rows a thread writes of P_ij are other threads' rows of the O_i stage) and given after
+    P V_j."""
     tr, tc = lay.grid(BR, BC)
     rows, keys = tr * lay.rm, tc * lay.kn
     qs = _stride(max(D, DV))

@@ -151,6 +151,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
                     cnt[O_R] += moved_o
                 cuda.syncthreads()  # K_j, V_j, Q_i, O_i, l_i and m_i are in shared memory
                 take_o(buf, acc, l_i, l_row, m_i)
+                cuda.syncthreads()  # every thread has taken its O_i: P_ij may overwrite the stage
                 online_update(buf, bc, key0, row0, scale_log2, m_i, l_i, acc)
                 row_sums(buf, l_i, l_row)
                 give_o(buf, acc, l_row)
