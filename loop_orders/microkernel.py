@@ -69,10 +69,15 @@ class Layout(NamedTuple):
         tr, tc = self.grid(block_q, block_k)
         return tr * tc
 
+    def accumulators(self, block_k: int, dv: int) -> int:
+        """A thread's accumulators of O_i: RM rows x 4 XH dims (whole 4-wide chunks, so the
+        last chunk may run past dv)."""
+        tc = self.grid(1, block_k)[1]
+        return self.rm * 4 * -(-dv // (4 * tc))
+
     def data_registers(self, block_k: int, dv: int) -> int:
         """Registers a thread's scores and accumulators take (RM KN + RM 4 XH)."""
-        tc = self.grid(1, block_k)[1]
-        return self.rm * self.kn + self.rm * 4 * -(-dv // (4 * tc))
+        return self.rm * self.kn + self.accumulators(block_k, dv)
 
     def registers(self, block_k: int, dv: int) -> int:
         """The register cap to compile with: 128 (two CTAs of 256 threads per SM) unless

@@ -57,10 +57,9 @@ from ..tiles import (
 def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     layout = Layout(RM, KN)
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
-    TC = layout.grid(BR, BC)[1]  # noqa: N806 - threads sharing a query row
     sm = shared_layout(BR, BC, D, DV, layout, True)
     ROWS = layout.grid(BR, BC)[0] * RM  # noqa: N806 - rows of the O_i stage and of l_i, m_i
-    NACC = RM * (sm.vs // TC)  # noqa: N806 - the thread's accumulators
+    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
     clear, online_update, row_sums, give_o, take_o, keep_stats = make_micro_kernel(
         BR, BC, D, DV, RM, KN, CAUSAL, True)
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806

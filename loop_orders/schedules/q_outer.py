@@ -52,7 +52,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
     TR, TC = layout.grid(BR, BC)  # noqa: N806 - a thread's rows are TR apart; TC share a row
     sm = shared_layout(BR, BC, D, DV, layout, False)
-    NACC = RM * (sm.vs // TC)  # noqa: N806 - the thread's accumulators
+    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
     clear, online_update, row_sums, give_o, _, _ = make_micro_kernel(BR, BC, D, DV, RM, KN,
                                                                     CAUSAL, False)
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
