@@ -17,24 +17,29 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
 With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
 owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
+The two hot loops (over the chunks of S and of P V) go UNROLL chunks per trip of a 32-bit
+counter (`unrolled`): Numba's own `range` loops cost 14 instructions of loop control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
 differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
 code avoids; the GPU tests (tests/test_gpu.py) cover the shuffle path.
 
-The update, per row and tile (scores pre-scaled by log2 e, so exp is exp2):
+The update, per row and tile (Q_i is loaded pre-scaled by scale log2 e, so scores need no
+multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
     m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
 Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
-multiplied into acc (a diagonal or tail tile takes a guarded loop), so a NaN in a masked row
-of K or V cannot reach the output.
+multiplied into acc (on a diagonal or tail tile only the keys all of a thread's rows see go
+four at a time; the rest take a guarded loop), so a NaN in a masked row of K or V cannot
+reach the output.
 
 Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij and the row
 reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
 number of 16-byte chunks so that a warp's loads of different rows hit different banks; the
 padding columns are zero (the buffer is cleared once per CTA), so the dot products can run
 over whole 4-wide chunks. All indices are unsigned (no negative-index fix-ups) and every loop
-has a compile-time trip count, so scores, accumulators and statistics stay in registers.
+over a thread's scores, accumulators and statistics has a compile-time trip count, so they
+stay in registers.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import NamedTuple
 
 from numba import float32, int32, uint32, uint64
 
+from .intrinsics import exp2
 from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda
 
 NEG_INF = float32(-math.inf)
@@ -111,6 +117,32 @@ def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
     return lay
 
 
+@cache
+def unrolled(step, n: int, arity: int, by: int):
+    """A device function run(a_1 .. a_arity) that calls step(i, a_1 .. a_arity) for
+    i = 0 .. n-1, `by` calls per trip of a loop with a 32-bit counter (by = n: no loop).
+
+    Numba lowers `for i in range(n)` to a 64-bit counter with a compare, two selects and a
+    64-bit add per trip, 14 instructions per trip of a hot loop; a `while` over a uint32
+    counter takes a compare and an add, and unrolling `by` calls in straight-line code lets
+    the compiler give the loads of one call constant offsets from the previous call's."""
+    args = ", ".join(f"a{k}" for k in range(arity))
+    by = max(1, min(by, n))
+    trips = n // by
+    lines = [f"def run({args}):"]
+    if trips > 1:
+        lines += ["    i = uint32(0)", f"    while i < uint32({trips * by}):"]
+        lines += [f"        step(i + uint32({k}), {args})" for k in range(by)]
+        lines += [f"        i += uint32({by})"]
+    elif trips == 1:
+        lines += [f"    step(uint32({k}), {args})" for k in range(by)]
+    lines += [f"    step(uint32({i}), {args})" for i in range(trips * by, n)]
+    lines += ["    return"]
+    scope = {"step": step, "uint32": uint32}
+    exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
+    return cuda.jit(device=True, inline="always")(scope["run"])
+
+
 def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
@@ -164,20 +196,24 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
 
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
-                      CAUSAL: bool, RELOAD: bool):
+                      CAUSAL: bool, RELOAD: bool, UNROLL: int):
     """Device functions over one CTA's shared buffer `buf` (see the module docstring):
 
     clear(buf)                        zero the buffer (once per CTA, before any tile lands)
-    online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc)
+    online_update(buf, n_keys, key0, row0, m, l, acc)
                                       fold K_j, V_j (keys key0 .. key0 + n_keys) into the
-                                      thread's rows row0 + tr + a TR
+                                      thread's rows row0 + tr + a TR; Q_i must be in
+                                      shared memory pre-scaled by scale log2(e)
     row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
     give_o(buf, acc, l_row)           O_i = acc / l_i into its stage (kv_outer's O_i
                                       stage, else the Q_i tile, which is done with by then)
     take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
+    coords()                          (tr, tc) of this thread
     Those with barriers (online_update, row_sums) are called by every thread of the CTA.
+    UNROLL is the chunks per trip of the hot loops (see `unrolled`): more take fewer
+    instructions of loop control and more registers, which the caller's loop nest decides.
     """
     lay = Layout(RM, KN)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
@@ -190,9 +226,10 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     FAST = BC % 4 == 0  # noqa: N806 - full tiles go four keys at a time
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
-    # On a GPU a row's TC threads are consecutive lanes of one warp (TC a power of two):
-    # its max is a shuffle butterfly. The simulator has no shuffles: shared memory there.
-    SHUFFLE = not SIMULATOR and TC <= 32 and TC & (TC - 1) == 0  # noqa: N806
+    # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
+    # whole rows of threads (TC | 32, and no partial warp); else, and on the simulator (no
+    # shuffles), it goes through shared memory.
+    SHUFFLE = not SIMULATOR and 32 % TC == 0 and NT % 32 == 0  # noqa: N806
     LOG_TC = TC.bit_length() - 1  # noqa: N806
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
@@ -200,9 +237,15 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @cuda.jit(device=True, inline="always")
     def coords():
-        """(t, tr, tc) of this thread, unsigned."""
+        """(tr, tc) of this thread, unsigned."""
         t = uint32(cuda.threadIdx.x)
-        return t, t // uint32(TC), t % uint32(TC)
+        return t // uint32(TC), t % uint32(TC)
+
+    @cuda.jit(device=True, inline="always")
+    def red_at(tr, tc):
+        """Index of the thread's RM partials in the reduction rows (a row's TC threads'
+        partials contiguous)."""
+        return uint64(RED) + (uint64(tr) * uint64(TC) + uint64(tc)) * uint64(RM)
 
     @cuda.jit(device=True, inline="always")
     def q_at(tr, a):
@@ -227,45 +270,61 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             buf[e] = float32(0.0)
 
     @cuda.jit(device=True, inline="always")
+    def scores_chunk(x4, s, buf, tr, tc):
+        """s[a KN + b] += Q_i[row a] . K_j[key b] over head dims 4 x4 .. 4 x4 + 3."""
+        for a in range(RM):
+            qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
+            for b in range(KN):
+                kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
+                for u in range(4):
+                    s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
+
+    scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
+
+    @cuda.jit(device=True, inline="always")
     def scores(s, buf, tr, tc):
         """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim."""
         for e in range(NS):
             s[e] = float32(0.0)
-        for x4 in range(DX4):
-            for a in range(RM):
-                qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
-                for b in range(KN):
-                    kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
-                    for u in range(4):
-                        s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
+        scores_chunks(s, buf, tr, tc)
 
     @cuda.jit(device=True, inline="always")
     def rescale(m, l, acc, a, new_max):  # noqa: E741
         """Raise row a's running max to new_max: scale l and acc by 2^(m - new_max)."""
         if new_max > m[a]:  # skipped whenever the max is unchanged (most tiles)
-            alpha = math.exp2(m[a] - new_max)  # 0 before the first key
+            alpha = exp2(m[a] - new_max)  # 0 before the first key
             l[a] *= alpha
             for y in range(XN):
                 acc[a * XN + y] *= alpha
             m[a] = new_max
 
     @cuda.jit(device=True, inline="always")
-    def accumulate_full(buf, acc, tr, tc):
-        """acc += P_ij V_j over all Bc keys, four at a time (every key visible)."""
-        for c4 in range(BC // 4):
-            for a in range(RM):
-                pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
-                for h in range(XH):
-                    for u in range(4):
-                        vc = uint64(V) + uint64((4 * c4 + u) * VS)
-                        p = buf[pa + uint64(u)]
-                        for w in range(4):
-                            acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
+    def accumulate_chunk(c4, buf, acc, tr, tc):
+        """acc += P_ij V_j over keys 4 c4 .. 4 c4 + 3."""
+        for a in range(RM):
+            pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
+            for h in range(XH):
+                for u in range(4):
+                    vc = uint64(V) + uint64((4 * c4 + u) * VS)
+                    p = buf[pa + uint64(u)]
+                    for w in range(4):
+                        acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
+
+    accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
 
     @cuda.jit(device=True, inline="always")
-    def accumulate_guarded(buf, acc, tr, tc, vis, n_keys):
-        """acc += P_ij V_j one key at a time, each row only over the keys it sees."""
-        for c in range(n_keys):
+    def accumulate_seen(buf, acc, tr, tc, n_chunks):
+        """acc += P_ij V_j over keys 0 .. 4 n_chunks - 1, which all the thread's rows see."""
+        c4 = uint32(0)
+        while c4 < n_chunks:
+            accumulate_chunk(c4, buf, acc, tr, tc)
+            c4 += uint32(1)
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate_guarded(buf, acc, tr, tc, vis, key_from, key_to):
+        """acc += P_ij V_j over keys key_from .. key_to - 1 one at a time, each row only over
+        the keys it sees."""
+        for c in range(key_from, key_to):
             vc = uint64(V) + uint64(c) * uint64(VS)
             for a in range(RM):
                 if c < vis[a]:
@@ -289,15 +348,14 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @cuda.jit(device=True, inline="always")
     def shuffle_max(x):
-        """Max of x over the TC lanes of one row (TC consecutive lanes of a warp)."""
-        mask = uint32((1 << TC) - 1) << (uint32(cuda.laneid) & uint32(32 - TC))
+        """Max of x over the TC lanes of one row (every lane of the warp takes part)."""
         for k in range(LOG_TC):
-            x = max(x, cuda.shfl_xor_sync(mask, x, 1 << k))
+            x = max(x, cuda.shfl_xor_sync(uint32(0xFFFFFFFF), x, 1 << k))
         return x
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, scale_log2, m, l, acc):  # noqa: E741
-        t, tr, tc = coords()
+    def online_update(buf, n_keys, key0, row0, m, l, acc):  # noqa: E741
+        tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         vis = cuda.local.array(RM, int32)  # keys each row sees
         row_max = cuda.local.array(RM, float32)
@@ -305,15 +363,12 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         for a in range(RM):
             vis[a] = visible(row0 + int(tr) + a * TR, key0, n_keys)
         full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them
-        if EXACT and full:
-            for e in range(NS):
-                s[e] *= scale_log2
-        else:
+        if not (EXACT and full):
             for a in range(RM):
                 for b in range(KN):
                     # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
-                    visible_key = int(tc) + b * TC < vis[a]
-                    s[a * KN + b] = s[a * KN + b] * scale_log2 if visible_key else NEG_INF
+                    if int(tc) + b * TC >= vis[a]:
+                        s[a * KN + b] = NEG_INF
         for a in range(RM):
             part_max = NEG_INF
             for b in range(KN):
@@ -321,7 +376,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             if SHUFFLE:
                 row_max[a] = shuffle_max(part_max)
             else:
-                buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = part_max
+                buf[red_at(tr, tc) + uint64(a)] = part_max
         if not SHUFFLE:
             cuda.syncthreads()  # every thread's partial row maxima are in shared memory
             reduce_rows(buf, tr, row_max, True)
@@ -329,7 +384,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             rescale(m, l, acc, a, row_max[a])
             shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
             for b in range(KN):
-                p = math.exp2(s[a * KN + b] - shift)
+                p = exp2(s[a * KN + b] - shift)
                 l[a] += p
                 # P_ij: stays on chip, in shared memory for the P V_j product
                 buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
@@ -337,21 +392,24 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
         if FAST and full:
             accumulate_full(buf, acc, tr, tc)
-        else:  # a tail tile or the causal diagonal
-            accumulate_guarded(buf, acc, tr, tc, vis, n_keys)
+        else:  # a tail tile or the causal diagonal: the keys every row of the thread sees
+            # (row 0 the fewest) four at a time, then key by key up to the last row's
+            seen = uint32(vis[0]) // uint32(4)
+            accumulate_seen(buf, acc, tr, tc, seen)
+            accumulate_guarded(buf, acc, tr, tc, vis, 4 * int(seen), vis[RM - 1])
 
     @cuda.jit(device=True)
     def row_sums(buf, l, l_row):  # noqa: E741
-        t, tr, _ = coords()
+        tr, tc = coords()
         cuda.syncthreads()  # every thread is done with the reduction rows
         for a in range(RM):
-            buf[uint64(RED) + uint64(t) * uint64(RM) + uint64(a)] = l[a]
+            buf[red_at(tr, tc) + uint64(a)] = l[a]
         cuda.syncthreads()  # every thread's partial row sums are in shared memory
         reduce_rows(buf, tr, l_row, False)
 
     @cuda.jit(device=True, inline="always")
     def give_o(buf, acc, l_row):
-        _, tr, tc = coords()
+        tr, tc = coords()
         for a in range(RM):
             factor = float32(1.0) / l_row[a]
             for h in range(XH):
@@ -362,7 +420,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @cuda.jit(device=True, inline="always")
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
-        _, tr, tc = coords()
+        tr, tc = coords()
         for a in range(RM):
             r = uint64(tr) + uint64(a * TR)
             l_row[a] = buf[uint64(STATS) + r]
@@ -376,11 +434,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @cuda.jit(device=True, inline="always")
     def keep_stats(buf, l_row, m):
-        _, tr, tc = coords()
+        tr, tc = coords()
         if tc == 0:
             for a in range(RM):
                 r = uint64(tr) + uint64(a * TR)
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
-    return clear, online_update, row_sums, give_o, take_o, keep_stats
+    return clear, online_update, row_sums, give_o, take_o, keep_stats, coords

@@ -30,9 +30,9 @@ LN2 = math.log(2.0)
 def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
     """Device function copying between a shared tile and rows [row0, row0 + n_rows),
     columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
-    tile as float32, or out of it in hbm's dtype. Returns the elements this thread moved.
-    The tile is a 2-D shared array, or with AT = (offset, stride) the rows of a 1-D shared
-    buffer from `offset` on, `stride` floats apart.
+    tile as float32 times `factor`, or out of it in hbm's dtype. Returns the elements this
+    thread moved. The tile is a 2-D shared array, or with AT = (offset, stride) the rows of a
+    1-D shared buffer from `offset` on, `stride` floats apart.
 
     Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
     warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
@@ -47,7 +47,7 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
     OFFSET, STRIDE = AT if FLAT else (0, 0)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
-    def copy(tile, hbm, bh, row0, col0, r, c):
+    def copy(tile, hbm, bh, row0, col0, r, c, factor):
         # unsigned indices: Numba then skips its negative-index fix-up on every access
         h = (uint64(bh), uint64(row0) + r, uint64(col0) + c)
         if FLAT:
@@ -55,14 +55,14 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
             if TO_HBM:
                 hbm[h] = tile[at]
             else:
-                tile[at] = float32(hbm[h])
+                tile[at] = float32(hbm[h]) * factor
         elif TO_HBM:
             hbm[h] = tile[r, c]
         else:
-            tile[r, c] = float32(hbm[h])
+            tile[r, c] = float32(hbm[h]) * factor
 
     @cuda.jit(device=True)
-    def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols):
+    def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols, factor):
         t = uint32(cuda.threadIdx.x)
         moved = 0
         if n_rows == ROWS and n_cols == COLS and WHOLE_ROWS:
@@ -70,12 +70,12 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
             cols = uint32(COLS)
             for u in range(PER_THREAD):
                 copy(tile, hbm, bh, row0, col0, t // cols + uint32(u * (THREADS // COLS)),
-                     t % cols)
+                     t % cols, factor)
             moved = PER_THREAD
         else:  # a tail tile, or a width the CTA does not cover in whole rows
             width = uint32(n_cols)
             for e in range(t, n_rows * n_cols, THREADS):
-                copy(tile, hbm, bh, row0, col0, uint32(e) // width, uint32(e) % width)
+                copy(tile, hbm, bh, row0, col0, uint32(e) // width, uint32(e) % width, factor)
                 moved += 1
         return moved
 
@@ -83,18 +83,34 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
 
 
 @cache
-def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
+def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False):  # noqa: N803
     """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy;
-    sizes are compile-time). Every thread of the CTA must call it; the caller puts the
-    barriers around it."""
-    return _tile_copy(ROWS, COLS, THREADS, False, at)
+    sizes are compile-time). With `scaled`, load_tile takes a last argument `factor` that
+    every element is multiplied by on its way in (the flash orders fold the softmax scale
+    into Q_i so). Every thread of the CTA must call it; the caller puts the barriers around
+    it."""
+    copy_tile = _tile_copy(ROWS, COLS, THREADS, False, at)
+    if scaled:
+        return copy_tile
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(tile, src, bh, row0, n_rows, col0, n_cols):
+        return copy_tile(tile, src, bh, row0, n_rows, col0, n_cols, float32(1.0))
+
+    return load_tile
 
 
 @cache
 def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
     """store_tile(tile, dst, bh, row0, n_rows, col0, n_cols): shared -> HBM (see _tile_copy).
     Every thread of the CTA must call it; the caller puts the barriers around it."""
-    return _tile_copy(ROWS, COLS, THREADS, True, at)
+    copy_tile = _tile_copy(ROWS, COLS, THREADS, True, at)
+
+    @cuda.jit(device=True, inline="always")
+    def store_tile(tile, dst, bh, row0, n_rows, col0, n_cols):
+        return copy_tile(tile, dst, bh, row0, n_rows, col0, n_cols, float32(1.0))
+
+    return store_tile
 
 
 @cuda.jit(device=True)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 EPS32 = 2.0**-24
 
 # (block_q, block_k): single keys, tails, and diagonal tiles that are partly masked.
-BLOCKS = [(4, 4), (3, 5), (1, 1), (8, 3)]
+# (4, 8): rows 4..7 see keys 0..3 whole (four at a time) and 4..7 only in part
+BLOCKS = [(4, 4), (3, 5), (1, 1), (8, 3), (4, 8)]
 
 
 def scaled_qkv(rng, n, d, score_magnitude, dtype="float32", batch=0, heads=0):

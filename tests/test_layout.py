@@ -1,8 +1,10 @@
 """The micro-kernel's thread-layout policy (microkernel.thread_layout) and shared-memory plan."""
 
+import numpy as np
 import pytest
 
-from loop_orders.microkernel import DATA_REGISTERS, Layout, shared_layout, thread_layout
+from loop_orders.microkernel import DATA_REGISTERS, Layout, shared_layout, thread_layout, unrolled
+from loop_orders.runtime import cuda
 
 
 @pytest.fixture(autouse=True)
@@ -63,3 +65,21 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     assert sm.stats - sm.red == lay.threads(64, 32) * lay.rm
     assert sm.size - sm.stats == (128 if reload else 0)
     assert sm.bytes == 4 * sm.size
+
+
+@pytest.mark.parametrize("n, by", [(0, 2), (1, 2), (3, 2), (5, 4), (16, 2), (6, 6)])
+def test_unrolled_calls_every_step_once_in_order(n, by):
+    @cuda.jit(device=True, inline="always")
+    def step(i, out, pos, _):
+        out[pos[0]] = i
+        pos[0] += 1
+
+    run = unrolled(step, n, 3, by)
+
+    @cuda.jit
+    def kernel(out, pos):
+        run(out, pos, 0)
+
+    out, pos = np.full(n + 1, -1, np.int64), np.zeros(1, np.int64)
+    kernel[1, 1](out, pos)
+    assert out.tolist() == [*range(n), -1] and pos[0] == n
