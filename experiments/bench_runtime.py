@@ -5,8 +5,10 @@
 Declared as data below: schedules from the registry x N x d x causal, batch*heads sized so
 that batch*heads*N stays constant (the chip stays full); torch SDPA baselines in the same run.
 Every configuration is checked against the float64 reference (sampled rows, all outputs
-finite) before it is timed; timing is CUDA events around each launch, 3 warm-ups, median of
-REPS, with input sets rotated so the 60 MB L2 does not flatter. A configuration whose
+finite) before it is timed; timing is the median of REPS launches queued back to back with a
+CUDA event between consecutive ones (after 3 warm-ups, still running when the first event is
+recorded), so each launch's host time overlaps the kernel before it instead of counting as GPU
+time; input sets are rotated so the 60 MB L2 does not flatter. A configuration whose
 predicted launch time (4x the previous N's) exceeds POINT_BUDGET_S is recorded as skipped.
 
 Writes bench_runtime.csv (provider,dtype,batch,heads,n,d,causal,block_q,block_k,ms_median,
@@ -64,18 +66,23 @@ def input_sets(p) -> int:
 
 
 def time_launches(launch, reps=REPS, warmup=WARMUP) -> float:
-    """Median milliseconds of `launch(i)` over `reps` launches, each between CUDA events."""
+    """Median milliseconds of `launch(i)` over `reps` launches queued back to back, each
+    between two CUDA events. The GPU is still busy with the warm-ups when the first event
+    is recorded, and the host queues launch i + 1 while launch i runs, so the time between
+    consecutive events is the kernel's alone: the Python host time of a launch (tens of
+    microseconds for a Numba kernel, and it varies with the host's CPU) is hidden, for the
+    schedules and torch alike."""
+    runtime.synchronize()
     for i in range(warmup):
         launch(i)
-    times = []
+    events = [runtime.cuda.event() for _ in range(reps + 1)]
+    events[0].record()
     for i in range(reps):
-        start, stop = runtime.cuda.event(), runtime.cuda.event()
-        start.record()
         launch(i)
-        stop.record()
-        stop.synchronize()
-        times.append(runtime.cuda.event_elapsed_time(start, stop))
-    return float(np.median(times))
+        events[i + 1].record()
+    events[-1].synchronize()
+    return float(np.median([runtime.cuda.event_elapsed_time(a, b)
+                            for a, b in zip(events, events[1:], strict=False)]))
 
 
 def bench_schedule(sched, p, rng):
