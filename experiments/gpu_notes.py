@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
-PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_9504e24.txt"
+PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_6296e24.txt"
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy"]

@@ -43,9 +43,9 @@ from ..tiles import (
 )
 
 # Chunks per trip of the micro-kernel's hot loops. Measured on the H200 (B=4, H=16, N=4096,
-# 128 x 64 tiles, launches back to back): at d = 64, 1, 2, 4 gave 7.57, 7.41, 7.49 ms (at 2
-# ptxas keeps 16 bytes of stack, in the K/V loop's control, not the hot loops); at d = 128,
-# 2 gave 16.4 ms against 17.9 for 1.
+# 128 x 64 tiles, launches back to back; results/gpu_logs/ab_variants_2026-11-30.txt): at
+# d = 64, 1, 2, 4 gave 7.57, 7.41, 7.49 ms (at 2 ptxas keeps 16 bytes of stack, in the K/V
+# loop's control, not the hot loops); at d = 128, 2 gave 16.4 ms against 17.9 for 1.
 UNROLL = 2
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
