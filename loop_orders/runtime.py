@@ -104,8 +104,8 @@ def kernel_options(threads: int, registers: int = 128) -> dict:
 
     Launch bounds ask for as many CTAs per SM as fit when each thread may use `registers`
     registers (65536 per SM), which is the compiler's register cap. No fastmath: its
-    no-inf/no-NaN assumptions would break the -inf running max and NaN propagation; exp2 is
-    already the hardware ex2 instruction without it.
+    no-inf/no-NaN assumptions would break the -inf running max and NaN propagation; the one
+    fast instruction the kernels want, exp2 flushing subnormals, is `intrinsics.exp2`.
     """
     if SIMULATOR:
         return {}
@@ -158,7 +158,8 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     On a GPU this launches the compiled kernel itself (numba-cuda's `_Kernel.launch`, as
     its dispatcher does), looked up by `_args_key`: the dispatcher would work out the
     arguments' Numba types on every launch, host time that falls inside a benchmark's CUDA
-    events (results/gpu_logs/launch_overhead_*.txt)."""
+    events unless launches are queued back to back (host_us in
+    results/gpu_logs/ab_variants_2026-11-30.txt)."""
     if SIMULATOR:
         kernel[grid, block, 0, shared_bytes](*args)
         return

@@ -49,3 +49,14 @@ def test_simulator_threads_of_a_cta_share_one_shared_array():
 def test_backend_is_reported():
     assert runtime.backend_name() == ("simulator" if runtime.SIMULATOR else "gpu")
     assert isinstance(runtime.device_name(), str)
+
+
+def test_launch_key_tells_apart_what_selects_a_compiled_kernel():
+    """Arrays differing in dtype or layout (C-contiguous or not), or scalars of another type,
+    must not share `runtime.launch`'s cached compiled kernel; equal ones must."""
+    a = np.zeros((2, 3, 4), np.float32)
+    key = runtime._args_key
+    assert key((a, np.float32(1))) == key((np.ones((2, 3, 4), np.float32), np.float32(2)))
+    assert key((a,)) != key((a.astype(np.float16),))
+    assert key((a,)) != key((np.zeros((2, 4, 3), np.float32).transpose(0, 2, 1),))
+    assert key((a, np.float32(1))) != key((a, 1.0))
