@@ -46,13 +46,17 @@ from __future__ import annotations
 
 import math
 import os
+from abc import abstractmethod
 from functools import cache
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
+import numpy as np
 from numba import float32, int32, uint32, uint64
 
 from .intrinsics import exp2
-from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda
+from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
+from .schedule import Problem, Schedule
+from .tiles import LOG2E, counter_slots
 
 NEG_INF = float32(-math.inf)
 
@@ -442,3 +446,42 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
     return clear, online_update, row_sums, give_o, take_o, keep_stats, coords
+
+
+class MicroKernelSchedule(Schedule):
+    """A schedule whose one kernel runs this micro-kernel: its thread layout
+    (`thread_layout`), dynamic shared buffer (`shared_layout`, with kv_outer's O_i stage when
+    RELOAD) and launch, shared by kv_outer and q_outer. A subclass gives `make_kernel` (tile
+    sizes, layout and flags as compile-time constants) and `launch` (grid and arguments,
+    through `launch_kernel`)."""
+
+    uses_micro_kernel = True
+    RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
+
+    @staticmethod
+    @abstractmethod
+    def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
+        """The compiled kernel for these compile-time constants."""
+
+    def dynamic_shared_bytes(self, p: Problem, lay: Layout | None = None) -> int:
+        lay = lay or thread_layout(p.block_q, p.block_k, p.dv)
+        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
+
+    def shared_bytes(self, p: Problem, count: bool) -> int:
+        return self.dynamic_shared_bytes(p) + (8 * counter_slots(True) if count else 0)
+
+    def shared_limit(self) -> int:
+        return dynamic_shared_limit()
+
+    def kernels(self, p: Problem, count: bool, lay: Layout | None = None) -> list:
+        rm, kn = lay or thread_layout(p.block_q, p.block_k, p.dv)
+        return [self.make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal,
+                                 p.save_lse, count)]
+
+    def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
+        """The kernel for p on `grid`, with `args` and then the softmax scale in log2 units
+        (the kernels load Q_i pre-scaled by it)."""
+        lay = thread_layout(p.block_q, p.block_k, p.dv)
+        (kernel,) = self.kernels(p, count, lay)
+        launch(kernel, grid, lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
+               *args, np.float32(scale * LOG2E))

@@ -23,16 +23,14 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import Layout, make_micro_kernel, shared_layout, thread_layout
+from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
 from ..runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
-    dynamic_shared_limit,
     kernel_options,
-    launch,
 )
-from ..schedule import Problem, Schedule, ceil_div, register
+from ..schedule import Problem, ceil_div, register
 from ..tiles import (
     LN2,
     counter_slots,
@@ -135,9 +133,10 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
 
 
 @register
-class QOuter(Schedule):
+class QOuter(MicroKernelSchedule):
     name = "q_outer"
-    uses_micro_kernel = True
+    RELOAD = False
+    make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     LOOP_NEST = """
         for (b, h, i) in parallel:            # one CTA per query block
@@ -174,23 +173,5 @@ class QOuter(Schedule):
         big = ceil_div(m, 4 * d)
         return big, min(big, d)
 
-    def dynamic_shared_bytes(self, p: Problem) -> int:
-        lay = thread_layout(p.block_q, p.block_k, p.dv)
-        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, False).bytes
-
-    def shared_bytes(self, p: Problem, count: bool) -> int:
-        return self.dynamic_shared_bytes(p) + (8 * counter_slots(True) if count else 0)
-
-    def shared_limit(self) -> int:
-        return dynamic_shared_limit()
-
-    def kernels(self, p: Problem, count: bool) -> list:
-        rm, kn = thread_layout(p.block_q, p.block_k, p.dv)
-        return [make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal, p.save_lse,
-                            count)]
-
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        threads = thread_layout(p.block_q, p.block_k, p.dv).threads(p.block_q, p.block_k)
-        (kernel,) = self.kernels(p, count)
-        launch(kernel, (p.tr, p.bh), threads, self.dynamic_shared_bytes(p),
-               q, k, v, out, lse, counts, np.float32(scale * math.log2(math.e)))
+        self.launch_kernel(p, (p.tr, p.bh), count, scale, q, k, v, out, lse, counts)
