@@ -13,7 +13,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results, runtime
-from loop_orders.api import check_launch
+from loop_orders.api import check_launch, check_simulator_budget
 from loop_orders.ledger import TENSORS, Ledger
 from loop_orders.reference import attention_reference, relative_error, tolerance
 from loop_orders.schedule import Problem, Schedule
@@ -88,9 +88,11 @@ def context_from_args(args: argparse.Namespace) -> Context:
 
 
 def problem(sched: Schedule, n: int, d: int, block_q: int, block_k: int,
-            causal: bool = False) -> Problem:
-    """The Problem of one point, without the launch limits (models hold at any size)."""
-    return Problem(n_q=n, n_k=n, d=d, dv=d, block_q=block_q, block_k=block_k, causal=causal)
+            causal: bool = False, options: dict | None = None) -> Problem:
+    """The Problem of one point, without the launch limits (models hold at any size), with
+    the schedule's options (defaults unless given)."""
+    return Problem(n_q=n, n_k=n, d=d, dv=d, block_q=min(block_q, n), block_k=min(block_k, n),
+                   causal=causal, options=sched.options_for(options))
 
 
 def measurable(sched: Schedule, p: Problem, backend: str | None = None) -> bool:
@@ -102,8 +104,10 @@ def measurable(sched: Schedule, p: Problem, backend: str | None = None) -> bool:
         return False
     try:
         lo.make_problem(sched.name, n_q=p.n_q, d=p.d, dv=p.dv, block_q=p.block_q,
-                        block_k=p.block_k, causal=p.causal)
-        check_launch(sched, p, count=True)
+                        block_k=p.block_k, causal=p.causal, options=dict(p.options))
+        check_launch(sched, p, count=True, simulator_budget=False)
+        if backend == "simulator" and runtime.SIMULATOR:
+            check_simulator_budget(sched, p)
     except ValueError:
         return False
     return True
@@ -117,7 +121,7 @@ def measure(sched: Schedule, p: Problem, seed: int) -> tuple[Ledger, float]:
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((p.n_q, w)).astype(np.float32) for w in (p.d, p.d, p.dv))
     res = lo.attention(q, k, v, schedule=sched.name, block_q=p.block_q, block_k=p.block_k,
-                       causal=p.causal, count=True)
+                       causal=p.causal, options=dict(p.options), count=True)
     ref, _ = attention_reference(q, k, v, causal=p.causal)
     err = relative_error(runtime.to_host(res.out), ref)
     tol = tolerance(p.dtype, sched.output_roundings(p), v, ref)
@@ -131,6 +135,8 @@ def model_and_measure(sched: Schedule, p: Problem, seed: int) -> dict:
     """The values stored for one point: model, and measured counts where this backend can."""
     values = {"model": sched.model(p).to_dict(), "measured": None, "backend": None,
               "rel_error": None}
+    if p.options:
+        values["options"] = sched.resolved_options(p)
     if measurable(sched, p):
         counts, err = measure(sched, p, seed)
         values.update(measured=counts.to_dict(), backend=runtime.backend_name(), rel_error=err)

@@ -73,7 +73,7 @@ class Buffers:
         self.dev = [tuple(runtime.to_device(x) for x in s) for s in self.host]
         self.out = runtime.device_empty((p.bh, p.n_q, p.dv), np.dtype(p.dtype))
         self.lse = runtime.device_empty((p.bh, p.n_q) if p.save_lse else (1, 1), np.float32)
-        self.counts = runtime.device_zeros(lo.ledger.N_SLOTS, np.int64)
+        self.counts = runtime.device_zeros(lo.ledger.n_slots(), np.int64)
         self.workspace = sched.allocate_workspace(p)
         self.sched, self.p = sched, p
 

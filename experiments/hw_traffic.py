@@ -41,7 +41,6 @@ METRICS = {
     "dram_write_bytes": "dram__bytes_write.sum",
     "kernel_ns": "gpu__time_duration.sum",
 }
-KERNEL_REGEX = "regex:" + "|".join(lo.schedule_names() + ["dense_"])
 
 
 def configs(quick: bool) -> list[dict]:
@@ -50,6 +49,14 @@ def configs(quick: bool) -> list[dict]:
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
             for s in lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in SWEEP["dtype"]]
+
+
+def kernel_regex(cfgs: list[dict]) -> str:
+    """ncu's kernel filter: the names of every kernel the configurations launch (so a new
+    schedule's kernels are profiled with no edit here)."""
+    names = {kern.name for cfg in cfgs
+             for kern in lo.get_schedule(cfg["schedule"]).kernels(problem(cfg), False)}
+    return "regex:" + "|".join(sorted(names))
 
 
 def problem(cfg) -> lo.Problem:
@@ -109,6 +116,7 @@ def main(argv=None) -> int:
         assert counted == model, f"counters != model for {cfg}"
         check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
         rows.append({**cfg, "d": D, "dv": D, "batch": BATCH, "heads": HEADS,
+                     "options": json.dumps(sched.resolved_options(p), sort_keys=True),
                      "model_bytes": model.bytes(p.itemsize),
                      "counted_bytes": counted.bytes(p.itemsize),
                      "kernels": len(sched.kernels(p, False))})
@@ -116,7 +124,7 @@ def main(argv=None) -> int:
     config_file.write_text(json.dumps(cfgs))
     cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
            "--metrics", ",".join(METRICS.values()),
-           "-k", KERNEL_REGEX, sys.executable, "-m", "experiments.hw_traffic",
+           "-k", kernel_regex(cfgs), sys.executable, "-m", "experiments.hw_traffic",
            "--launch", str(config_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (args.out / "hw_traffic_ncu.log").write_text(proc.stdout[-200000:] + proc.stderr[-20000:])

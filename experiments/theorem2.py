@@ -7,7 +7,8 @@ it: a GPU run) and a small "kernel" sweep at sizes the simulator runs, measured 
 kernels. Log-log slopes are fitted with scipy over the points inside Theorem 2's range
 d <= M <= N d and written to results/theorem2_slopes.<backend>.json.
 
-Expected: FlashAttention orders (kv_outer, q_outer) -1 vs M, 2 vs N, 2 vs d; dense 2 vs N.
+Expected (each schedule's EXPECTED_SLOPES): the FlashAttention orders -1 vs M, 2 vs N, 2 vs
+d; standard attention 2 vs N.
 Overlays: Theta(N^2 d^2 / M), Theta(N d + N^2) and the Saha–Ye lower bound
 Theta(min(N^2 d / sqrt(M), N^2 d^2 / M)), with M < d^2 (FA not optimal) shaded.
 
@@ -51,8 +52,6 @@ QUICK_SWEEP = {
     "d": {"model": {"n": 256, "m": 1024, "d": _pow2(3, 5)},
           "kernel": {"n": 16, "m": 32, "d": _pow2(1, 3)}},
 }
-EXPECTED = {("kv_outer", "m"): -1, ("q_outer", "m"): -1, ("kv_outer", "n"): 2,
-            ("q_outer", "n"): 2, ("dense", "n"): 2, ("kv_outer", "d"): 2, ("q_outer", "d"): 2}
 PANEL_LABEL = {"m": "SRAM budget M (elements)", "n": "sequence length N", "d": "head dim d"}
 
 
@@ -143,8 +142,23 @@ def fit_slopes(data: dict) -> list[dict]:
                 out.append({"panel": panel, "set": size_set, "schedule": schedule,
                             "source": which, "window": window, "fixed": fixed,
                             "x_min": float(x.min()), "x_max": float(x.max()), **fit.to_dict(),
-                            "expected": EXPECTED.get((schedule, panel))})
+                            "expected": _expected(schedule, panel)})
     return out
+
+
+def _expected(schedule: str, panel: str):
+    """The slope the schedule expects on this panel (None when it states none, or when the
+    schedule is not registered here)."""
+    if schedule not in lo.schedule_names():
+        return None
+    return lo.get_schedule(schedule).EXPECTED_SLOPES.get(panel)
+
+
+def reference_line(names: list[str], traffic_class: str) -> str | None:
+    """The first plotted schedule of a Theorem 2 class ("flash" or "standard"), whose line
+    the theorem's Theta(.) overlay is scaled through."""
+    return next((n for n in names if n in lo.schedule_names()
+                 and traffic_class == lo.get_schedule(n).TRAFFIC_CLASS), None)
 
 
 def write_slopes(ctx: common.Context) -> dict:
@@ -207,8 +221,7 @@ def plot(ctx: common.Context) -> list:
                 if len(xg):
                     ax.plot(xg, yg, "s", color=colors[name], ms=4)
         # Theta(.) overlays on the model sweep, scaled through one point of a reference line
-        x, y_fa = series(records, panel, "model", "kv_outer") if "kv_outer" in names else \
-            series(records, panel, "model", names[0])
+        x, y_fa = series(records, panel, "model", reference_line(names, "flash") or names[0])
         sizes = {k: np.full(len(x), fixed_model[k], dtype=float) for k in ("n", "d", "m")}
         sizes[panel] = x
         mid = len(x) // 2
@@ -217,8 +230,9 @@ def plot(ctx: common.Context) -> list:
         sy = theory.saha_ye_lower_bound(sizes["n"], sizes["d"], sizes["m"])
         ax.plot(x, sy * y_fa[mid] / fa[mid], color="0.4", ls="-.", lw=1,
                 label="Saha–Ye Θ(min(N²d/√M, N²d²/M))")
-        if "dense" in names:
-            _, y_dense = series(records, panel, "model", "dense")
+        standard = reference_line(names, "standard")
+        if standard:
+            _, y_dense = series(records, panel, "model", standard)
             st = theory.standard_traffic(sizes["n"], sizes["d"])
             ax.plot(x, st * y_dense[-1] / st[-1], color="k", ls=(0, (1, 3)), lw=1.2,
                     label="Θ(Nd + N²)")

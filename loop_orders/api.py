@@ -2,19 +2,27 @@
 
 Every argument is checked before any launch; bad input raises ValueError or TypeError whose
 message starts with the argument's name and states the allowed range.
+
+A call's checks, kernels and buffers depend only on what the inputs look like (kind, shapes,
+dtypes, layout) and on the arguments, so they are worked out once per such key (`_Call`) and
+kept: a repeated call only allocates its outputs, views its inputs and launches (host time
+per call: results/host_overhead.json).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import os
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from . import runtime
-from .ledger import N_SLOTS, Ledger
+from . import arrays, runtime
+from .ledger import Ledger, n_slots
 from .schedule import (
     MAX_BLOCK_K,
     MAX_BLOCK_Q,
@@ -28,7 +36,10 @@ from .schedule import (
 
 @dataclass
 class Result:
-    """What `attention` returns. `out` (and `lse`) are the same kind of array as q."""
+    """What `attention` returns. `out` (and `lse`) are the same kind of array as q.
+
+    `ms`: the kernels' time with `timed=True` (CUDA events; a host clock on the simulator),
+    else None. `clamped`: block sizes larger than the problem, {name: (asked, used)}."""
 
     out: Any
     lse: Any
@@ -36,7 +47,8 @@ class Result:
     problem: Problem
     schedule: str
     backend: str
-    ms: float
+    ms: float | None = None
+    clamped: dict | None = None
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -56,23 +68,27 @@ def _check_bool(name: str, value) -> bool:
 
 
 def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1, heads=1,
-                 block_q, block_k, causal=False, save_lse=False, dtype="float32") -> Problem:
-    """Validate sizes and options for `schedule` and return the Problem they describe."""
-    if isinstance(schedule, str):
-        get_schedule(schedule)  # refuses an unknown name, listing the known ones
+                 block_q, block_k, causal=False, save_lse=False, dtype="float32",
+                 options=None) -> Problem:
+    """Validate sizes and options for `schedule` and return the Problem they describe.
+
+    Block sizes larger than the problem are clamped to it (block_q to n_q, block_k to n_k):
+    the traffic is the same, and the CTA is not sized for rows that do not exist."""
+    sched = get_schedule(schedule) if isinstance(schedule, str) else schedule
     n_k = n_q if n_k is None else n_k
     dv = d if dv is None else dv
     dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype: {dtype} is not supported; use one of {list(SUPPORTED_DTYPES)}")
+    n_q, n_k = _check_int("n", n_q, 1), _check_int("n_k", n_k, 1)
     p = Problem(
-        n_q=_check_int("n", n_q, 1), n_k=_check_int("n_k", n_k, 1),
+        n_q=n_q, n_k=n_k,
         d=_check_int("d", d, 1, MAX_HEAD_DIM), dv=_check_int("dv", dv, 1, MAX_HEAD_DIM),
         batch=_check_int("batch", batch, 1), heads=_check_int("heads", heads, 1),
-        block_q=_check_int("block_q", block_q, 1, MAX_BLOCK_Q),
-        block_k=_check_int("block_k", block_k, 1, MAX_BLOCK_K),
+        block_q=min(_check_int("block_q", block_q, 1, MAX_BLOCK_Q), n_q),
+        block_k=min(_check_int("block_k", block_k, 1, MAX_BLOCK_K), n_k),
         causal=_check_bool("causal", causal), save_lse=_check_bool("save_lse", save_lse),
-        dtype=dtype,
+        dtype=dtype, options=sched.options_for(options),
     )
     if p.causal and p.n_q != p.n_k:
         raise ValueError(f"causal: needs as many queries as keys, got n_q={p.n_q}, n_k={p.n_k}")
@@ -85,25 +101,30 @@ def memory_need(sched: Schedule, p: Problem, count: bool,
 
     inputs: q, k, v when they are copied from the host (device arrays are already resident);
     outputs: O (input dtype), lse (float32, with save_lse); counters: int64 slots; workspace:
-    what the schedule keeps in HBM besides (`Schedule.workspace_bytes`: S and P for dense, l
-    and m for kv_outer).
+    what the schedule keeps in HBM besides (`Schedule.workspace_bytes`).
     """
     inputs = p.bh * (p.n_q * p.d + p.n_k * (p.d + p.dv)) * p.itemsize
     return {
         "inputs": inputs if host_inputs else 0,
         "outputs": p.bh * p.n_q * p.dv * p.itemsize + 4 * (p.bh * p.n_q if p.save_lse else 1),
-        "counters": 8 * (N_SLOTS if count else 1),
+        "counters": 8 * (n_slots() if count else 1),
         "workspace": sched.workspace_bytes(p),
     }
 
 
+def _first_too_big(sched: Schedule, p: Problem, count: bool):
+    """The first kernel of p whose shared memory exceeds its limit, or None."""
+    return next((kern for kern in sched.kernels(p, count)
+                 if kern.shared_bytes > kern.shared_limit), None)
+
+
 def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
-    """Largest block_k whose shared memory fits at these head dims (0 if none does)."""
+    """Largest block_k whose kernels' shared memory fits at these head dims (0 if none)."""
     lo_, hi = 0, MAX_BLOCK_K  # shared memory grows with block_k: bisect
     while lo_ < hi:
         mid = (lo_ + hi + 1) // 2
         try:
-            fits = sched.shared_bytes(replace(p, block_k=mid), count) <= sched.shared_limit()
+            fits = _first_too_big(sched, replace(p, block_k=mid), count) is None
         except ValueError:  # no thread layout for this block_k (a forced one, say)
             fits = False
         if fits:
@@ -113,21 +134,58 @@ def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
     return lo_
 
 
-def check_launch(sched: Schedule, p: Problem, count: bool, host_inputs: bool = True) -> None:
-    """Refuse what the kernels cannot launch: shared memory, grid and device memory limits.
+# What the Numba CUDA simulator manages (one Python thread per CUDA thread), fitted on the
+# 2-core CI machine (tests/test_simulator_budget.py checks the estimate is not far off): a
+# second per SIM_OPS_PER_S multiply-adds and element moves, plus the cost of each CTA.
+SIM_OPS_PER_S = 2.0e5
+SIM_CTA_S = 2e-3
+SIMULATOR_BUDGET_S = 60.0
 
-    Every refusal states what the call needs and the limit, before anything is allocated.
-    """
+
+def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> float:
+    """A rough estimate of how long the simulator takes for p (seconds)."""
+    flops = p.bh * p.visited_pairs() * p.block_q * p.block_k * (p.d + p.dv)
+    if backward:
+        flops = flops * 5 // 2
+    moved = sched.model(p).total
+    ctas = p.bh * max(p.tr, p.tc)
+    return (flops + moved) / SIM_OPS_PER_S + ctas * SIM_CTA_S
+
+
+def check_simulator_budget(sched: Schedule, p: Problem, backward: bool = False) -> None:
+    """Refuse (or, with LOOP_ORDERS_ALLOW_SLOW=1, warn about) a call the simulator would take
+    longer than LOOP_ORDERS_SIMULATOR_BUDGET_S seconds (default 60) to run."""
+    if not runtime.SIMULATOR:
+        return
+    budget = float(os.environ.get("LOOP_ORDERS_SIMULATOR_BUDGET_S", SIMULATOR_BUDGET_S))
+    estimate = simulated_seconds(sched, p, backward)
+    if estimate <= budget:
+        return
+    message = (f"n: the Numba CUDA simulator would take about {estimate:,.0f} s for "
+               f"{sched.name} at {p.describe()} (its budget is {budget:g} s, "
+               f"LOOP_ORDERS_SIMULATOR_BUDGET_S): use a smaller n, d, batch or heads, or "
+               f"run on a GPU; LOOP_ORDERS_ALLOW_SLOW=1 runs it anyway")
+    if os.environ.get("LOOP_ORDERS_ALLOW_SLOW") == "1":
+        warnings.warn(message, stacklevel=3)
+        return
+    raise ValueError(message)
+
+
+def check_launch(sched: Schedule, p: Problem, count: bool, host_inputs: bool = True,
+                 simulator_budget: bool = True) -> None:
+    """Refuse what the kernels cannot launch: shared memory of every kernel, grid and device
+    memory limits, the simulator's budget (unless `simulator_budget` is False). Every refusal
+    states what the call needs and the limit, before anything is allocated."""
     sched.check(p)
-    need = sched.shared_bytes(p, count)
-    if need > sched.shared_limit():
+    too_big = _first_too_big(sched, p, count)
+    if too_big is not None:
         most = _largest_block_k(sched, p, count)
         fix = (f"use 1 <= block_k <= {most} at these head dims" if most else
                f"no block_k fits: use smaller head dims (d + dv = {p.d + p.dv})")
         raise ValueError(
-            f"block_k: {sched.name} needs {need} bytes of shared memory per CTA for "
-            f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is "
-            f"{sched.shared_limit()} bytes: {fix}")
+            f"block_k: {sched.name} needs {too_big.shared_bytes} bytes of shared memory per "
+            f"CTA in kernel {too_big.name} for block_k={p.block_k}, d={p.d}, dv={p.dv}; the "
+            f"limit is {too_big.shared_limit} bytes: {fix}")
     if p.bh > runtime.MAX_GRID_Y:
         raise ValueError(f"batch: batch*heads = {p.bh} exceeds {runtime.MAX_GRID_Y}")
     parts = memory_need(sched, p, count, host_inputs)
@@ -140,44 +198,26 @@ def check_launch(sched: Schedule, p: Problem, count: bool, host_inputs: bool = T
             f"({detail}); the limit is {limit:,} bytes ({where}): use a smaller n, batch or "
             f"heads" + (", or a schedule without quadratic workspace"
                         if parts["workspace"] > limit // 2 else ""))
+    if simulator_budget:
+        check_simulator_budget(sched, p)
 
 
-def _shape_of(name: str, x) -> tuple[int, ...]:
-    shape = getattr(x, "shape", None)
-    if shape is None or not hasattr(x, "dtype"):
-        raise TypeError(f"{name}: expected an array (NumPy, Numba device array or any "
-                        f"__cuda_array_interface__ object), got {type(x).__name__}")
-    shape = tuple(int(s) for s in shape)
+def _check_shape(name: str, x) -> tuple[int, ...]:
+    shape = arrays.shape_of(x)
     if len(shape) not in (2, 4):
         raise ValueError(f"{name}: expected shape (n, d) or (batch, heads, n, d), "
                          f"got {len(shape)} dimensions {shape}")
     return shape
 
 
-def _dtype_name(x) -> str:
+def _kind(name: str, x) -> arrays.Kind:
     try:
-        return np.dtype(x.dtype).name
-    except TypeError:
-        return str(x.dtype).replace("torch.", "")
-
-
-def _is_contiguous(x) -> bool:
-    if isinstance(x, np.ndarray):
-        return True  # copied to the device contiguously
-    if hasattr(x, "is_c_contiguous"):
-        return bool(x.is_c_contiguous())
-    iface = getattr(x, "__cuda_array_interface__", None)
-    if iface is None or iface.get("strides") is None:
-        return True
-    expected, step = [], np.dtype(iface["typestr"]).itemsize
-    for extent in reversed(iface["shape"]):
-        expected.append(step)
-        step *= extent
-    return tuple(reversed(expected)) == tuple(iface["strides"])
-
-
-def _on_device(x) -> bool:
-    return hasattr(x, "copy_to_host") or runtime.is_device_array(x)
+        kind = arrays.kind_of(x)
+    except TypeError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    if not hasattr(x, "dtype") and not hasattr(x, "__cuda_array_interface__"):
+        raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
+    return kind
 
 
 # The kernels multiply scores by scale * log2(e) in float32: outside float32's normal range
@@ -196,10 +236,38 @@ def _check_scale(scale) -> float:
     return float(scale)
 
 
-def _check_inputs(q, k, v):
-    shapes = {name: _shape_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
-    ranks = {len(s) for s in shapes.values()}
-    if len(ranks) != 1:
+@dataclass(frozen=True)
+class Inputs:
+    """What a call's q, k, v look like: their kinds (q's decides the outputs' kind), batch
+    and heads, sizes and dtype."""
+
+    kinds: tuple
+    batch: int
+    heads: int
+    n_q: int
+    n_k: int
+    d: int
+    dv: int
+    dtype: str
+    q_shape: tuple
+
+    @property
+    def kind(self) -> arrays.Kind:
+        return self.kinds[0]
+
+    @property
+    def host(self) -> bool:
+        """Whether any input is copied from the host."""
+        return any(kind.host for kind in self.kinds)
+
+
+def check_inputs(q, k, v, **extra) -> Inputs:
+    """Shapes, dtypes, kinds and layouts of q, k, v (and of `extra` arrays shaped like the
+    output, e.g. the backward's `do`)."""
+    named = (("q", q), ("k", k), ("v", v))
+    kinds = {name: _kind(name, x) for name, x in named}
+    shapes = {name: _check_shape(name, x) for name, x in named}
+    if len({len(s) for s in shapes.values()}) != 1:
         raise ValueError(f"q, k, v: must have the same number of dimensions, got shapes "
                          f"q{shapes['q']} k{shapes['k']} v{shapes['v']}")
     qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
@@ -209,73 +277,170 @@ def _check_inputs(q, k, v):
         raise ValueError(f"k: head dim d must equal q's ({qs[-1]}), got k{ks}")
     if vs[-2] != ks[-2]:
         raise ValueError(f"v: must have as many rows as k ({ks[-2]}), got v{vs}")
-    dtypes = {name: _dtype_name(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    dtypes = {name: arrays.dtype_name(x) for name, x in named}
     for name, dt in dtypes.items():
         if dt not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: dtype {dt} is not supported; use one of "
                             f"{list(SUPPORTED_DTYPES)}")
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"q, k, v: dtypes must match, got {dtypes}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_contiguous(x):
+    out_shape = qs[:-1] + (vs[-1],)
+    for name, x in extra.items():
+        kinds[name] = _kind(name, x)
+        if arrays.shape_of(x) != out_shape:
+            raise ValueError(f"{name}: must have the output's shape {out_shape}, got "
+                             f"{arrays.shape_of(x)}")
+        if arrays.dtype_name(x) != dtypes["q"]:
+            raise TypeError(f"{name}: dtype must match q's ({dtypes['q']}), got "
+                            f"{arrays.dtype_name(x)}")
+    for name, x in (*named, *extra.items()):
+        if not arrays.is_c_contiguous(x):
             raise ValueError(f"{name}: device arrays must be C-contiguous; copy it first")
     batch, heads = qs[:2] if len(qs) == 4 else (1, 1)
-    return batch, heads, qs[-2], ks[-2], qs[-1], vs[-1], dtypes["q"]
+    return Inputs(tuple(kinds.values()), batch, heads, qs[-2], ks[-2], qs[-1], vs[-1],
+                  dtypes["q"], qs)
+
+
+class _Call:
+    """One key's worth of `attention`: the Problem, checks done, buffers kept. Calling it
+    views the inputs, allocates the outputs, launches and returns the Result."""
+
+    def __init__(self, sched: Schedule, p: Problem, inputs: Inputs, scale: float,
+                 count: bool, timed: bool, clamped: dict):
+        self.sched, self.p, self.inputs, self.count, self.timed = sched, p, inputs, count, timed
+        self.scale, self.clamped = scale, clamped or None
+        self.out_shape = inputs.q_shape[:-1] + (p.dv,)
+        self.dtype = np.dtype(p.dtype)
+        self.need = sum(memory_need(sched, p, count, inputs.host).values())
+        self.recheck = self.need > runtime.memory_limit()[0] // 4  # a big call: check each time
+        self._scratch: dict = {}  # stream -> (workspace, placeholder lse, placeholder counts)
+
+    def scratch(self, stream: int):
+        """Buffers this key's launches reuse on one stream (stream order makes that safe)."""
+        held = self._scratch.get(stream)
+        if held is None:
+            held = self._scratch[stream] = (self.sched.allocate_workspace(self.p),
+                                            runtime.device_empty((1, 1), np.float32),
+                                            runtime.device_empty(1, np.int64))
+        return held
+
+    def __call__(self, q, k, v) -> Result:
+        p, kind = self.p, self.inputs.kind
+        if self.recheck:
+            check_launch(self.sched, p, self.count, self.inputs.host)
+        qv, kv, vv = (kx.view(x).reshape(p.bh, n, width) for kx, x, n, width in
+                      zip(self.inputs.kinds, (q, k, v), (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv),
+                          strict=False))
+        stream = kind.stream(q)
+        workspace, no_lse, no_counts = self.scratch(stream)
+        out, out_dev = kind.empty(q, self.out_shape, self.dtype)
+        if p.save_lse:
+            lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
+            lse_dev = lse_dev.reshape(p.bh, p.n_q)
+        else:
+            lse, lse_dev = None, no_lse
+        counts = runtime.device_zeros(n_slots(), np.int64) if self.count else no_counts
+        with runtime.on_stream(stream), runtime.launching(), \
+                runtime.Timer(self.timed, stream) as timer:
+            self.sched.launch(p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv), lse_dev,
+                              counts, scale=self.scale, count=self.count, workspace=workspace)
+        ledger = (Ledger.from_array(runtime.to_host(counts), self.sched.ledger_tensors())
+                  if self.count else None)
+        return Result(out=kind.finish(out), lse=kind.finish(lse) if p.save_lse else None,
+                      counts=ledger, problem=p, schedule=self.sched.name,
+                      backend=runtime.backend_name(), ms=timer.ms, clamped=self.clamped)
+
+
+_CALLS: OrderedDict = OrderedDict()
+MAX_CALLS = 256  # keys kept (least recently used first out)
+
+
+def _hashable(value) -> tuple:
+    """(type, value): True and 1, or 0.5 and np.float32(0.5), make different keys."""
+    return (type(value), value)
+
+
+def _call_key(schedule, q, k, v, args: tuple, options) -> tuple | None:
+    """The key of a call, or None when its arguments cannot form one (the full checks then
+    say what is wrong with them)."""
+    try:
+        frozen = None if options is None else tuple(sorted(
+            (name, _hashable(value)) for name, value in options.items()))
+        key = (schedule, *map(_hashable, args), frozen,
+               *(arrays.kind_of(x).signature(x) for x in (q, k, v)))
+        hash(key)
+    except (TypeError, AttributeError):
+        return None
+    return key
+
+
+def clamped_blocks(p: Problem, block_q, block_k) -> dict:
+    return {name: (asked, used) for name, asked, used in
+            (("block_q", block_q, p.block_q), ("block_k", block_k, p.block_k))
+            if asked != used}
 
 
 def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
               causal: bool = False, scale: float | None = None, save_lse: bool = False,
-              count: bool = False) -> Result:
+              count: bool = False, options: dict | None = None, timed: bool = False) -> Result:
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
-    float32 or float16 (accumulation is float32). NumPy in gives NumPy out; a device array
-    (anything with __cuda_array_interface__) gives a Numba device array out. With `count`,
-    the counted build of the kernels runs and `Result.counts` holds the measured Ledger.
+    float32 or float16 (accumulation is float32). Outputs are the same kind of array as q
+    (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
+    kernels run on the framework's current stream. With `count`, the counted build of the
+    kernels runs and `Result.counts` holds the measured Ledger. `options` are the schedule's
+    (`lo.schedule_options(schedule)`); `timed` fills `Result.ms`.
 
     Numerics (README "Limits and numerics"): the running row max is subtracted before every
     exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that
     depend on them: NaN in q[r] -> row r; in k[c] -> every row attending key c; in v[c, x] ->
     column x of those rows. Masked (causal) keys never touch the output. Everything that
-    cannot run (shapes, dtypes, block sizes, shared or device memory) is refused with a
-    ValueError/TypeError before any copy or launch.
+    cannot run (shapes, dtypes, block sizes, options, shared or device memory, the
+    simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
+    key = _call_key(schedule, q, k, v, (block_q, block_k, causal, scale, save_lse, count,
+                                        timed), options)
+    call = _CALLS.get(key) if key is not None else None
+    if call is None:
+        call = _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count,
+                        options, timed)
+        if key is not None:
+            _CALLS[key] = call
+            if len(_CALLS) > MAX_CALLS:
+                _CALLS.popitem(last=False)
+    else:
+        _CALLS.move_to_end(key)
+    return call(q, k, v)
+
+
+def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count, options,
+             timed) -> _Call:
+    """Every check of `attention`, in the order the error messages promise."""
     sched = get_schedule(schedule)
-    batch, heads, n_q, n_k, d, dv, dtype = _check_inputs(q, k, v)
-    p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
-                     block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
-                     dtype=dtype)
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    scale = _check_scale(scale)
+    inp = check_inputs(q, k, v)
+    p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
+                     heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
+                     save_lse=save_lse, dtype=inp.dtype, options=options)
+    scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
-    host_in = isinstance(q, np.ndarray)
-    check_launch(sched, p, count, host_inputs=not all(map(_on_device, (q, k, v))))
-
-    dq, dk, dvv = (runtime.to_device(x).reshape(p.bh, n, width)
-                   for x, n, width in ((q, n_q, d), (k, n_k, d), (v, n_k, dv)))
-    out = runtime.device_empty((p.bh, n_q, dv), np.dtype(dtype))
-    lse = runtime.device_empty((p.bh, n_q) if save_lse else (1, 1), np.float32)
-    counts = runtime.device_zeros(N_SLOTS if count else 1, np.int64)
-    with runtime.launching(), runtime.Timer() as timer:
-        sched.launch(p, dq, dk, dvv, out, lse, counts, scale=float(scale), count=count)
-
-    out_shape = _shape_of("q", q)[:-1] + (dv,)
-    out = out.reshape(*out_shape)
-    lse = lse.reshape(*out_shape[:-1]) if save_lse else None
-    if host_in:
-        out = runtime.to_host(out)
-        lse = runtime.to_host(lse) if save_lse else None
-    ledger = Ledger.from_array(runtime.to_host(counts)) if count else None
-    return Result(out=out, lse=lse, counts=ledger, problem=p, schedule=sched.name,
-                  backend=runtime.backend_name(), ms=timer.ms)
+    timed = _check_bool("timed", timed)
+    check_launch(sched, p, count, host_inputs=inp.host)
+    return _Call(sched, p, inp, scale, count, timed, clamped_blocks(p, block_q, block_k))
 
 
 def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch: int = 1,
                     heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
-                    save_lse: bool = False, n_k: int | None = None) -> Ledger:
-    """The schedule's exact traffic model (elements moved through HBM) for these sizes."""
+                    save_lse: bool = False, n_k: int | None = None, options: dict | None = None,
+                    backward: bool = False) -> Ledger:
+    """The schedule's exact traffic model (elements moved through HBM) for these sizes:
+    the forward pass, or with `backward` the backward pass alone."""
     sched = get_schedule(schedule)
     p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
-                     block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse)
+                     block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
+                     options=options)
+    if backward:
+        from .backward_schedule import backward_of
+
+        return backward_of(sched).model(p)
     return sched.model(p)

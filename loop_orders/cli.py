@@ -2,9 +2,11 @@
 
     loop-orders schedules [--loop-nest]
     loop-orders traffic --schedule kv_outer --n 6 --d 2 --block-q 2 --block-k 2 [--measure] [--json]
-    loop-orders run --schedule q_outer --n 256 --d 64 [--causal] [--dtype float16]
+    loop-orders run --schedule q_outer --n 64 --d 16 [--causal] [--dtype float16]
     loop-orders figures [--quick] [--results-dir DIR] [--figures-dir DIR]
+    loop-orders cache [--clear]
 
+`--option key=value` (repeatable) sets a schedule option (`loop-orders schedules` lists them).
 Bad input ends with one line on stderr and exit status 2, never a traceback.
 """
 
@@ -26,9 +28,17 @@ class UsageError(Exception):
     pass
 
 
+def _option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key.strip(), value.strip()
+
+
 def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", required=True, help="registered schedule name")
-    parser.add_argument("--n", type=int, required=True, help="sequence length N (queries = keys)")
+    parser.add_argument("--n", type=int, required=True, help="sequence length N (queries)")
+    parser.add_argument("--n-k", type=int, default=None, help="keys (default: N)")
     parser.add_argument("--d", type=int, required=True, help="head dim of q and k")
     parser.add_argument("--dv", type=int, default=None, help="head dim of v (default: d)")
     parser.add_argument("--batch", type=int, default=1)
@@ -38,6 +48,8 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--save-lse", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--option", type=_option, action="append", default=[],
+                        metavar="KEY=VALUE", help="a schedule option (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
 
 
@@ -45,11 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="loop-orders", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("schedules", help="list the registered schedules")
+    p = sub.add_parser("schedules", help="list the registered schedules and their options")
     p.add_argument("--loop-nest", action="store_true", help="print each loop nest too")
 
     p = sub.add_parser("traffic", help="HBM traffic of one schedule: model, and measured")
     _add_problem_args(p)
+    p.add_argument("--backward", action="store_true",
+                   help="the backward pass alone (its schedule's backward loop order)")
     p.add_argument("--measure", action="store_true",
                    help="also run the counted kernel (GPU if present, else the simulator)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("figures", help="rerun the experiments (resuming) and redraw figures/")
     if _experiments_dir() is not None:
         _experiments().common.add_options(p)  # --quick, --results-dir, --figures-dir, ...
+
+    p = sub.add_parser("cache", help="where compiled kernels are kept; --clear empties it")
+    p.add_argument("--clear", action="store_true", help="remove every compiled kernel")
     return parser
 
 
@@ -95,55 +112,88 @@ def cmd_figures(args) -> int:
 
 def _random_inputs(args, rng):
     dv = args.d if args.dv is None else args.dv
-    shape = (args.batch, args.heads, args.n)
-    q = rng.standard_normal((*shape, args.d)).astype(args.dtype)
-    k = rng.standard_normal((*shape, args.d)).astype(args.dtype)
-    v = rng.standard_normal((*shape, dv)).astype(args.dtype)
+    n_k = args.n if args.n_k is None else args.n_k
+    lead = (args.batch, args.heads)
+    q = rng.standard_normal((*lead, args.n, args.d)).astype(args.dtype)
+    k = rng.standard_normal((*lead, n_k, args.d)).astype(args.dtype)
+    v = rng.standard_normal((*lead, n_k, dv)).astype(args.dtype)
     return q, k, v
+
+
+def _options(args) -> dict:
+    return dict(args.option)
 
 
 def _problem(args):
     from .api import make_problem
 
-    return make_problem(args.schedule, n_q=args.n, d=args.d, dv=args.dv, batch=args.batch,
-                        heads=args.heads, block_q=args.block_q, block_k=args.block_k,
-                        causal=args.causal, save_lse=args.save_lse, dtype=args.dtype)
+    return make_problem(args.schedule, n_q=args.n, n_k=args.n_k, d=args.d, dv=args.dv,
+                        batch=args.batch, heads=args.heads, block_q=args.block_q,
+                        block_k=args.block_k, causal=args.causal, save_lse=args.save_lse,
+                        dtype=args.dtype, options=_options(args))
 
 
 def cmd_schedules(args) -> int:
+    from .backward_schedule import get_backward
     from .schedule import all_schedules
 
     for sched in all_schedules():
         print(f"{sched.name:10s} {sched.summary}")
+        options = dict(sched.OPTIONS)
+        if sched.BACKWARD:
+            print(f"{'':10s} backward: {get_backward(sched.BACKWARD).summary}")
+            options.update(get_backward(sched.BACKWARD).OPTIONS)
+        for key, opt in options.items():
+            scope = " (backward)" if opt.backward else ""
+            print(f"{'':10s} --option {key}={opt.default}{scope}: {opt.help}; {opt.allowed}")
         if args.loop_nest:
             print("\n".join("    " + line for line in sched.loop_nest().splitlines()) + "\n")
     return 0
 
 
+def _measure(args, p):
+    """The counted kernels' ledger (forward, or the backward pass alone)."""
+    from .api import attention
+
+    q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
+    kwargs = {"schedule": args.schedule, "block_q": p.block_q, "block_k": p.block_k,
+              "causal": p.causal, "options": _options(args), "count": True}
+    if args.backward:
+        from .api_grad import attention_grad
+
+        do = np.random.default_rng(args.seed).standard_normal(
+            q.shape[:-1] + (v.shape[-1],)).astype(args.dtype)
+        return attention_grad(q, k, v, do, **kwargs).counts_backward
+    return attention(q, k, v, save_lse=p.save_lse, **kwargs).counts
+
+
 def cmd_traffic(args) -> int:
     from . import runtime
-    from .api import attention
+    from .backward_schedule import backward_of
     from .schedule import get_schedule
 
     p = _problem(args)
-    model = get_schedule(args.schedule).model(p)
-    measured = None
-    if args.measure:
-        q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
-        measured = attention(q, k, v, schedule=args.schedule, block_q=p.block_q,
-                             block_k=p.block_k, causal=p.causal, save_lse=p.save_lse,
-                             count=True).counts
+    sched = get_schedule(args.schedule)
+    model = (backward_of(sched) if args.backward else sched).model(p)
+    measured = _measure(args, p) if args.measure else None
     if args.json:
         record = {"schedule": args.schedule, "n": p.n_q, "d": p.d, "dv": p.dv,
                   "batch": p.batch, "heads": p.heads, "block_q": p.block_q,
-                  "block_k": p.block_k, "causal": p.causal, "save_lse": p.save_lse,
-                  "model": model.to_dict()}
+                  "block_k": p.block_k, "causal": p.causal, "save_lse": p.save_lse}
+        if args.n_k is not None:
+            record["n_k"] = p.n_k
+        if p.options:
+            record["options"] = sched.resolved_options(p)
+        if args.backward:
+            record["backward"] = True
+        record["model"] = model.to_dict()
         if measured is not None:
             record["measured"] = measured.to_dict()
             record["backend"] = runtime.backend_name()
         print(json.dumps(record))
         return 0
-    print(f"{args.schedule}: {p.describe()}")
+    what = "backward of " if args.backward else ""
+    print(f"{what}{args.schedule}: {p.describe()}")
     print(f"model (elements):\n{model}")
     print(f"model bytes: {model.bytes(p.itemsize):,}")
     if measured is not None:
@@ -166,25 +216,53 @@ def cmd_run(args) -> int:
     dq, dk, dv = (runtime.to_device(x) for x in (q, k, v))
     times, res = [], None
     for _ in range(args.repeat):
-        res = attention(dq, dk, dv, schedule=args.schedule, block_q=p.block_q,
-                        block_k=p.block_k, causal=p.causal)
+        res = attention(dq, dk, dv, schedule=args.schedule, block_q=args.block_q,
+                        block_k=args.block_k, causal=p.causal, save_lse=p.save_lse,
+                        options=_options(args), timed=True)
         times.append(res.ms)
     out = runtime.to_host(res.out)
-    ref, _ = attention_reference(q, k, v, causal=p.causal)
+    ref, ref_lse = attention_reference(q, k, v, causal=p.causal)
     err = relative_error(out, ref)
     tol = tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref)
     ok = err <= tol
-    flops = 4 * p.bh * p.n_q * p.n_k * p.d // (2 if p.causal else 1)
-    ms = float(np.median(times))
     print(f"{args.schedule} on {runtime.device_name()}: {p.describe()}")
+    for name, (asked, used) in (res.clamped or {}).items():
+        print(f"{name}: {asked} is larger than the problem, clamped to {used}")
     print(f"max relative error vs float64 reference: {err:.3e} "
           f"({'ok' if ok else 'FAILED'}, tolerance {tol:.1e})")
-    print(f"time: {ms:.3f} ms median of {args.repeat} ({flops / ms / 1e9:.3f} TFLOP/s)")
+    if p.save_lse:
+        lse_err = float(np.abs(runtime.to_host(res.lse) - ref_lse).max())
+        lse_ok = lse_err <= 1e-5 * max(1.0, float(np.abs(ref_lse).max()))
+        print(f"max |lse - reference|: {lse_err:.3e} ({'ok' if lse_ok else 'FAILED'})")
+        ok = ok and lse_ok
+    ms = float(np.median(times))
+    if runtime.SIMULATOR:
+        print(f"time: {ms:.1f} ms median of {args.repeat} on the simulator (no GPU timing)")
+    else:
+        flops = 2 * p.bh * p.n_q * p.n_k * (p.d + p.dv) // (2 if p.causal else 1)
+        print(f"time: {ms:.3f} ms median of {args.repeat} ({flops / ms / 1e9:.3f} TFLOP/s)")
     return 0 if ok else 1
 
 
+def cmd_cache(args) -> int:
+    from . import kernel_cache
+
+    where = kernel_cache.cache_dir()
+    if where is None:
+        print("the kernel cache is off (LOOP_ORDERS_CACHE_DIR=off)")
+        return 0
+    if args.clear:
+        print(f"removed {kernel_cache.clear()} compiled kernels from {where}")
+        return 0
+    found = kernel_cache.entries()
+    size = sum(p.stat().st_size for p in found)
+    print(f"{where}: {len(found)} compiled kernels, {size / 2**20:.1f} MiB "
+          f"(loop-orders cache --clear empties it)")
+    return 0
+
+
 COMMANDS = {"schedules": cmd_schedules, "traffic": cmd_traffic, "run": cmd_run,
-            "figures": cmd_figures}
+            "figures": cmd_figures, "cache": cmd_cache}
 
 
 def main(argv=None) -> int:

@@ -55,7 +55,7 @@ from numba import float32, int32, uint32, uint64
 
 from .intrinsics import exp2
 from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
-from .schedule import Problem, Schedule
+from .schedule import Kernel, Problem, Schedule
 from .tiles import LOG2E, counter_slots
 
 NEG_INF = float32(-math.inf)
@@ -198,10 +198,10 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, p if reload else 0, stats, size)
 
 
-@cache
-def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
-                      CAUSAL: bool, RELOAD: bool, UNROLL: int):
-    """Device functions over one CTA's shared buffer `buf` (see the module docstring):
+class MicroKernel(NamedTuple):
+    """The device functions of one micro-kernel build, over one CTA's shared buffer `buf`
+    (see the module docstring). Those with barriers (online_update, row_sums) are called by
+    every thread of the CTA.
 
     clear(buf)                        zero the buffer (once per CTA, before any tile lands)
     online_update(buf, n_keys, key0, row0, m, l, acc)
@@ -209,13 +209,31 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                                       thread's rows row0 + tr + a TR; Q_i must be in
                                       shared memory pre-scaled by scale log2(e)
     row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
-    give_o(buf, acc, l_row)           O_i = acc / l_i into its stage (kv_outer's O_i
-                                      stage, else the Q_i tile, which is done with by then)
+    give_o(buf, acc, factor)          O_i = acc * factor[a] into its stage (kv_outer's O_i
+                                      stage, else the Q_i tile, which is done with by then):
+                                      normalised when factor = 1 / l_row, as the caller
+                                      chooses (`reciprocal`)
+    reciprocal(x, out)                out[a] = 1 / x[a] for the thread's rows
     take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
     coords()                          (tr, tc) of this thread
-    Those with barriers (online_update, row_sums) are called by every thread of the CTA.
+    """
+
+    clear: object
+    online_update: object
+    row_sums: object
+    give_o: object
+    reciprocal: object
+    take_o: object
+    keep_stats: object
+    coords: object
+
+
+@cache
+def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
+                      CAUSAL: bool, RELOAD: bool, UNROLL: int) -> MicroKernel:
+    """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the chunks per trip of the hot loops (see `unrolled`): more take fewer
     instructions of loop control and more registers, which the caller's loop nest decides.
     """
@@ -412,15 +430,19 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         reduce_rows(buf, tr, l_row, False)
 
     @cuda.jit(device=True, inline="always")
-    def give_o(buf, acc, l_row):
+    def give_o(buf, acc, factor):
         tr, tc = coords()
         for a in range(RM):
-            factor = float32(1.0) / l_row[a]
             for h in range(XH):
                 for w in range(4):
                     x = dim(tc, h, w)
                     if x < DV:
-                        buf[uint64(OUT) + q_at(tr, a) + x] = acc[a * XN + 4 * h + w] * factor
+                        buf[uint64(OUT) + q_at(tr, a) + x] = acc[a * XN + 4 * h + w] * factor[a]
+
+    @cuda.jit(device=True, inline="always")
+    def reciprocal(x, out):
+        for a in range(RM):
+            out[a] = float32(1.0) / x[a]
 
     @cuda.jit(device=True, inline="always")
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
@@ -445,15 +467,16 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
-    return clear, online_update, row_sums, give_o, take_o, keep_stats, coords
+    return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
+                       coords)
 
 
 class MicroKernelSchedule(Schedule):
-    """A schedule whose one kernel runs this micro-kernel: its thread layout
+    """A schedule whose main kernel runs this micro-kernel: its thread layout
     (`thread_layout`), dynamic shared buffer (`shared_layout`, with kv_outer's O_i stage when
-    RELOAD) and launch, shared by kv_outer and q_outer. A subclass gives `make_kernel` (tile
+    RELOAD) and launch, shared by the flash orders. A subclass gives `make_kernel` (tile
     sizes, layout and flags as compile-time constants) and `launch` (grid and arguments,
-    through `launch_kernel`)."""
+    through `launch_kernel`); a schedule with more kernels adds them to `kernels`."""
 
     uses_micro_kernel = True
     RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
@@ -463,25 +486,29 @@ class MicroKernelSchedule(Schedule):
     def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
         """The compiled kernel for these compile-time constants."""
 
+    def layout(self, p: Problem) -> Layout:
+        return thread_layout(p.block_q, p.block_k, p.dv)
+
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | None = None) -> int:
-        lay = lay or thread_layout(p.block_q, p.block_k, p.dv)
+        lay = lay or self.layout(p)
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
 
-    def shared_bytes(self, p: Problem, count: bool) -> int:
-        return self.dynamic_shared_bytes(p) + (8 * counter_slots(True) if count else 0)
+    def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:
+        """The kernel running the micro-kernel for p, with its shared memory: the dynamic
+        buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
+        lay = lay or self.layout(p)
+        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay.rm, lay.kn, p.causal,
+                              p.save_lse, count)
+        shared = self.dynamic_shared_bytes(p, lay) + (8 * counter_slots(True) if count else 0)
+        return Kernel(fn.py_func.__name__, fn, shared, dynamic_shared_limit())
 
-    def shared_limit(self) -> int:
-        return dynamic_shared_limit()
-
-    def kernels(self, p: Problem, count: bool, lay: Layout | None = None) -> list:
-        rm, kn = lay or thread_layout(p.block_q, p.block_k, p.dv)
-        return [self.make_kernel(p.block_q, p.block_k, p.d, p.dv, rm, kn, p.causal,
-                                 p.save_lse, count)]
+    def kernels(self, p: Problem, count: bool) -> list[Kernel]:
+        return [self.micro_kernel(p, count)]
 
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
-        """The kernel for p on `grid`, with `args` and then the softmax scale in log2 units
-        (the kernels load Q_i pre-scaled by it)."""
-        lay = thread_layout(p.block_q, p.block_k, p.dv)
-        (kernel,) = self.kernels(p, count, lay)
-        launch(kernel, grid, lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
-               *args, np.float32(scale * LOG2E))
+        """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
+        in log2 units (the kernels load Q_i pre-scaled by it)."""
+        lay = self.layout(p)
+        kernel = self.micro_kernel(p, count, lay)
+        launch(kernel.fn, grid, lay.threads(p.block_q, p.block_k),
+               self.dynamic_shared_bytes(p, lay), *args, np.float32(scale * LOG2E))

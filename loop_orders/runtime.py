@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,6 @@ _numpy_compat()
 
 import numba  # noqa: E402  (must follow the backend choice above)
 from numba import cuda  # noqa: E402
-from numba.cuda.errors import normalize_kernel_dimensions  # noqa: E402
 
 SIMULATOR: bool = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 
@@ -90,6 +90,12 @@ SHARED_BYTES_LIMIT = 48 * 1024
 HOPPER_OPTIN_SHARED_BYTES = 232448
 MAX_THREADS_PER_BLOCK = 1024
 MAX_GRID_Y = 65535
+# Streaming multiprocessors of the H100/H200, which the simulator stands in for; resident
+# threads, CTAs and shared memory per SM (Hopper).
+HOPPER_MULTIPROCESSORS = 132
+THREADS_PER_SM = 2048
+CTAS_PER_SM = 32
+SHARED_BYTES_PER_SM = 233472
 
 # `cuda.shared.array(0, dtype)` (dynamic shared memory) needs a NumPy dtype under the simulator
 # and a Numba type on the GPU.
@@ -120,6 +126,23 @@ def dynamic_shared_limit() -> int:
     return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
 
 
+@functools.cache
+def multiprocessor_count() -> int:
+    """SMs of the GPU (of the H100/H200 the simulator stands in for)."""
+    if SIMULATOR:
+        return HOPPER_MULTIPROCESSORS
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def resident_ctas(threads: int, shared_bytes: int, registers: int) -> int:
+    """CTAs of `threads` threads, `shared_bytes` of shared memory and `registers` registers
+    per thread that one SM holds at once (Hopper's limits; 1 KB of shared memory per CTA is
+    the system's)."""
+    by_shared = SHARED_BYTES_PER_SM // (shared_bytes + 1024)
+    return max(1, min(CTAS_PER_SM, THREADS_PER_SM // threads, by_shared,
+                      65536 // (threads * registers)))
+
+
 def _args_key(args) -> tuple:
     """What decides which compiled overload serves these arguments: each array's dtype,
     shape and strides (so its Numba layout), each scalar's type. Cheap to build, unlike the
@@ -128,17 +151,55 @@ def _args_key(args) -> tuple:
                  for a in args)
 
 
-_compiled: dict = {}
+# --- Compiled kernels: made once per process, kept on disk across processes ---------------
+
+_FACTORY_KEYS: dict = {}
+
+
+def kernel_factory(make):
+    """Decorator for a kernel factory (a function of compile-time constants returning a
+    `cuda.jit` kernel): calls are cached, and the kernel remembers which factory and
+    arguments made it, which is what the disk cache of compiled kernels keys on."""
+    made = functools.cache(make)
+
+    @functools.wraps(make)
+    def factory(*args):
+        kernel = made(*args)
+        _FACTORY_KEYS.setdefault(kernel, (make.__module__, make.__qualname__, args))
+        return kernel
+
+    return factory
+
+
+def _numba_type(a):
+    """The Numba type a kernel parameter is compiled for (arrays by dtype, rank, layout)."""
+    from numba import types
+    from numba.np import numpy_support
+
+    if hasattr(a, "strides"):
+        from .arrays import c_strides
+
+        layout = "C" if tuple(a.strides) == c_strides(a.shape, a.dtype.itemsize) else "A"
+        return types.Array(numpy_support.from_dtype(a.dtype), len(a.shape), layout)
+    return numba.typeof(a)
 
 
 def _compile(kernel, args, shared_bytes: int):
-    """The kernel compiled for these arguments, allowed `shared_bytes` of dynamic shared
-    memory. Above 48 KB CUDA needs the function attribute MAX_DYNAMIC_SHARED_SIZE_BYTES,
-    which Numba has no public API for: we set it on the compiled function as Numba's own
-    `set_shared_memory_carveout` sets its attribute."""
+    """The kernel compiled for these arguments (from the disk cache when it holds it),
+    allowed `shared_bytes` of dynamic shared memory. Above 48 KB CUDA needs the function
+    attribute MAX_DYNAMIC_SHARED_SIZE_BYTES, which Numba has no public API for: we set it on
+    the compiled function as Numba's own `set_shared_memory_carveout` sets its attribute."""
     from numba.cuda.cudadrv.driver import binding, driver
 
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    from . import kernel_cache
+
+    sig = tuple(_numba_type(a) for a in args)
+    factory_key = _FACTORY_KEYS.get(kernel)
+    compiled = kernel_cache.load(factory_key, sig) if factory_key else None
+    if compiled is None:
+        compiled = kernel.compile(sig)
+        if factory_key:
+            kernel_cache.store(factory_key, sig, compiled)
     if shared_bytes > SHARED_BYTES_LIMIT:
         cufunc = compiled._codelibrary.get_cufunc()
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -146,29 +207,98 @@ def _compile(kernel, args, shared_bytes: int):
     return compiled
 
 
-def _default_stream():
-    from numba.cuda.cudadrv.driver import _to_core_stream
+class _Launcher:
+    """One compiled kernel's launch with its parameters kept in a ctypes block: a call only
+    writes the arrays' data pointers and the scalars into it and calls cuLaunchKernel.
 
-    return _to_core_stream(0)
+    Numba passes an array as meminfo, parent, nitems, itemsize, data, shape..., strides...
+    (numba-cuda's `_Kernel._prepare_args`); shapes and strides are part of the lookup key,
+    so only the pointers change from call to call."""
+
+    def __init__(self, compiled, args):
+        import ctypes
+
+        from numba.cuda.cudadrv.driver import binding
+
+        self._binding = binding
+        self.compiled = compiled
+        self.function = binding.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+        cells, self.pointers, self.scalars = [], [], []
+        for i, (a, ty) in enumerate(zip(args, compiled.argument_types, strict=True)):
+            if hasattr(a, "strides"):
+                size = int(np.prod(a.shape, dtype=np.int64))
+                cells += [ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(size),
+                          ctypes.c_int64(a.dtype.itemsize)]
+                data = ctypes.c_uint64(0)
+                cells.append(data)
+                self.pointers.append((i, data))
+                cells += [ctypes.c_int64(x) for x in (*a.shape, *a.strides)]
+            else:
+                ctype = {"float32": ctypes.c_float, "float64": ctypes.c_double,
+                         "int64": ctypes.c_int64, "int32": ctypes.c_int32,
+                         "uint32": ctypes.c_uint32}[str(ty)]
+                cell = ctype(0)
+                cells.append(cell)
+                self.scalars.append((i, cell))
+        self._cells = cells  # the parameter block points into these
+        self.params = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
+        self.address = ctypes.addressof(self.params)
+
+    def __call__(self, grid, block, shared_bytes: int, stream: int, args) -> None:
+        for i, cell in self.pointers:
+            cell.value = _data_pointer(args[i])
+        for i, cell in self.scalars:
+            cell.value = args[i]
+        gx, gy, gz = grid
+        (err,) = self._binding.cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1,
+                                              shared_bytes, stream, self.address, 0)
+        if err != self._binding.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel of {self.compiled.entry_name} failed: {err}")
+
+
+def _data_pointer(a) -> int:
+    ptr = getattr(a, "ptr", None)
+    if ptr is not None:
+        return ptr  # arrays.DeviceView
+    return a.device_ctypes_pointer.value or 0
+
+
+_launchers: dict = {}
+_stream = threading.local()
+
+
+@contextlib.contextmanager
+def on_stream(handle: int):
+    """Launch the kernels inside the block on CUDA stream `handle` (0: the default)."""
+    previous = getattr(_stream, "handle", 0)
+    _stream.handle = handle
+    try:
+        yield
+    finally:
+        _stream.handle = previous
+
+
+def current_stream() -> int:
+    return getattr(_stream, "handle", 0)
 
 
 def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
-    """kernel[grid, block](*args) with `shared_bytes` of dynamic shared memory per CTA.
+    """kernel[grid, block](*args) with `shared_bytes` of dynamic shared memory per CTA, on
+    the stream of `on_stream`.
 
-    On a GPU this launches the compiled kernel itself (numba-cuda's `_Kernel.launch`, as
-    its dispatcher does), looked up by `_args_key`: the dispatcher would work out the
-    arguments' Numba types on every launch, host time that falls inside a benchmark's CUDA
-    events unless launches are queued back to back (host_us in
-    results/gpu_logs/ab_variants_2026-11-30.txt)."""
+    On a GPU this launches the compiled kernel itself through `_Launcher`, looked up by
+    `_args_key`: Numba's dispatcher would work out the arguments' Numba types on every
+    launch, and its launch path converts every argument (tens of microseconds of host time
+    per launch; results/host_overhead.json)."""
     if SIMULATOR:
         kernel[grid, block, 0, shared_bytes](*args)
         return
     key = (kernel, shared_bytes, _args_key(args))
-    compiled = _compiled.get(key)
-    if compiled is None:
-        compiled = _compiled[key] = _compile(kernel, args, shared_bytes)
-    compiled.launch(args, *normalize_kernel_dimensions(grid, block), _default_stream(),
-                    shared_bytes)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = _Launcher(_compile(kernel, args, shared_bytes), args)
+    grid = grid if isinstance(grid, tuple) else (grid,)
+    launcher(grid + (1,) * (3 - len(grid)), block, shared_bytes, current_stream(), args)
 
 
 def _host_available_bytes() -> int:
@@ -255,29 +385,39 @@ def launching():
 
 
 class Timer:
-    """Elapsed milliseconds of the launches inside the `with` block.
+    """Elapsed milliseconds (`ms`) of the launches inside the `with` block when `timed`
+    (else `ms` is None and nothing waits for the GPU).
 
-    CUDA events on the GPU; a host clock around a synchronised region under the simulator
-    (which has no events). Use for coarse timing only; benchmarks use experiments/ scripts.
+    CUDA events on `stream` on the GPU; a host clock around the (synchronous) launches
+    under the simulator, which has no events. Coarse timing only: benchmarks use
+    experiments/ scripts.
     """
 
+    def __init__(self, timed: bool = True, stream: int = 0):
+        self.timed, self.stream, self.ms = timed, stream, None
+
     def __enter__(self):
+        if not self.timed:
+            return self
         if SIMULATOR:
             import time
 
             self._t0 = time.perf_counter()
         else:
+            self._stream = cuda.external_stream(self.stream) if self.stream else 0
             self._start, self._stop = cuda.event(), cuda.event()
-            self._start.record()
+            self._start.record(self._stream)
         return self
 
     def __exit__(self, *exc):
+        if not self.timed or exc[0] is not None:
+            return False
         if SIMULATOR:
             import time
 
             self.ms = (time.perf_counter() - self._t0) * 1e3
         else:
-            self._stop.record()
+            self._stop.record(self._stream)
             self._stop.synchronize()
             self.ms = cuda.event_elapsed_time(self._start, self._stop)
         return False

@@ -1,34 +1,87 @@
 """Schedules: one loop order of attention each, registered by name.
 
-A schedule owns four things, side by side in its module under `loop_orders/schedules/`:
-its loop nest as text (`LOOP_NEST`), its kernel factory (block sizes and head dims baked in as
-compile-time constants, counting compiled in or out), its exact traffic model (`model`), and how
-it sizes tiles from an SRAM budget of M elements (`tiles_for_sram`). Experiments loop over the
-registry; they never ask which schedule they hold.
+A schedule is one module under `loop_orders/schedules/` (found and imported by that
+package); it owns, side by side: its loop nest as text (`LOOP_NEST`), its kernel factories
+(block sizes and head dims baked in as compile-time constants, counting compiled in or out),
+its exact traffic model (`model`), a brute-force walk of its loop nest (`walk`, written
+independently of the model so that tests can compare the two), how it sizes tiles from an SRAM
+budget of M elements (`tiles_for_sram`), the HBM tensors it keeps beyond the common ones
+(`TENSORS`), its options (`OPTIONS`) and what the experiments should expect of it
+(`EXPECTED_SLOPES`, `WORKED_EXAMPLE`, `TRAFFIC_CLASS`). Experiments loop over the registry;
+they never ask which schedule they hold.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import textwrap
 from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .ledger import Ledger
+from .ledger import Ledger, declare_tensor
 
-# Limits of the kernels as written (compile-time local arrays and one thread per query row).
+# Limits of the kernels as written (compile-time local arrays, 1024 threads per CTA).
 MAX_HEAD_DIM = 256
-MAX_BLOCK_Q = 512  # up to two threads per query row, 1024 per CTA
+MAX_BLOCK_Q = 512
 MAX_BLOCK_K = 512
 SUPPORTED_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
+class Option:
+    """A schedule option: its default, what it means, and how a value is checked.
+
+    `check(value)` returns the value to use (normalised, e.g. an int) or raises ValueError;
+    `allowed` says in words what passes, for error messages and `loop-orders schedules`.
+    `backward` options only change the backward pass (the forward accepts and ignores them,
+    so one options dict can serve both passes). `examples`: values the tests draw from."""
+
+    default: Any
+    help: str
+    allowed: str
+    check: Callable[[Any], Any]
+    backward: bool = False
+    examples: tuple = ()
+
+
+def int_option(low: int, high: int, *, also: tuple = ()) -> Callable[[Any], Any]:
+    """A check for an integer option in [low, high], or one of the literal values `also`."""
+
+    def check(value):
+        if isinstance(value, str) and value in also:
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)  # from the command line
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"got {value!r}")
+        if not low <= int(value) <= high:
+            raise ValueError(f"got {value}")
+        return int(value)
+
+    return check
+
+
+def choice_option(*values: str) -> Callable[[Any], Any]:
+    def check(value):
+        if value not in values:
+            raise ValueError(f"got {value!r}")
+        return value
+
+    return check
+
+
+@dataclass(frozen=True)
 class Problem:
-    """One attention call: shapes, tiling and options. Everything a model or launch needs."""
+    """One attention call: shapes, tiling and options. Everything a model or launch needs.
+
+    `options` holds every option of the schedule (defaults filled in) as sorted
+    (name, value) pairs, so a Problem stays hashable; `option(name)` reads one."""
 
     n_q: int
     n_k: int
@@ -41,6 +94,7 @@ class Problem:
     causal: bool = False
     save_lse: bool = False
     dtype: str = "float32"
+    options: tuple = ()
 
     @property
     def bh(self) -> int:
@@ -60,10 +114,21 @@ class Problem:
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
 
+    def option(self, name: str):
+        for key, value in self.options:
+            if key == name:
+                return value
+        raise KeyError(f"option {name!r} is not set on this problem ({dict(self.options)})")
+
     def query_block_rows(self) -> np.ndarray:
         """Valid rows of each query block (the last may be a tail)."""
         starts = np.arange(self.tr, dtype=np.int64) * self.block_q
         return np.minimum(self.block_q, self.n_q - starts)
+
+    def key_block_rows(self) -> np.ndarray:
+        """Valid keys of each K/V block (the last may be a tail)."""
+        starts = np.arange(self.tc, dtype=np.int64) * self.block_k
+        return np.minimum(self.block_k, self.n_k - starts)
 
     def visible_kv_blocks(self) -> np.ndarray:
         """Per query block i, how many K/V blocks it visits (a prefix j < c_i).
@@ -82,10 +147,29 @@ class Problem:
             return np.zeros(self.tc, dtype=np.int64)
         return np.arange(self.tc, dtype=np.int64) * self.block_k // self.block_q
 
+    def visited_pairs(self) -> int:
+        """Number of (i, j) block pairs the causal rule visits (Tr Tc without a mask)."""
+        return int(self.visible_kv_blocks().sum())
+
     def describe(self) -> str:
-        return (f"B={self.batch} H={self.heads} N_q={self.n_q} N_k={self.n_k} d={self.d} "
+        text = (f"B={self.batch} H={self.heads} N_q={self.n_q} N_k={self.n_k} d={self.d} "
                 f"dv={self.dv} block_q={self.block_q} block_k={self.block_k} "
                 f"causal={self.causal} dtype={self.dtype}")
+        return text + "".join(f" {k}={v}" for k, v in self.options)
+
+
+class Kernel(NamedTuple):
+    """One kernel a schedule launches for a problem, as resource checks and reports see it.
+
+    `fn` is the (lazily compiled) Numba kernel; `shared_bytes` the shared memory one CTA
+    uses (static arrays and dynamic buffer); `shared_limit` what it may use (48 KB of static
+    arrays, or the GPU's opt-in limit for kernels whose tiles live in dynamic shared
+    memory, see `runtime.launch`)."""
+
+    name: str
+    fn: Any
+    shared_bytes: int
+    shared_limit: int
 
 
 class Schedule(ABC):
@@ -94,32 +178,54 @@ class Schedule(ABC):
     name: ClassVar[str]
     summary: ClassVar[str]
     LOOP_NEST: ClassVar[str]
+    # HBM tensors beyond the common ones (ledger.TENSORS): name -> "input" or "float32".
+    TENSORS: ClassVar[Mapping[str, str]] = {}
+    OPTIONS: ClassVar[Mapping[str, Option]] = {}
     # Whether the kernels run the flash micro-kernel (microkernel.make_micro_kernel), whose
     # thread layout (microkernel.thread_layout) results files then record.
     uses_micro_kernel: ClassVar[bool] = False
+    # Log-log slope of model traffic against M, N and d (tiles from `tiles_for_sram`) that
+    # Theorem 2 predicts for this order (experiments/theorem2.py fits and checks them).
+    EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}
+    # Which Theta(.) of Theorem 2 the order belongs to: "flash" (N^2 d^2 / M) or
+    # "standard" (N d + N^2); the theorem figure scales each overlay through such a line.
+    TRAFFIC_CLASS: ClassVar[str | None] = None
+    # A case worked by hand in the module docstring: (make_problem keyword arguments, the
+    # total elements moved), checked against the model and the counted kernels.
+    WORKED_EXAMPLE: ClassVar[tuple[Mapping[str, Any], int] | None] = None
+    # Whether partial results are combined through a float32 log-sum-exp: the combine
+    # weights then lose log l where |scores| reach ~1e7 (README, numerics).
+    COMBINES_BY_LSE: ClassVar[bool] = False
+    # The name of the backward schedule (loop_orders/backward/) that differentiates this
+    # forward, if any: its own name unless the forward shares another's backward.
+    BACKWARD: ClassVar[str | None] = None
 
     def loop_nest(self) -> str:
         """The loop nest as pseudo-code (quoted in paper_notes.md)."""
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
+
+    def ledger_tensors(self) -> tuple[str, ...]:
+        """The tensors this schedule's ledgers list: the common ones, then its own."""
+        from .ledger import TENSORS
+
+        return TENSORS + tuple(t for t in self.TENSORS if t not in TENSORS)
 
     @abstractmethod
     def model(self, p: Problem) -> Ledger:
         """Exact HBM traffic in elements, closed form (not a replay of the loop nest)."""
 
     @abstractmethod
+    def walk(self, p: Problem) -> Counter:
+        """The loop nest replayed block by block in plain Python, counting every transfer:
+        {(tensor, direction): elements} for one (batch, head). Independent of `model`."""
+
+    @abstractmethod
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         """(block_q, block_k) from an SRAM budget of `m` elements at head dim `d`."""
 
     @abstractmethod
-    def shared_bytes(self, p: Problem, count: bool) -> int:
-        """Largest shared memory one CTA of this schedule declares (bytes)."""
-
-    def shared_limit(self) -> int:
-        """Shared memory one CTA may use: 48 KB of static arrays unless the schedule's
-        kernels take dynamic shared memory (and opt in to more, `runtime.launch`)."""
-        from .runtime import SHARED_BYTES_LIMIT
-
-        return SHARED_BYTES_LIMIT
+    def kernels(self, p: Problem, count: bool) -> list[Kernel]:
+        """Every kernel `launch` runs for p, in launch order (resource checks, reports)."""
 
     @abstractmethod
     def launch(self, p: Problem, q, k, v, out, lse, counts, *, scale: float, count: bool,
@@ -129,10 +235,6 @@ class Schedule(ABC):
         `workspace` is what `allocate_workspace(p)` returned (allocated per call if None), so
         a benchmark can allocate once and time the kernels alone.
         """
-
-    @abstractmethod
-    def kernels(self, p: Problem, count: bool) -> list:
-        """The compiled kernel objects `launch` uses for p (for resource reports)."""
 
     def allocate_workspace(self, p: Problem) -> tuple:
         """Device arrays the kernels keep in HBM besides inputs and outputs."""
@@ -156,17 +258,58 @@ class Schedule(ABC):
         """
         return 1
 
+    def resolved_options(self, p: Problem) -> dict:
+        """p's options as they take effect (e.g. "auto" replaced by what it chose), for
+        results files."""
+        return dict(p.options)
+
+    def options_for(self, given: Mapping[str, Any] | None, backward: bool = True) -> tuple:
+        """Every option of this schedule (and of its backward, when `backward`) with
+        `given` checked and defaults filled in, as sorted (name, value) pairs. An unknown
+        option or a bad value raises ValueError naming it and listing what is allowed."""
+        known = dict(self.OPTIONS)
+        if backward and self.BACKWARD:
+            from .backward_schedule import get_backward
+
+            known.update(get_backward(self.BACKWARD).OPTIONS)
+        given = dict(given or {})
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            listed = ", ".join(f"{k} ({o.allowed})" for k, o in known.items()) or "none"
+            raise ValueError(f"options: unknown option {unknown[0]!r} for {self.name}; "
+                             f"its options: {listed}")
+        values = {}
+        for key, opt in known.items():
+            value = given.get(key, opt.default)
+            try:
+                values[key] = opt.check(value)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"options: {key} of {self.name}: {exc}; allowed "
+                                 f"{opt.allowed}") from None
+        return tuple(sorted(values.items()))
+
     def __repr__(self) -> str:
         return f"<schedule {self.name}: {self.summary}>"
+
+
+def per_head_ledger(walk: Counter, bh: int) -> Ledger:
+    """A walk's {(tensor, direction): n} for one head as a Ledger over bh heads."""
+    out: dict = {}
+    for (tensor, direction), n in walk.items():
+        out.setdefault(tensor, {})[direction] = n * bh
+    return Ledger(out)
 
 
 _REGISTRY: dict[str, Schedule] = {}
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:
-    """Class decorator: add a schedule to the registry under `cls.name`."""
+    """Class decorator: add a schedule to the registry under `cls.name` (and declare the
+    HBM tensors it lists in TENSORS)."""
     if cls.name in _REGISTRY:
         raise ValueError(f"schedule {cls.name!r} is already registered")
+    for tensor, element in cls.TENSORS.items():
+        declare_tensor(tensor, element)
     _REGISTRY[cls.name] = cls()
     return cls
 
@@ -188,5 +331,20 @@ def all_schedules() -> list[Schedule]:
     return list(_REGISTRY.values())
 
 
+def schedule_options(name: str) -> dict[str, Any]:
+    """The options of schedule `name` (and of its backward pass) with their defaults."""
+    return dict(get_schedule(name).options_for({}))
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def rows(start: int, block: int, n: int) -> range:
+    """The valid rows of the block starting at `start` (for walks)."""
+    return range(start, min(start + block, n))
+
+
+def sees(p: Problem, query_rows: range, key_rows: range) -> bool:
+    """Does any query in `query_rows` see any key in `key_rows`? (for walks)"""
+    return not p.causal or key_rows[0] <= query_rows[-1]

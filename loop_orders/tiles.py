@@ -8,7 +8,7 @@ differs between schedules is only the loop nest around these calls, so measured 
 come from the loop order.
 
 Counting: each HBM load/store site returns or knows the number of elements it moved; a thread
-adds them to a private counter array (slots from `ledger.slot`), and `flush_counts` adds the
+adds them to a private counter array (slots from `ledger.slot`), and `counts_flusher()` adds the
 CTA's totals to the global int64 counter array once per CTA. Kernels only touch counters under
 `if COUNT:` with COUNT a compile-time constant, so the uncounted build contains no counter code.
 """
@@ -20,7 +20,7 @@ from functools import cache
 
 from numba import float32, int64, uint32, uint64
 
-from .ledger import N_SLOTS
+from .ledger import n_slots
 from .runtime import cuda
 
 LOG2E = math.log2(math.e)
@@ -119,25 +119,32 @@ def zero_counts(cnt):
         cnt[s] = 0
 
 
-@cuda.jit(device=True)
-def flush_counts(cnt, counts):
-    """Sum every thread's counters in shared memory, then add them to HBM once per CTA.
+@cache
+def _flusher(slots: int):
+    @cuda.jit(device=True)
+    def flush_counts(cnt, counts):
+        cta = cuda.shared.array(slots, int64)
+        for s in range(cuda.threadIdx.x, slots, cuda.blockDim.x):
+            cta[s] = 0
+        cuda.syncthreads()  # the CTA totals are zero before any thread adds to them
+        for s in range(slots):
+            if cnt[s] != 0:
+                cuda.atomic.add(cta, s, cnt[s])
+        cuda.syncthreads()  # every thread has added its counts
+        for s in range(cuda.threadIdx.x, slots, cuda.blockDim.x):
+            if cta[s] != 0:
+                cuda.atomic.add(counts, s, cta[s])
 
-    Must be reached by every thread of the CTA (it has barriers).
-    """
-    cta = cuda.shared.array(N_SLOTS, int64)
-    for s in range(cuda.threadIdx.x, N_SLOTS, cuda.blockDim.x):
-        cta[s] = 0
-    cuda.syncthreads()  # the CTA totals are zero before any thread adds to them
-    for s in range(N_SLOTS):
-        if cnt[s] != 0:
-            cuda.atomic.add(cta, s, cnt[s])
-    cuda.syncthreads()  # every thread has added its counts
-    for s in range(cuda.threadIdx.x, N_SLOTS, cuda.blockDim.x):
-        if cta[s] != 0:
-            cuda.atomic.add(counts, s, cta[s])
+    return flush_counts
+
+
+def counts_flusher():
+    """flush_counts(cnt, counts): sum every thread's counters in shared memory, then add them
+    to HBM once per CTA. Must be reached by every thread of the CTA (it has barriers). Built
+    for the counter slots of the tensors declared now (`ledger.n_slots`)."""
+    return _flusher(n_slots())
 
 
 def counter_slots(count: bool) -> int:
     """Size of a thread's private counter array (1 when counting is compiled out)."""
-    return N_SLOTS if count else 1
+    return n_slots() if count else 1

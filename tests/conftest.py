@@ -25,3 +25,13 @@ def random_qkv(rng, batch, heads, n, d, dv, dtype="float32", n_k=None, scale=1.0
 
 
 SCHEDULES = lo.schedule_names()
+
+
+@pytest.fixture
+def fresh_calls():
+    """Forget the calls `lo.attention` has prepared: a test that changes what the checks see
+    (a memory limit, say) then meets them again, as a new process would. (A prepared call
+    re-checks device memory only when it is big: api._Call.)"""
+    lo.api._CALLS.clear()
+    yield
+    lo.api._CALLS.clear()

@@ -22,10 +22,13 @@ def test_traffic_json_contract(schedule, capsys):
             "--block-k", "3", "--causal", "--measure", "--json"]
     assert main(argv) == 0
     record = json.loads(capsys.readouterr().out)
-    assert list(record) == ["schedule", "n", "d", "dv", "batch", "heads", "block_q", "block_k",
-                            "causal", "save_lse", "model", "measured", "backend"]
+    sched = lo.get_schedule(schedule)
+    keys = ["schedule", "n", "d", "dv", "batch", "heads", "block_q", "block_k", "causal",
+            "save_lse", *(["options"] if sched.OPTIONS else []), "model", "measured", "backend"]
+    assert list(record) == keys
     assert record["schedule"] == schedule and record["causal"] is True
-    assert list(record["model"]) == list(TENSORS)
+    assert list(record["model"]) == list(sched.ledger_tensors())
+    assert list(record["model"])[:len(TENSORS)] == list(TENSORS)
     assert record["model"] == record["measured"]
     assert record["backend"] in ("gpu", "simulator")
     expected = lo.predict_traffic(schedule, n=6, d=2, block_q=2, block_k=3, causal=True)
@@ -48,3 +51,42 @@ def test_traffic_table_and_run(capsys):
                  "--block-q", "4", "--block-k", "5", "--causal", "--dtype", "float16",
                  "--repeat", "1"]) == 0
     assert "ok, tolerance" in capsys.readouterr().out
+
+
+WITH_OPTIONS = [s for s in lo.all_schedules() if s.OPTIONS]
+
+
+@pytest.mark.parametrize("sched", WITH_OPTIONS, ids=[s.name for s in WITH_OPTIONS])
+def test_options_on_the_command_line(sched, capsys):
+    key, opt = next(iter(sched.OPTIONS.items()))
+    value = opt.examples[0]
+    argv = ["traffic", "--schedule", sched.name, "--n", "9", "--d", "2", "--block-q", "2",
+            "--block-k", "2", "--option", f"{key}={value}", "--measure", "--json"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["options"][key] == opt.check(str(value))
+    assert record["model"] == record["measured"]
+    assert record["model"] == lo.predict_traffic(sched.name, n=9, d=2, block_q=2, block_k=2,
+                                                 options={key: value}).to_dict()
+    assert main(["schedules"]) == 0
+    assert f"--option {key}={opt.default}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sched", WITH_OPTIONS, ids=[s.name for s in WITH_OPTIONS])
+def test_bad_options_exit_2_with_one_line(sched, capsys):
+    key = next(iter(sched.OPTIONS))
+    for option, pattern in ((f"{key}=%%bad%%", f"options: {key} of {sched.name}: got "),
+                            ("no_such_option=3", f"options: unknown option 'no_such_option' "
+                                                 f"for {sched.name}; its options: {key}"),
+                            (key, "--option: expected key=value")):
+        argv = ["traffic", "--schedule", sched.name, "--n", "9", "--d", "2", "--option", option]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and pattern in err, err
+
+
+def test_options_of_a_schedule_without_any(capsys):
+    plain = next(s for s in lo.all_schedules() if not s.options_for({}))
+    argv = ["traffic", "--schedule", plain.name, "--n", "9", "--d", "2", "--option", "x=1"]
+    assert main(argv) == 2
+    assert f"unknown option 'x' for {plain.name}; its options: none" in capsys.readouterr().err

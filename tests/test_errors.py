@@ -1,5 +1,6 @@
 """Bad input is refused before any launch, naming the argument; the CLI exits 2 in one line."""
 
+import re
 import subprocess
 import sys
 
@@ -17,40 +18,29 @@ def qkv(rng):
 
 
 def test_unknown_schedule_lists_known(qkv):
-    with pytest.raises(ValueError, match="schedule.*known schedules: dense, kv_outer, q_outer"):
+    with pytest.raises(ValueError, match="schedule.*known schedules: " +
+                       ", ".join(lo.schedule_names())):
         lo.attention(*qkv, schedule="nope")
 
 
-@pytest.mark.parametrize("kwargs, exc, pattern", [
-    ({"block_q": 0}, ValueError, "block_q: got 0"),
-    ({"block_k": -3}, ValueError, "block_k: got -3"),
-    ({"block_q": 2.5}, TypeError, "block_q: must be an integer"),
-    ({"block_k": True}, TypeError, "block_k: must be an integer"),
-    ({"block_q": 5000}, ValueError, "block_q: got 5000, allowed 1 <= block_q <= 512"),
-    ({"scale": float("nan")}, ValueError, "scale"),
-    ({"scale": 0.0}, ValueError, "scale"),
-    ({"causal": "yes"}, TypeError, "causal"),
-])
-def test_bad_options(qkv, kwargs, exc, pattern):
-    with pytest.raises(exc, match=pattern):
-        lo.attention(*qkv, schedule="q_outer", **kwargs)
+@pytest.mark.parametrize("sched", [s for s in lo.all_schedules() if s.OPTIONS],
+                         ids=lambda s: s.name)
+def test_bad_schedule_options_refused_before_launch(qkv, no_launch, sched):
+    key, opt = next(iter(sched.OPTIONS.items()))
+    for options, pattern in (({key: object()}, rf"options: {key} of {sched.name}: got .*; "
+                                                rf"allowed {re.escape(opt.allowed)}"),
+                             ({key: True}, f"options: {key} of {sched.name}: got True"),
+                             ({"no_such": 2}, f"options: unknown option 'no_such' for "
+                                              f"{sched.name}; its options: {key}")):
+        with pytest.raises(ValueError, match=pattern):
+            lo.attention(*qkv, schedule=sched.name, block_q=4, block_k=4, options=options)
 
 
-def test_bad_shapes_and_dtypes(qkv):
-    q, k, v = qkv
-    cases = [
-        ((q[0, 0], k, v), ValueError, "same number of dimensions"),
-        ((q[0, 0, 0], k[0, 0, 0], v[0, 0, 0]), ValueError, "q: expected shape"),
-        ((q, k[:, :1], v[:, :1]), ValueError, "batch and heads"),
-        ((q, k[..., :3], v), ValueError, "k: head dim d"),
-        ((q, k, v[:, :, :5]), ValueError, "v: must have as many rows"),
-        ((q.astype(np.float64), k, v), TypeError, "q: dtype float64 is not supported"),
-        ((q, k.astype(np.float16), v), TypeError, "dtypes must match"),
-        ((q.tolist(), k, v), TypeError, "q: expected an array"),
-    ]
-    for args, exc, pattern in cases:
-        with pytest.raises(exc, match=pattern):
-            lo.attention(*args, schedule="q_outer")
+def test_options_given_to_a_schedule_without_any(qkv, no_launch):
+    plain = next(s for s in lo.all_schedules() if not s.options_for({}))
+    with pytest.raises(ValueError, match=f"unknown option 'x' for {plain.name}; its options: "
+                                         "none"):
+        lo.attention(*qkv, schedule=plain.name, options={"x": 2})
 
 
 def test_causal_needs_square(rng):
@@ -60,10 +50,13 @@ def test_causal_needs_square(rng):
         lo.attention(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("schedule", ["q_outer", "kv_outer"])
+@pytest.mark.parametrize("schedule", [s.name for s in lo.all_schedules() if s.uses_micro_kernel])
 def test_shared_memory_refused_with_need_and_limit(schedule, rng):
-    q, k, v = random_qkv(rng, 1, 1, 4, 256, 256)
-    limit = lo.get_schedule(schedule).shared_limit()
+    q, _, _ = random_qkv(rng, 1, 1, 4, 256, 256)
+    _, k, v = random_qkv(rng, 1, 1, 128, 256, 256)
+    limit = lo.get_schedule(schedule).kernels(
+        lo.make_problem(schedule, n_q=4, n_k=128, d=256, block_q=4, block_k=128), False)[0
+    ].shared_limit
     with pytest.raises(ValueError,
                        match=rf"block_k: .* needs (\d+) bytes .* limit is {limit}") as e:
         lo.attention(q, k, v, schedule=schedule, block_k=128)
@@ -85,7 +78,8 @@ def test_dense_row_length_limit():
     (["traffic", "--schedule", "nope", "--n", "6", "--d", "2"], "unknown schedule"),
     (["traffic", "--schedule", "dense", "--n", "6", "--d", "2", "--block-q", "0"], "block_q"),
     (["traffic", "--schedule", "dense", "--n", "x", "--d", "2"], "--n: invalid int"),
-    (["run", "--schedule", "q_outer", "--n", "8", "--d", "256", "--block-k", "128"], "block_k"),
+    (["run", "--schedule", "q_outer", "--n", "8", "--n-k", "128", "--d", "256", "--block-k",
+      "128"], "block_k"),
     (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--causal", "--repeat", "0"],
      "repeat"),
     (["traffic", "--n", "6", "--d", "2"], "--schedule"),
@@ -232,8 +226,8 @@ def test_numpy_integer_block_sizes_and_float32_scale_accepted(qkv, schedule):
      "--block-k: invalid int value"),
     (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "2", "--dtype", "float64"],
      "--dtype: invalid choice"),
-    (["traffic", "--schedule", "q_outer", "--n", "6", "--d", "256", "--block-k", "128",
-      "--measure"], "block_k: q_outer needs"),
+    (["traffic", "--schedule", "q_outer", "--n", "6", "--n-k", "128", "--d", "256",
+      "--block-k", "128", "--measure"], "block_k: q_outer needs"),
     (["run", "--schedule", "nope", "--n", "8", "--d", "4"], "unknown schedule"),
     (["run", "--schedule", "q_outer", "--n", "0", "--d", "4"], "n: got 0"),
     (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--dtype", "int8"],
@@ -249,7 +243,7 @@ def test_cli_every_subcommand_exits_2_with_one_line(argv, pattern, capsys):
 
 
 @pytest.mark.parametrize("command", ["traffic", "run"])
-def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch):
+def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch, fresh_calls):
     from loop_orders import runtime
 
     monkeypatch.setattr(runtime, "memory_limit", lambda: (100, "a test limit"))

@@ -44,6 +44,10 @@ def cases(draw):
         "save_lse": draw(st.booleans()),
         "dtype": draw(st.sampled_from(["float32", "float16"])),
         "seed": draw(st.integers(0, 2**32 - 1)),
+        # per schedule, one value of each option from the option's examples
+        "options": {s.name: {key: draw(st.sampled_from(opt.examples))
+                             for key, opt in s.OPTIONS.items() if opt.examples}
+                    for s in lo.all_schedules()},
     }
 
 
@@ -62,14 +66,14 @@ def test_every_schedule_matches_reference_and_model(case):
         p = lo.make_problem(name, n_q=c["n"], n_k=c["n_k"], d=c["d"], dv=c["dv"],
                             batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
                             block_k=c["block_k"], causal=c["causal"],
-                            save_lse=c["save_lse"], dtype=c["dtype"])
+                            save_lse=c["save_lse"], dtype=c["dtype"], options=c["options"][name])
         try:
             lo.api.check_launch(sched, p, count=True)
         except ValueError:
             continue  # refused up front, with a message: allowed (not a wrong number)
         res = lo.attention(q, k, v, schedule=name, block_q=c["block_q"],
                            block_k=c["block_k"], causal=c["causal"], save_lse=c["save_lse"],
-                           count=True)
+                           options=c["options"][name], count=True)
         assert res.out.shape == ref.shape and res.out.dtype == np.dtype(c["dtype"]), name
         assert np.isfinite(res.out).all(), name
         tol = tolerance(c["dtype"], sched.output_roundings(res.problem), v, ref)

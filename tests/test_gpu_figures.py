@@ -138,4 +138,8 @@ def test_hw_traffic_sweep_covers_every_schedule_and_tile_size_and_fits():
     for c in cfgs:  # every configuration is within the kernels' shared-memory limits
         p = hw_traffic.problem(c)
         sched = lo.get_schedule(c["schedule"])
-        assert sched.shared_bytes(p, True) <= sched.shared_limit()
+        assert all(k.shared_bytes <= k.shared_limit for k in sched.kernels(p, True))
+    profiled = hw_traffic.kernel_regex(cfgs).removeprefix("regex:").split("|")
+    for c in cfgs:  # every kernel of every configuration is profiled
+        sched = lo.get_schedule(c["schedule"])
+        assert {k.name for k in sched.kernels(hw_traffic.problem(c), False)} <= set(profiled)

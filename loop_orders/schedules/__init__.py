@@ -1,8 +1,12 @@
 """The registered schedules, one module each. Importing this package registers them all.
 
-To add a loop order: write `loop_orders/schedules/<name>.py` with a kernel factory, a
-`Schedule` subclass decorated with `@register` (model, loop nest, tile sizing, launch), and
-import it here. Tests and experiments pick it up from the registry.
+To add a loop order, write `loop_orders/schedules/<name>.py` with a `Schedule` subclass
+decorated with `@register` (README, "Adding a schedule"); every module of this package is
+imported here, in name order, so nothing else needs an edit.
 """
 
-from . import dense, kv_outer, q_outer  # noqa: F401  (registration side effects)
+import importlib
+import pkgutil
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    importlib.import_module(f"{__name__}.{_module}")

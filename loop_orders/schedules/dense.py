@@ -18,15 +18,23 @@ to what 48 KB of shared memory holds.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import cache
 
 import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..runtime import SHARED_BYTES_LIMIT, SHARED_F32, cuda, device_empty
-from ..schedule import Problem, Schedule, ceil_div, register
-from ..tiles import counter_slots, flush_counts, make_tile_loader, make_tile_storer, zero_counts
+from ..runtime import (
+    SHARED_BYTES_LIMIT,
+    SHARED_F32,
+    cuda,
+    device_empty,
+    kernel_factory,
+    launch,
+)
+from ..schedule import Kernel, Problem, Schedule, ceil_div, register, rows
+from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer, zero_counts
 
 (Q_R, K_R, V_R, O_W, S_R, S_W, P_R, P_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "write"),
@@ -92,9 +100,10 @@ def make_row_io(BR: int, W: int, SC: int):  # noqa: N803 - compile-time sizes
     return load_rows, store_rows
 
 
-@cache
+@kernel_factory
 def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
     NCNT = counter_slots(COUNT)  # noqa: N806
+    flush_counts = counts_flusher()
     load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
     SW = score_chunk(BC)  # noqa: N806
     store_S_ij = make_tile_storer(BR, SW, BR)  # noqa: N806
@@ -153,9 +162,10 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
     return dense_scores
 
 
-@cache
+@kernel_factory
 def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
+    flush_counts = counts_flusher()
 
     @cuda.jit
     def dense_softmax(s_hbm, p_hbm, lse, counts):
@@ -212,9 +222,10 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
     return dense_softmax
 
 
-@cache
+@kernel_factory
 def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
+    flush_counts = counts_flusher()
     load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
     SW = score_chunk(BC)  # noqa: N806
     load_P_ij = make_tile_loader(BR, SW, BR)  # noqa: N806
@@ -276,6 +287,11 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
 class Dense(Schedule):
     name = "dense"
     summary = "standard attention: S and P materialised in HBM by three kernels"
+    EXPECTED_SLOPES = {"n": 2}
+    TRAFFIC_CLASS = "standard"
+    # The seed explainer's example: Q 12, K and V each read by Tr = 3 query blocks (36 + 36),
+    # O 12, S and P each written and read once (36 + 36 each way).
+    WORKED_EXAMPLE = ({"n_q": 6, "d": 2, "block_q": 2, "block_k": 2}, 240)
     LOOP_NEST = """
         # kernel 1: scores
         for (b, h, i) in parallel:            # one CTA per query block, Br threads
@@ -309,6 +325,30 @@ class Dense(Schedule):
         }
         return Ledger(per_head).scaled(p.bh)
 
+    def walk(self, p: Problem) -> Counter:
+        c = Counter()
+        for i in range(0, p.n_q, p.block_q):  # kernel 1
+            queries = rows(i, p.block_q, p.n_q)
+            c["q", "read"] += len(queries) * p.d
+            for j in range(0, p.n_k, p.block_k):
+                keys = rows(j, p.block_k, p.n_k)
+                c["k", "read"] += len(keys) * p.d
+                c["s", "write"] += len(queries) * len(keys)
+        for _r in range(p.n_q):  # kernel 2
+            for _col in range(p.n_k):
+                c["s", "read"] += 1
+                c["p", "write"] += 1
+            if p.save_lse:
+                c["lse", "write"] += 1
+        for i in range(0, p.n_q, p.block_q):  # kernel 3
+            queries = rows(i, p.block_q, p.n_q)
+            for j in range(0, p.n_k, p.block_k):
+                keys = rows(j, p.block_k, p.n_k)
+                c["v", "read"] += len(keys) * p.dv
+                c["p", "read"] += len(queries) * len(keys)
+            c["o", "write"] += len(queries) * p.dv
+        return c
+
     def workspace_bytes(self, p: Problem) -> int:
         # S and P: N_q x N_k float32 scores per (batch, head), each materialised in HBM.
         return 2 * p.bh * p.n_q * p.n_k * 4
@@ -317,11 +357,6 @@ class Dense(Schedule):
         # Same tile shapes as q_outer: a query block of M/(4d) rows against K/V tiles.
         big = ceil_div(m, 4 * d)
         return big, min(big, d)
-
-    def shared_bytes(self, p: Problem, count: bool) -> int:
-        counters = 8 * counter_slots(True) if count else 0
-        tiles = 4 * (p.block_k * max(p.d, p.dv) + p.block_q * (score_chunk(p.block_k) + 1))
-        return max(tiles, softmax_shared_bytes(p.n_k)) + counters
 
     def check(self, p: Problem) -> None:
         softmax = softmax_shared_bytes(p.n_k)
@@ -335,15 +370,21 @@ class Dense(Schedule):
         shape = (p.bh, p.n_q, p.n_k)
         return device_empty(shape, np.float32), device_empty(shape, np.float32)
 
-    def kernels(self, p: Problem, count: bool) -> list:
-        return [make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
-                make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
-                make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)]
+    def kernels(self, p: Problem, count: bool) -> list[Kernel]:
+        counters = 8 * counter_slots(True) if count else 0
+        chunk = p.block_q * (score_chunk(p.block_k) + 1)
+        fns = [make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
+               make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
+               make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)]
+        shared = [4 * (p.block_k * p.d + chunk), softmax_shared_bytes(p.n_k),
+                  4 * (p.block_k * p.dv + chunk)]
+        return [Kernel(fn.py_func.__name__, fn, b + counters, SHARED_BYTES_LIMIT)
+                for fn, b in zip(fns, shared, strict=True)]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         s_hbm, p_hbm = workspace or self.allocate_workspace(p)
-        threads = softmax_threads(p.n_k)
-        scores, softmax, pv = self.kernels(p, count)
-        scores[(p.tr, p.bh), p.block_q](q, k, s_hbm, counts, np.float32(scale))
-        softmax[(p.n_q, p.bh), threads, 0, 4 * p.n_k](s_hbm, p_hbm, lse, counts)
-        pv[(p.tr, p.bh), p.block_q](p_hbm, v, out, counts)
+        scores, softmax, pv = (kernel.fn for kernel in self.kernels(p, count))
+        launch(scores, (p.tr, p.bh), p.block_q, 0, q, k, s_hbm, counts, np.float32(scale))
+        launch(softmax, (p.n_q, p.bh), softmax_threads(p.n_k), 4 * p.n_k, s_hbm, p_hbm, lse,
+               counts)
+        launch(pv, (p.tr, p.bh), p.block_q, 0, p_hbm, v, out, counts)

@@ -22,24 +22,19 @@ update never converts it and a reloaded m_i is bit-identical to the stored one.
 from __future__ import annotations
 
 import math
-from functools import cache
+from collections import Counter
 
 import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
 from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
-from ..runtime import (
-    SHARED_ALIGN,
-    SHARED_F32,
-    cuda,
-    kernel_options,
-)
-from ..schedule import Problem, ceil_div, register
+from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import (
     LN2,
     counter_slots,
-    flush_counts,
+    counts_flusher,
     make_tile_loader,
     make_tile_storer,
     zero_counts,
@@ -58,15 +53,18 @@ UNROLL = 1
     slot("m", "write"), slot("lse", "write"))
 
 
-@cache
+@kernel_factory
 def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     layout = Layout(RM, KN)
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
     sm = shared_layout(BR, BC, D, DV, layout, True)
     ROWS = layout.grid(BR, BC)[0] * RM  # noqa: N806 - rows of the O_i stage and of l_i, m_i
     NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
-    clear, online_update, row_sums, give_o, take_o, keep_stats, _ = make_micro_kernel(
-        BR, BC, D, DV, RM, KN, CAUSAL, True, UNROLL)
+    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, True, UNROLL)
+    # Numba compiles closure variables as constants: take the device functions by name
+    clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
+    reciprocal, give_o, take_o, keep_stats = mk.reciprocal, mk.give_o, mk.take_o, mk.keep_stats
+    flush_counts = counts_flusher()
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
@@ -116,6 +114,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
         l_row = cuda.local.array(RM, float32)
+        inv_l = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
@@ -158,7 +157,8 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
                 cuda.syncthreads()  # every thread has taken its O_i: P_ij may overwrite the stage
                 online_update(buf, bc, key0, row0, m_i, l_i, acc)
                 row_sums(buf, l_i, l_row)
-                give_o(buf, acc, l_row)
+                reciprocal(l_row, inv_l)
+                give_o(buf, acc, inv_l)  # normalised, as Algorithm 1 stores O_i
                 keep_stats(buf, l_row, m_i)
                 cuda.syncthreads()  # O_i, l_i, m_i are complete in shared memory
                 # O_i: written back to HBM after every K/V block, normalised
@@ -182,6 +182,12 @@ class KVOuter(MicroKernelSchedule):
     RELOAD = True
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
+    EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
+    TRAFFIC_CLASS = "flash"
+    # The seed explainer's example: initialisation writes O, l, m (12 + 6 + 6); K, V once
+    # (12 + 12); each of the Tc = 3 K/V blocks reloads and rewrites all 6 rows: Q 36, O 36 + 36,
+    # l and m 18 + 18 each.
+    WORKED_EXAMPLE = ({"n_q": 6, "d": 2, "block_q": 2, "block_k": 2}, 228)
     LOOP_NEST = """
         for (b, h) in parallel:               # one CTA per head
             write O = 0, l = 0, m = -inf      # HBM initialisation (Algorithm 1, line 2)
@@ -211,6 +217,27 @@ class KVOuter(MicroKernelSchedule):
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
         return Ledger(per_head).scaled(p.bh)
+
+    def walk(self, p: Problem) -> Counter:
+        c = Counter()
+        c["o", "write"] += p.n_q * p.dv
+        c["l", "write"] += p.n_q
+        c["m", "write"] += p.n_q
+        for j in range(0, p.n_k, p.block_k):
+            keys = rows(j, p.block_k, p.n_k)
+            c["k", "read"] += len(keys) * p.d
+            c["v", "read"] += len(keys) * p.dv
+            for i in range(0, p.n_q, p.block_q):
+                queries = rows(i, p.block_q, p.n_q)
+                if not sees(p, queries, keys):
+                    continue
+                for tensor, width in (("q", p.d), ("o", p.dv), ("l", 1), ("m", 1)):
+                    c[tensor, "read"] += len(queries) * width
+                for tensor, width in (("o", p.dv), ("l", 1), ("m", 1)):
+                    c[tensor, "write"] += len(queries) * width
+        if p.save_lse:
+            c["lse", "write"] += p.n_q
+        return c
 
     def workspace_bytes(self, p: Problem) -> int:
         # l and m: one float32 each per query row, kept in HBM between K/V blocks.

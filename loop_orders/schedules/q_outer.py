@@ -17,24 +17,19 @@ Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2
 from __future__ import annotations
 
 import math
-from functools import cache
+from collections import Counter
 
 import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
 from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
-from ..runtime import (
-    SHARED_ALIGN,
-    SHARED_F32,
-    cuda,
-    kernel_options,
-)
-from ..schedule import Problem, ceil_div, register
+from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import (
     LN2,
     counter_slots,
-    flush_counts,
+    counts_flusher,
     make_tile_loader,
     make_tile_storer,
     zero_counts,
@@ -50,15 +45,18 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
                              slot("o", "write"), slot("lse", "write"))
 
 
-@cache
+@kernel_factory
 def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     layout = Layout(RM, KN)
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
     TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
     sm = shared_layout(BR, BC, D, DV, layout, False)
     NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
-    clear, online_update, row_sums, give_o, _, _, coords = make_micro_kernel(
-        BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+    # Numba compiles closure variables as constants: take the device functions by name
+    clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
+    reciprocal, give_o, coords = mk.reciprocal, mk.give_o, mk.coords
+    flush_counts = counts_flusher()
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
@@ -79,6 +77,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
         l_row = cuda.local.array(RM, float32)
+        inv_l = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
@@ -111,7 +110,8 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
             online_update(buf, bc, key0, row0, m_i, l_i, acc)
 
         row_sums(buf, l_i, l_row)
-        give_o(buf, acc, l_row)  # Q_i is done with: its tile stages O_i
+        reciprocal(l_row, inv_l)
+        give_o(buf, acc, inv_l)  # normalised; Q_i is done with: its tile stages O_i
         cuda.syncthreads()  # O_i is complete in shared memory
         # O_i: written to HBM once, normalised
         moved = store_O_i(buf, o, bh, row0, n_rows, 0, DV)
@@ -138,6 +138,10 @@ class QOuter(MicroKernelSchedule):
     RELOAD = False
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
+    EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
+    TRAFFIC_CLASS = "flash"
+    # The seed explainer's example: Q once (12), K and V three times (36 + 36), O once (12).
+    WORKED_EXAMPLE = ({"n_q": 6, "d": 2, "block_q": 2, "block_k": 2}, 96)
     LOOP_NEST = """
         for (b, h, i) in parallel:            # one CTA per query block
             load Q_i                          # HBM -> shared memory, once
@@ -164,6 +168,21 @@ class QOuter(MicroKernelSchedule):
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
         return Ledger(per_head).scaled(p.bh)
+
+    def walk(self, p: Problem) -> Counter:
+        c = Counter()
+        for i in range(0, p.n_q, p.block_q):
+            queries = rows(i, p.block_q, p.n_q)
+            c["q", "read"] += len(queries) * p.d
+            for j in range(0, p.n_k, p.block_k):
+                keys = rows(j, p.block_k, p.n_k)
+                if sees(p, queries, keys):
+                    c["k", "read"] += len(keys) * p.d
+                    c["v", "read"] += len(keys) * p.dv
+            c["o", "write"] += len(queries) * p.dv
+            if p.save_lse:
+                c["lse", "write"] += len(queries)
+        return c
 
     def workspace_bytes(self, p: Problem) -> int:
         return 0  # m_i, l_i and the accumulator live in registers only

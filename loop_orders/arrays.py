@@ -1,0 +1,260 @@
+"""Arrays in, arrays out: what each framework's arrays look like to the kernels and back.
+
+A call's inputs decide its *kind*, and the outputs come back as the same kind:
+
+    NumPy (host)          copied to the device; outputs copied back as NumPy arrays
+    torch, CPU tensors    the same through NumPy (no copy on the host side); torch out
+    torch, CUDA tensors   no copy: the kernels read the tensors' memory; outputs are torch
+                          tensors allocated on the same device; torch's current stream
+    CuPy arrays           no copy; CuPy outputs; CuPy's current stream
+    Numba device arrays   no copy; Numba outputs
+    any other object with __cuda_array_interface__: no copy; Numba device arrays out (we
+                          cannot allocate its type); the stream it names, if any
+
+The kernels see a `DeviceView` (pointer, shape, strides, dtype) of a GPU array, or a Numba
+(simulator) device array; `runtime.launch` passes either to a compiled kernel without
+converting it to a Numba array, so a call costs microseconds of host time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import runtime
+
+SUPPORTED = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
+
+
+class DeviceView:
+    """A C-contiguous (or strided) GPU array as the kernels see it: data pointer, shape,
+    strides in bytes, NumPy dtype; `owner` keeps the array it views alive."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "owner")
+
+    def __init__(self, ptr: int, shape: tuple, strides: tuple, dtype, owner=None):
+        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
+        self.dtype, self.owner = np.dtype(dtype), owner
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def reshape(self, *shape) -> DeviceView:
+        """A view of another shape (a C-contiguous view only)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        strides, step = [], self.dtype.itemsize
+        for extent in reversed(shape):
+            strides.append(step)
+            step *= extent
+        return DeviceView(self.ptr, shape, tuple(reversed(strides)), self.dtype, self.owner)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
+
+
+def c_strides(shape, itemsize: int) -> tuple:
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
+class Kind:
+    """How one framework's arrays go in and come out. Subclasses per framework."""
+
+    name = "array"
+    host = False  # inputs live on the host and are copied to the device
+
+    def signature(self, x) -> tuple:
+        """What about x selects the compiled kernels and checks (shape, dtype, layout)."""
+        return (type(x), tuple(x.shape), str(x.dtype), tuple(getattr(x, "strides", ())))
+
+    def view(self, x):
+        """The array as the kernels get it."""
+        return x
+
+    def empty(self, x, shape, dtype):
+        """(array the caller gets, array the kernels write) of `shape`, like x."""
+        out = runtime.device_empty(shape, dtype)
+        return out, out
+
+    def finish(self, out):
+        """The caller's array once the kernels have written it."""
+        return out
+
+    def stream(self, x) -> int:
+        """The CUDA stream handle the call's kernels go on (0: the default stream)."""
+        return 0
+
+
+class NumpyKind(Kind):
+    name, host = "numpy", True
+
+    def signature(self, x) -> tuple:
+        return (type(x), x.shape, x.dtype.str)
+
+    def view(self, x):
+        return runtime.to_device(np.ascontiguousarray(x))
+
+    def finish(self, out):
+        return runtime.to_host(out)
+
+
+class TorchHostKind(NumpyKind):
+    """CPU tensors: through NumPy, no copy on the host side; torch tensors out."""
+
+    name = "torch-cpu"
+
+    def signature(self, x) -> tuple:
+        return (type(x), tuple(x.shape), x.dtype, "cpu")
+
+    def view(self, x):
+        return super().view(x.detach().numpy())
+
+    def finish(self, out):
+        import torch
+
+        return torch.from_numpy(runtime.to_host(out))
+
+
+class TorchCudaKind(Kind):
+    name = "torch"
+
+    def signature(self, x) -> tuple:
+        return (type(x), tuple(x.shape), x.dtype, x.device, x.is_contiguous())
+
+    def view(self, x):
+        item = x.element_size()
+        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()),
+                          torch_to_numpy_dtype(x.dtype), x)
+
+    def empty(self, x, shape, dtype):
+        import torch
+
+        out = torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
+        return out, self.view(out)
+
+    def stream(self, x) -> int:
+        import torch
+
+        return torch.cuda.current_stream(x.device).cuda_stream
+
+
+class CupyKind(Kind):
+    name = "cupy"
+
+    def view(self, x):
+        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
+
+    def empty(self, x, shape, dtype):
+        import cupy
+
+        with x.device:
+            out = cupy.empty(shape, dtype=dtype)
+        return out, self.view(out)
+
+    def stream(self, x) -> int:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+
+
+class NumbaKind(Kind):
+    name = "numba"
+
+
+class InterfaceKind(Kind):
+    """Any object with __cuda_array_interface__: viewed without a copy; Numba out."""
+
+    name = "cuda-array-interface"
+
+    def signature(self, x) -> tuple:
+        iface = x.__cuda_array_interface__
+        return (type(x), tuple(iface["shape"]), iface["typestr"],
+                tuple(iface.get("strides") or ()))
+
+    def view(self, x):
+        iface = x.__cuda_array_interface__
+        dtype = np.dtype(iface["typestr"])
+        strides = iface.get("strides") or c_strides(iface["shape"], dtype.itemsize)
+        return DeviceView(iface["data"][0], iface["shape"], strides, dtype, x)
+
+    def stream(self, x) -> int:
+        return int(x.__cuda_array_interface__.get("stream") or 0)
+
+
+KINDS = {"numpy": NumpyKind(), "torch-cpu": TorchHostKind(), "torch": TorchCudaKind(),
+         "cupy": CupyKind(), "numba": NumbaKind(), "cuda-array-interface": InterfaceKind()}
+
+
+def kind_of(x) -> Kind:
+    """The Kind of x (TypeError for something that is not an array)."""
+    if isinstance(x, np.ndarray):
+        return KINDS["numpy"]
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return KINDS["torch"] if x.is_cuda else KINDS["torch-cpu"]
+    if module.startswith("cupy"):
+        return KINDS["cupy"]
+    if hasattr(x, "copy_to_host"):
+        return KINDS["numba"]
+    if hasattr(x, "__cuda_array_interface__"):
+        return KINDS["cuda-array-interface"]
+    raise TypeError(f"expected an array (NumPy, torch, CuPy, Numba device array or any "
+                    f"__cuda_array_interface__ object), got {type(x).__name__}")
+
+
+def shape_of(x) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None and hasattr(x, "__cuda_array_interface__"):
+        shape = x.__cuda_array_interface__["shape"]
+    return tuple(int(s) for s in shape)
+
+
+def dtype_name(x) -> str:
+    """'float32', 'float16', 'bfloat16', ... for any supported framework's dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and hasattr(x, "__cuda_array_interface__"):
+        dtype = x.__cuda_array_interface__["typestr"]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype).replace("torch.", "")
+
+
+def is_c_contiguous(x) -> bool:
+    kind = kind_of(x)
+    if kind.host:
+        return True  # copied to the device contiguously
+    if kind.name == "torch":
+        return x.is_contiguous()
+    if hasattr(x, "is_c_contiguous"):
+        return bool(x.is_c_contiguous())
+    if kind.name == "cupy":
+        return bool(x.flags.c_contiguous)
+    iface = x.__cuda_array_interface__
+    if iface.get("strides") is None:
+        return True
+    return c_strides(iface["shape"], np.dtype(iface["typestr"]).itemsize) == tuple(
+        iface["strides"])
+
+
+def torch_to_numpy_dtype(dtype):
+    import torch
+
+    return {torch.float32: np.float32, torch.float16: np.float16}[dtype]
+
+
+def numpy_to_torch_dtype(dtype):
+    import torch
+
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[
+        np.dtype(dtype)]

@@ -1,0 +1,121 @@
+"""Backward schedules: the loop orders of attention's backward pass, registered by the name of
+the forward schedule they differentiate.
+
+A backward schedule is one module under `loop_orders/backward/` (found and imported by that
+package). Like a forward schedule it owns its loop nest, kernels, exact traffic model and an
+independent brute-force walk, its own HBM tensors (`TENSORS`) and options (`OPTIONS`, given
+through the same options dict as the forward's). It reads what its forward saved: the
+forward's lse, and the forward's workspace (dense's P, kv_outer's l and m).
+
+The common backward tensors, in elements per (batch, head): do, dq, dk, dv (input dtype);
+delta = rowsum(dO o O) and dq_acc (float32).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Mapping
+from typing import ClassVar
+
+from .ledger import Ledger, declare_tensor
+from .schedule import Kernel, Option, Problem, Schedule
+
+BACKWARD_TENSORS = {"do": "input", "dq": "input", "dk": "input", "dv": "input",
+                    "delta": "float32", "dq_acc": "float32"}
+for _name, _element in BACKWARD_TENSORS.items():
+    declare_tensor(_name, _element)
+
+
+class BackwardSchedule(ABC):
+    """Base of every backward loop order. Subclasses set `name` (the forward's), `summary`,
+    `LOOP_NEST`."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    LOOP_NEST: ClassVar[str]
+    TENSORS: ClassVar[Mapping[str, str]] = {}
+    OPTIONS: ClassVar[Mapping[str, Option]] = {}
+    EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}
+    TRAFFIC_CLASS: ClassVar[str | None] = None
+
+    def loop_nest(self) -> str:
+        return textwrap.dedent(self.LOOP_NEST).strip("\n")
+
+    def forward(self) -> Schedule:
+        from .schedule import get_schedule
+
+        return get_schedule(self.name)
+
+    def ledger_tensors(self) -> tuple[str, ...]:
+        from .ledger import TENSORS
+
+        extra = {**BACKWARD_TENSORS, **self.TENSORS}
+        return TENSORS + tuple(t for t in extra if t not in TENSORS)
+
+    @abstractmethod
+    def model(self, p: Problem) -> Ledger:
+        """Exact HBM traffic of the backward pass alone, closed form."""
+
+    @abstractmethod
+    def walk(self, p: Problem) -> Counter:
+        """The backward loop nest replayed in plain Python: {(tensor, direction): n} for one
+        (batch, head), independent of `model`."""
+
+    @abstractmethod
+    def kernels(self, p: Problem, count: bool) -> list[Kernel]:
+        """Every kernel `launch` runs for p, in launch order."""
+
+    @abstractmethod
+    def launch(self, p: Problem, q, k, v, o, do, lse, dq, dk, dv, counts, *, scale: float,
+               count: bool, forward_workspace, workspace=None):
+        """Run the backward kernels on device arrays shaped (bh, n, width): q, k, v, o, do
+        in, dq, dk, dv out; `lse` and `forward_workspace` are what the forward left."""
+
+    def allocate_workspace(self, p: Problem) -> tuple:
+        return ()
+
+    def workspace_bytes(self, p: Problem) -> int:
+        """HBM the backward allocates beyond q, k, v, o, do, dq, dk, dv (bytes)."""
+        return 0
+
+    def output_roundings(self, p: Problem) -> int:
+        """How many times a gradient row is rounded to the input dtype before it is final."""
+        return 1
+
+    def __repr__(self) -> str:
+        return f"<backward schedule {self.name}: {self.summary}>"
+
+
+_BACKWARD: dict[str, BackwardSchedule] = {}
+
+
+def register_backward(cls: type[BackwardSchedule]) -> type[BackwardSchedule]:
+    """Class decorator: add a backward schedule under the name of its forward."""
+    if cls.name in _BACKWARD:
+        raise ValueError(f"backward schedule {cls.name!r} is already registered")
+    for tensor, element in cls.TENSORS.items():
+        declare_tensor(tensor, element)
+    _BACKWARD[cls.name] = cls()
+    return cls
+
+
+def backward_schedule_names() -> list[str]:
+    return list(_BACKWARD)
+
+
+def get_backward(name: str) -> BackwardSchedule:
+    try:
+        return _BACKWARD[name]
+    except KeyError:
+        raise ValueError(f"schedule: no backward schedule {name!r}; backward schedules: "
+                         f"{', '.join(_BACKWARD)}") from None
+
+
+def backward_of(sched: Schedule) -> BackwardSchedule:
+    """The backward schedule that differentiates forward `sched`."""
+    if not sched.BACKWARD:
+        raise ValueError(f"schedule: {sched.name} has no backward pass; backward schedules: "
+                         f"{', '.join(_BACKWARD)}")
+    return get_backward(sched.BACKWARD)
