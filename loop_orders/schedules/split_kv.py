@@ -1,0 +1,400 @@
+"""split_kv: the split-KV forward (flash-decoding). Each query block's K/V blocks are cut into
+S contiguous ranges, one CTA each; a second kernel combines the partial results exactly.
+
+    kernel 1, per (batch, head), query block i, split s in parallel:  # one CTA each
+        j0, j1 = s P, min((s + 1) P, c_i)          # P = ceil(Tc / S) K/V blocks per split
+        if j0 >= j1: done                          # (i, s) not visited: i sees none of them
+        load Q_i                                   # once per visited (i, s)
+        m_is, l_is, acc_is = -inf, 0, 0
+        for j in j0 .. j1 - 1:
+            load K_j, V_j
+            online-softmax update of (m_is, l_is, acc_is)
+        write O_is = acc_is / l_is, lse_is = m_is + log l_is     # float32 o_part, lse_part
+    kernel 2, per (batch, head), query block i in parallel:       # one CTA each
+        load lse_is of every visited split s
+        lse_i = log sum_s exp(lse_is)              # (shifted by the largest lse_is)
+        load O_is of every visited split s; O_i = sum_s exp(lse_is - lse_i) O_is
+        write O_i;  write lse_i                    # lse only with save_lse
+
+Traffic (elements, per batch x head). A query block of r_i rows that sees c_i K/V blocks
+visits S_i = min(S, ceil(c_i / P)) splits. Q: sum_i S_i r_i d read. K, V: as q_outer, every
+visible block once per query block, sum_i min(c_i Bc, N_k) (d + dv). o_part: sum_i S_i r_i dv
+written and read back; lse_part: sum_i S_i r_i each way. O: N_q dv written; lse: N_q with
+save_lse. So split_kv moves (S_i - 1) r_i d more Q than q_outer plus the partials' round trip,
+and buys B H Tr S CTAs instead of B H Tr: at decode (N_q = 1) q_outer has one CTA per head.
+
+A row that sees no key of a visited split (causal) gets O_is = 0 and lse_is = -inf there, so
+its weight in the combine is exp(-inf) = 0. The weights are exp(lse_is - max) over their sum,
+so they sum to 1 in float32 too and O_i stays a convex combination of V's rows. lse_is is a
+float32 (as in FlashAttention-2's split kernels), so the weights carry a relative error of
+about |score| 2^-23: the order of the scores' own rounding, but where |score| reaches ~10^7
+(float16 inputs near their largest) log l_is drops below lse_is's resolution and the splits'
+shares with it (`COMBINES_BY_LSE`). Option `splits`: an integer S, or "auto":
+`auto_splits`, FlashAttention-2's heuristic on this GPU's SMs (the simulator stands in for an
+H100/H200, 132 SMs).
+
+Worked example (`WORKED_EXAMPLE`, the seed's N = 6, d = dv = 2, Br = Bc = 2, S = 2): P = 2, so
+split 0 holds K/V blocks 0 and 1 and split 1 block 2, and all 3 query blocks visit both: Q 24,
+K 36, V 36, o_part 24 + 24, lse_part 12 + 12, O 12, in all 180.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import numpy as np
+from numba import float32, int64
+
+from ..ledger import Ledger, slot
+from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
+from ..runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    device_empty,
+    dynamic_shared_limit,
+    kernel_factory,
+    kernel_options,
+    launch,
+    multiprocessor_count,
+    resident_ctas,
+)
+from ..schedule import Kernel, Option, Problem, ceil_div, int_option, register, rows, sees
+from ..tiles import (
+    LN2,
+    counter_slots,
+    counts_flusher,
+    make_tile_loader,
+    make_tile_storer,
+    zero_counts,
+)
+
+# As q_outer: two chunks per trip of the micro-kernel's hot loops.
+UNROLL = 2
+COMBINE_THREADS = 128
+# "auto" (FlashAttention-2's num_splits_heuristic): one split when the query blocks alone
+# fill 80% of the GPU's CTA slots; else the smallest eligible S whose wave efficiency is
+# within 85% of the best, S <= MAX_SPLITS.
+MAX_SPLITS = 128
+FILLED, WITHIN = 0.8, 0.85
+
+
+@kernel_factory
+def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    layout = Layout(RM, KN)
+    NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
+    TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
+    sm = shared_layout(BR, BC, D, DV, layout, False)
+    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
+    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+    # Numba compiles closure variables as constants: take the device functions by name
+    clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
+    give_o, coords = mk.give_o, mk.coords
+    flush_counts = counts_flusher()
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
+    store_O_is = make_tile_storer(BR, DV, NT, (sm.q, sm.qs))  # noqa: N806 - in Q_i's place
+    NCNT = counter_slots(COUNT)  # noqa: N806
+    Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")  # noqa: N806
+    OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")  # noqa: N806
+
+    @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
+    def split_kv(q, k, v, o_part, lse_part, counts, n_splits, per, scale_log2):
+        i = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        bh = cuda.blockIdx.z
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        row0 = i * BR  # this thread's rows: row0 + tr + a TR, a < RM (see microkernel)
+        n_rows = min(BR, n_q - row0)
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        j0 = s * per
+        j1 = min(j0 + per, c_i)
+        if j0 >= j1:
+            return  # split s holds no K/V block that query block i sees (the whole CTA)
+        part = s * cuda.gridDim.z + bh  # (split, head) row of o_part and lse_part
+
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, P_ij
+        acc = cuda.local.array(NACC, float32)
+        m_i = cuda.local.array(RM, float32)
+        l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
+        l_row = cuda.local.array(RM, float32)
+        factor = cuda.local.array(RM, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        for y in range(NACC):
+            acc[y] = float32(0.0)
+        for a in range(RM):
+            m_i[a] = float32(-math.inf)
+            l_i[a] = float32(0.0)
+        clear(buf)  # padding and rows past N_q stay zero
+        cuda.syncthreads()  # the buffer is clear before any tile lands in it
+        # Q_i: read from HBM once per visited split
+        moved = load_Q_i(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        if COUNT:
+            cnt[Q_R] += moved
+        for j in range(j0, j1):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
+            # K_j, V_j: the split's own blocks, each read once per query block
+            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
+            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            if COUNT:
+                cnt[K_R] += moved_k
+                cnt[V_R] += moved_v
+            cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
+            online_update(buf, bc, key0, row0, m_i, l_i, acc)
+
+        row_sums(buf, l_i, l_row)
+        for a in range(RM):  # normalised; a row that saw no key of the split keeps O_is = 0
+            factor[a] = float32(0.0) if l_row[a] == 0 else float32(1.0) / l_row[a]
+        give_o(buf, acc, factor)  # Q_i is done with: its tile stages O_is
+        cuda.syncthreads()  # O_is is complete in shared memory
+        # O_is: the split's partial output, written to HBM in float32 for the combine
+        moved = store_O_is(buf, o_part, part, row0, n_rows, 0, DV)
+        if COUNT:
+            cnt[OP_W] += moved
+        tr, tc = coords()
+        if tc == 0:
+            for a in range(RM):
+                local = int(tr) + a * TR  # rows past Br belong to the next block
+                if local < n_rows:
+                    lse_is = float32(-math.inf)  # the row saw no key of the split
+                    if l_row[a] != 0:  # (a NaN l passes: NaN in, NaN out)
+                        lse_is = (m_i[a] + math.log2(l_row[a])) * float32(LN2)
+                    # lse_is: the split's log-sum-exp, for the combine's weights
+                    lse_part[part, row0 + local] = lse_is
+                    if COUNT:
+                        cnt[LP_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return split_kv
+
+
+@kernel_factory
+def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
+    flush_counts = counts_flusher()
+    NCNT = counter_slots(COUNT)  # noqa: N806
+    O_W, LSE_W = slot("o", "write"), slot("lse", "write")  # noqa: N806
+    OP_R, LP_R = slot("o_part", "read"), slot("lse_part", "read")  # noqa: N806
+
+    @cuda.jit
+    def split_kv_combine(o_part, lse_part, o, lse, counts, n_k, n_splits, per):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        heads = cuda.gridDim.y
+        t = cuda.threadIdx.x
+        n_q = o.shape[1]
+        dv = o.shape[2]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)
+        n_vis = min(n_splits, (c_i + per - 1) // per)  # the splits kernel 1 visited
+        # w[s BR + r]: split s's weight for row r, then lse_i of the block's rows from
+        # w[n_splits BR] on
+        w = cuda.shared.array(0, SHARED_F32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        for r in range(t, n_rows, NT):
+            top = float32(-math.inf)
+            for s in range(n_vis):
+                # lse_is: read back from HBM once per visited split
+                x = lse_part[s * heads + bh, row0 + r]
+                w[s * BR + r] = x
+                top = max(top, x)
+                if COUNT:
+                    cnt[LP_R] += 1
+            total = float32(0.0)
+            for s in range(n_vis):
+                e = math.exp(w[s * BR + r] - top)  # exp(-inf) = 0; NaN stays NaN
+                w[s * BR + r] = e
+                total += e
+            w[n_splits * BR + r] = top + math.log(total)  # lse_i
+            for s in range(n_vis):  # exp(lse_is - lse_i), summing to 1 in float32 too
+                w[s * BR + r] = w[s * BR + r] / total
+        cuda.syncthreads()  # every row's weights and lse_i are in shared memory
+        for e in range(t, n_rows * dv, NT):
+            r = e // dv
+            x = e % dv
+            out = float32(0.0)
+            for s in range(n_vis):
+                # O_is: read back from HBM once per visited split (0 where the row saw no
+                # key of the split, with weight 0)
+                out += w[s * BR + r] * o_part[s * heads + bh, row0 + r, x]
+                if COUNT:
+                    cnt[OP_R] += 1
+            # O_i: written to HBM once (coalesced: consecutive threads, consecutive columns)
+            o[bh, row0 + r, x] = out
+            if COUNT:
+                cnt[O_W] += 1
+        if SAVE_LSE:
+            for r in range(t, n_rows, NT):
+                # lse_i: the row statistic the backward pass needs, written once
+                lse[bh, row0 + r] = w[n_splits * BR + r]
+                if COUNT:
+                    cnt[LSE_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return split_kv_combine
+
+
+@register
+class SplitKV(MicroKernelSchedule):
+    name = "split_kv"
+    RELOAD = False
+    make_kernel = staticmethod(make_kernel)
+    summary = ("split-KV (flash-decoding): each query block's K/V range split over S CTAs, "
+               "then combined")
+    TENSORS = {"o_part": "float32", "lse_part": "float32"}
+    OPTIONS = {"splits": Option(
+        default="auto", help="K/V splits per query block (auto: FlashAttention-2's heuristic)",
+        allowed="an integer 1 <= splits <= 1024, or 'auto'",
+        check=int_option(1, 1024, also=("auto",)), examples=(1, 2, 3, 5, 16, "auto"))}
+    TRAFFIC_CLASS = "flash"
+    COMBINES_BY_LSE = True
+    WORKED_EXAMPLE = ({"n_q": 6, "d": 2, "block_q": 2, "block_k": 2,
+                       "options": {"splits": 2}}, 180)
+    BACKWARD = None
+    LOOP_NEST = """
+        for (b, h, i, s) in parallel:         # one CTA per query block and split
+            j0, j1 = s * P, min((s + 1) * P, c_i)   # P = ceil(Tc / S)
+            if j0 >= j1: continue             # the split holds nothing block i sees
+            load Q_i                          # HBM -> shared, once per (i, s)
+            m, l, acc = -inf, 0, 0
+            for j in range(j0, j1):
+                load K_j, V_j                 # HBM -> shared
+                online-softmax update of (m, l, acc) with S_ij = Q_i K_j^T
+            write O_is = acc / l, lse_is = m + log(l)   # float32 partials -> HBM
+        for (b, h, i) in parallel:            # combine: one CTA per query block
+            load lse_is for the visited splits         # HBM -> shared
+            lse_i = log(sum_s exp(lse_is))
+            load O_is; O_i = sum_s exp(lse_is - lse_i) O_is
+            write O_i                         # -> HBM, once
+            write lse_i                       # only with save_lse
+    """
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - the registry keeps one instance
+    def splits(self, p: Problem) -> int:
+        """S for p: the option's integer, or `auto_splits`."""
+        chosen = p.option("splits")
+        return self.auto_splits(p) if chosen == "auto" else chosen
+
+    def auto_splits(self, p: Problem) -> int:
+        """FlashAttention-2's heuristic: the query blocks B H Tr against the CTA slots of the
+        GPU (SMs x the CTAs of kernel 1 one SM holds); 1 split if they fill FILLED of the
+        slots, else the smallest eligible S (S = 1, or ceil(Tc / S) < ceil(Tc / (S - 1)))
+        whose wave efficiency (B H Tr S / slots over its ceiling) is within WITHIN of the
+        best S <= min(MAX_SPLITS, slots, Tc)."""
+        lay = self.layout(p)
+        slots = multiprocessor_count() * resident_ctas(
+            lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
+            lay.registers(p.block_k, p.dv))
+        work = p.bh * p.tr
+        if work >= FILLED * slots:
+            return 1
+        most = min(MAX_SPLITS, slots, p.tc)
+        waves = [work * s / slots for s in range(1, most + 1)]
+        efficiency = [w / math.ceil(w) for w in waves]
+        best = max(efficiency)
+        for s in range(1, most + 1):
+            eligible = s == 1 or ceil_div(p.tc, s) != ceil_div(p.tc, s - 1)
+            if eligible and efficiency[s - 1] >= WITHIN * best:
+                return s
+        return 1
+
+    def resolved_options(self, p: Problem) -> dict:
+        return {"splits": self.splits(p)}
+
+    def model(self, p: Problem) -> Ledger:
+        n_splits = self.splits(p)
+        per = ceil_div(p.tc, n_splits)
+        blocks = p.visible_kv_blocks()
+        visited = np.minimum(n_splits, -(-blocks // per))
+        query_rows = p.query_block_rows()
+        keys_read = int(np.minimum(blocks * p.block_k, p.n_k).sum())
+        partial_rows = int((visited * query_rows).sum())
+        per_head = {
+            "q": {"read": partial_rows * p.d},
+            "k": {"read": keys_read * p.d},
+            "v": {"read": keys_read * p.dv},
+            "o_part": {"read": partial_rows * p.dv, "write": partial_rows * p.dv},
+            "lse_part": {"read": partial_rows, "write": partial_rows},
+            "o": {"write": p.n_q * p.dv},
+            "lse": {"write": p.n_q if p.save_lse else 0},
+        }
+        return Ledger(per_head).scaled(p.bh)
+
+    def walk(self, p: Problem) -> Counter:
+        n_splits = self.splits(p)
+        per = ceil_div(p.tc, n_splits)
+        c = Counter()
+        for i in range(0, p.n_q, p.block_q):
+            queries = rows(i, p.block_q, p.n_q)
+            visited = 0
+            for s in range(n_splits):
+                seen = [j for j in range(s * per, min((s + 1) * per, p.tc))
+                        if sees(p, queries, rows(j * p.block_k, p.block_k, p.n_k))]
+                if not seen:
+                    continue
+                visited += 1
+                c["q", "read"] += len(queries) * p.d
+                for j in seen:
+                    keys = rows(j * p.block_k, p.block_k, p.n_k)
+                    c["k", "read"] += len(keys) * p.d
+                    c["v", "read"] += len(keys) * p.dv
+                c["o_part", "write"] += len(queries) * p.dv
+                c["lse_part", "write"] += len(queries)
+            c["lse_part", "read"] += visited * len(queries)
+            c["o_part", "read"] += visited * len(queries) * p.dv
+            c["o", "write"] += len(queries) * p.dv
+            if p.save_lse:
+                c["lse", "write"] += len(queries)
+        return c
+
+    def workspace_bytes(self, p: Problem) -> int:
+        # o_part and lse_part: float32 partials of every split of every query row
+        return 4 * self.splits(p) * p.bh * p.n_q * (p.dv + 1)
+
+    def allocate_workspace(self, p: Problem) -> tuple:
+        parts = self.splits(p) * p.bh
+        return (device_empty((parts, p.n_q, p.dv), np.float32),
+                device_empty((parts, p.n_q), np.float32))
+
+    def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
+        # As q_outer: the resident query block is the large one.
+        big = ceil_div(m, 4 * d)
+        return big, min(big, d)
+
+    def combine_shared_bytes(self, p: Problem) -> int:
+        """The combine's weights (S Br floats) and lse_i of the block's rows (Br floats)."""
+        return 4 * (self.splits(p) + 1) * p.block_q
+
+    def kernels(self, p: Problem, count: bool) -> list[Kernel]:
+        fn = make_combine_kernel(p.block_q, p.block_k, COMBINE_THREADS, p.causal, p.save_lse,
+                                 count)
+        counters = 8 * counter_slots(True) if count else 0
+        combine = Kernel(fn.py_func.__name__, fn, self.combine_shared_bytes(p) + counters,
+                         dynamic_shared_limit())
+        return [self.micro_kernel(p, count), combine]
+
+    def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
+        o_part, lse_part = workspace or self.allocate_workspace(p)
+        n_splits = self.splits(p)
+        per = ceil_div(p.tc, n_splits)
+        self.launch_kernel(p, (p.tr, n_splits, p.bh), count, scale, q, k, v, o_part, lse_part,
+                           counts, n_splits, per)
+        combine = self.kernels(p, count)[1]
+        launch(combine.fn, (p.tr, p.bh), COMBINE_THREADS, self.combine_shared_bytes(p), o_part,
+               lse_part, out, lse, counts, p.n_k, n_splits, per)
