@@ -6,13 +6,17 @@
     res.out, res.counts                    # output (same kind of array as q), measured Ledger
     lo.predict_traffic("kv_outer", n=1024, d=64, block_q=64, block_k=64)   # model Ledger
     lo.schedule_options(name)              # a schedule's options and their defaults
+    g = lo.attention_grad(q, k, v, do, schedule="q_outer", count=True)  # + the backward
+    g.dq, g.dk, g.dv, g.counts_backward
 """
 
-from . import (
-    runtime,  # noqa: F401  (chooses GPU or simulator before numba.cuda loads)
-    schedules,  # noqa: F401  (registers every schedule)
-)
+from . import runtime  # noqa: F401, I001  (chooses GPU or simulator before numba loads)
+
+# isort: split
+from . import backward, schedules  # noqa: F401  (register every schedule and backward)
 from .api import Result, attention, make_problem, predict_traffic
+from .api_grad import GradResult, attention_grad
+from .backward_schedule import backward_schedule_names
 from .ledger import TENSORS, Ledger
 from .reference import attention_reference, online_row
 from .schedule import (
@@ -26,8 +30,9 @@ from .schedule import (
 )
 
 __all__ = [
-    "TENSORS", "Ledger", "Problem", "Result", "Schedule", "all_schedules", "attention",
-    "attention_reference", "get_schedule", "make_problem", "online_row", "predict_traffic",
-    "register", "schedule_names", "schedule_options",
+    "TENSORS", "GradResult", "Ledger", "Problem", "Result", "Schedule", "all_schedules",
+    "attention", "attention_grad", "attention_reference", "backward_schedule_names",
+    "get_schedule", "make_problem", "online_row", "predict_traffic", "register",
+    "schedule_names", "schedule_options",
 ]
 __version__ = "0.1.0"

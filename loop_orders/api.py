@@ -143,10 +143,11 @@ SIMULATOR_BUDGET_S = 60.0
 
 
 def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> float:
-    """A rough estimate of how long the simulator takes for p (seconds)."""
+    """A rough estimate of how long the simulator takes for p (seconds), forward and, with
+    `backward`, the backward pass too (five products to the forward's two)."""
     flops = p.bh * p.visited_pairs() * p.block_q * p.block_k * (p.d + p.dv)
     if backward:
-        flops = flops * 5 // 2
+        flops = flops * 7 // 2
     moved = sched.model(p).total
     ctas = p.bh * max(p.tr, p.tc)
     return (flops + moved) / SIM_OPS_PER_S + ctas * SIM_CTA_S
@@ -360,14 +361,14 @@ def _hashable(value) -> tuple:
     return (type(value), value)
 
 
-def _call_key(schedule, q, k, v, args: tuple, options) -> tuple | None:
-    """The key of a call, or None when its arguments cannot form one (the full checks then
-    say what is wrong with them)."""
+def call_key(schedule, inputs: tuple, args: tuple, options) -> tuple | None:
+    """The key of a call (what its checks and kernels depend on), or None when its arguments
+    cannot form one (the full checks then say what is wrong with them)."""
     try:
         frozen = None if options is None else tuple(sorted(
             (name, _hashable(value)) for name, value in options.items()))
         key = (schedule, *map(_hashable, args), frozen,
-               *(arrays.kind_of(x).signature(x) for x in (q, k, v)))
+               *(arrays.kind_of(x).signature(x) for x in inputs))
         hash(key)
     except (TypeError, AttributeError):
         return None
@@ -399,8 +400,8 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     cannot run (shapes, dtypes, block sizes, options, shared or device memory, the
     simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
-    key = _call_key(schedule, q, k, v, (block_q, block_k, causal, scale, save_lse, count,
-                                        timed), options)
+    key = call_key(schedule, (q, k, v), (block_q, block_k, causal, scale, save_lse, count,
+                                         timed), options)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
         call = _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count,

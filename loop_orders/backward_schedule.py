@@ -54,6 +54,11 @@ class BackwardSchedule(ABC):
         extra = {**BACKWARD_TENSORS, **self.TENSORS}
         return TENSORS + tuple(t for t in extra if t not in TENSORS)
 
+    def ledger(self, per_head: dict, bh: int) -> Ledger:
+        """A model's {tensor: {direction: n}} for one head as a Ledger over bh heads, listing
+        every tensor of `ledger_tensors` (zero where the model moves none)."""
+        return Ledger({t: per_head.get(t, {}) for t in self.ledger_tensors()}).scaled(bh)
+
     @abstractmethod
     def model(self, p: Problem) -> Ledger:
         """Exact HBM traffic of the backward pass alone, closed form."""
@@ -73,7 +78,20 @@ class BackwardSchedule(ABC):
         """Run the backward kernels on device arrays shaped (bh, n, width): q, k, v, o, do
         in, dq, dk, dv out; `lse` and `forward_workspace` are what the forward left."""
 
-    def allocate_workspace(self, p: Problem) -> tuple:
+    @abstractmethod
+    def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
+        """(block_q, block_k) from an SRAM budget of `m` elements (Theorem 5's sweeps)."""
+
+    def forward_saves(self) -> str:
+        """What of the forward's this backward reads (for docs): "lse", "P", ..."""
+        return "lse"
+
+    def check(self, p: Problem) -> None:  # noqa: B027 - optional hook
+        """Refuse what this backward's kernels cannot run (beyond the common checks)."""
+
+    def allocate_workspace(self, p: Problem, empty=None) -> tuple:
+        """Device arrays the backward keeps in HBM (allocated by `empty(shape, dtype)`,
+        runtime.device_empty unless given)."""
         return ()
 
     def workspace_bytes(self, p: Problem) -> int:

@@ -182,8 +182,12 @@ def cmd_traffic(args) -> int:
                   "block_k": p.block_k, "causal": p.causal, "save_lse": p.save_lse}
         if args.n_k is not None:
             record["n_k"] = p.n_k
-        if p.options:
-            record["options"] = sched.resolved_options(p)
+        options = sched.resolved_options(p)
+        if args.backward:
+            own = backward_of(sched).OPTIONS
+            options.update({k: v for k, v in p.options if k in own})
+        if options:
+            record["options"] = options
         if args.backward:
             record["backward"] = True
         record["model"] = model.to_dict()

@@ -40,6 +40,28 @@ def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = F
     return out, lse
 
 
+def attention_grad_reference(q, k, v, do, *, scale: float | None = None, causal: bool = False):
+    """Float64 gradients of O = softmax(scale Q K^T + mask) V for the output gradient do:
+    (dq, dk, dv), by the standard formulas (the FlashAttention paper's Algorithm 3):
+
+        P = softmax(scale Q K^T + mask);  dV = P^T dO;  dP = dO V^T
+        dS = P o (dP - rowsum(dP o P));   dQ = scale dS K;  dK = scale dS^T Q
+    """
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    dv = np.einsum("...qk,...qd->...kd", p, do)
+    dp = np.einsum("...qd,...kd->...qk", do, v)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    dq = scale * np.einsum("...qk,...kd->...qd", ds, k)
+    dk = scale * np.einsum("...qk,...qd->...kd", ds, q)
+    return dq, dk, dv
+
+
 def _visible_matmul(w, visible, v):
     """sum over visible keys c of w[r, c] v[c]: masked keys never multiply V."""
     if visible.all() or np.isfinite(v).all():
@@ -54,9 +76,11 @@ FLOAT32_TOLERANCE = 1e-5
 
 
 def relative_error(out, ref) -> float:
-    """max |out - ref| / max |ref|: the error every schedule is checked with."""
+    """max |out - ref| / max |ref|: the error every schedule is checked with (the absolute
+    error where ref is all zeros, as a gradient through a single key is)."""
     out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
+    scale = np.abs(ref).max()
+    return float(np.abs(out - ref).max() / (scale if scale > 0 else 1.0))
 
 
 def tolerance(dtype, roundings: int, v, ref) -> float:
@@ -74,6 +98,19 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
     ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
     return FLOAT32_TOLERANCE + roundings * 2.0**-11 * v_max / ref_max
+
+
+def grad_tolerance(dtype, roundings: int) -> float:
+    """Largest acceptable `relative_error` of a gradient (dQ, dK or dV).
+
+    float32: 1e-5. float16: the reference sees the same float16 inputs; the gradients lose
+    2^-11 of their largest magnitude at each rounding to float16 (`roundings`: once, or
+    Tc times for kv_outer's dQ, stored after every visit), and the backward reads O rounded
+    to float16, so delta = rowsum(dO o O) carries about one more 2^-11: (roundings + 2) 2^-11.
+    """
+    if np.dtype(dtype) == np.float32:
+        return FLOAT32_TOLERANCE
+    return FLOAT32_TOLERANCE + (roundings + 2) * 2.0**-11
 
 
 @dataclass(frozen=True)

@@ -118,10 +118,16 @@ def kernel_options(threads: int, registers: int = 128) -> dict:
     return {"launch_bounds": (threads, max(1, 65536 // (threads * registers)))}
 
 
+def _hopper_stand_in() -> bool:
+    """Whether device limits are the H100/H200's rather than asked of a device: on the
+    simulator, and with LOOP_ORDERS_DEVICE_LIMITS=hopper (compiling without a GPU)."""
+    return SIMULATOR or os.environ.get("LOOP_ORDERS_DEVICE_LIMITS") == "hopper"
+
+
 @functools.cache
 def dynamic_shared_limit() -> int:
     """Bytes of shared memory one CTA may use with the opt-in (see `launch`)."""
-    if SIMULATOR:
+    if _hopper_stand_in():
         return HOPPER_OPTIN_SHARED_BYTES
     return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
 
@@ -129,7 +135,7 @@ def dynamic_shared_limit() -> int:
 @functools.cache
 def multiprocessor_count() -> int:
     """SMs of the GPU (of the H100/H200 the simulator stands in for)."""
-    if SIMULATOR:
+    if _hopper_stand_in():
         return HOPPER_MULTIPROCESSORS
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
@@ -143,12 +149,16 @@ def resident_ctas(threads: int, shared_bytes: int, registers: int) -> int:
                       65536 // (threads * registers)))
 
 
+def _is_array(a) -> bool:
+    """A kernel argument passed as an array (NumPy scalars have strides too, but are not)."""
+    return hasattr(a, "strides") and not isinstance(a, np.generic)
+
+
 def _args_key(args) -> tuple:
     """What decides which compiled overload serves these arguments: each array's dtype,
     shape and strides (so its Numba layout), each scalar's type. Cheap to build, unlike the
     Numba types themselves."""
-    return tuple((a.dtype, a.shape, a.strides) if hasattr(a, "strides") else type(a)
-                 for a in args)
+    return tuple((a.dtype, a.shape, a.strides) if _is_array(a) else type(a) for a in args)
 
 
 # --- Compiled kernels: made once per process, kept on disk across processes ---------------
@@ -176,7 +186,7 @@ def _numba_type(a):
     from numba import types
     from numba.np import numpy_support
 
-    if hasattr(a, "strides"):
+    if _is_array(a):
         from .arrays import c_strides
 
         layout = "C" if tuple(a.strides) == c_strides(a.shape, a.dtype.itemsize) else "A"
@@ -225,7 +235,7 @@ class _Launcher:
         self.function = binding.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
         cells, self.pointers, self.scalars = [], [], []
         for i, (a, ty) in enumerate(zip(args, compiled.argument_types, strict=True)):
-            if hasattr(a, "strides"):
+            if _is_array(a):
                 size = int(np.prod(a.shape, dtype=np.int64))
                 cells += [ctypes.c_int64(0), ctypes.c_int64(0), ctypes.c_int64(size),
                           ctypes.c_int64(a.dtype.itemsize)]
@@ -265,6 +275,20 @@ def _data_pointer(a) -> int:
 
 _launchers: dict = {}
 _stream = threading.local()
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Inside the block, `launch` records (kernel, grid, block, shared bytes, args) in the
+    list it yields instead of launching (experiments/ptx_check.py compiles them without a
+    GPU)."""
+    global _recording
+    previous, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = previous
 
 
 @contextlib.contextmanager
@@ -290,6 +314,9 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     `_args_key`: Numba's dispatcher would work out the arguments' Numba types on every
     launch, and its launch path converts every argument (tens of microseconds of host time
     per launch; results/host_overhead.json)."""
+    if _recording is not None:
+        _recording.append((kernel, grid, block, shared_bytes, args))
+        return
     if SIMULATOR:
         kernel[grid, block, 0, shared_bytes](*args)
         return

@@ -210,6 +210,11 @@ class Schedule(ABC):
 
         return TENSORS + tuple(t for t in self.TENSORS if t not in TENSORS)
 
+    def ledger(self, per_head: dict, bh: int) -> Ledger:
+        """A model's {tensor: {direction: n}} for one head as a Ledger over bh heads, listing
+        every tensor of `ledger_tensors` (zero where the model moves none)."""
+        return Ledger({t: per_head.get(t, {}) for t in self.ledger_tensors()}).scaled(bh)
+
     @abstractmethod
     def model(self, p: Problem) -> Ledger:
         """Exact HBM traffic in elements, closed form (not a replay of the loop nest)."""
@@ -236,8 +241,10 @@ class Schedule(ABC):
         a benchmark can allocate once and time the kernels alone.
         """
 
-    def allocate_workspace(self, p: Problem) -> tuple:
-        """Device arrays the kernels keep in HBM besides inputs and outputs."""
+    def allocate_workspace(self, p: Problem, empty=None) -> tuple:
+        """Device arrays the kernels keep in HBM besides inputs and outputs, allocated by
+        `empty(shape, dtype)` (runtime.device_empty unless given: the torch op passes
+        torch's allocator)."""
         return ()
 
     def workspace_bytes(self, p: Problem) -> int:
@@ -259,9 +266,9 @@ class Schedule(ABC):
         return 1
 
     def resolved_options(self, p: Problem) -> dict:
-        """p's options as they take effect (e.g. "auto" replaced by what it chose), for
-        results files."""
-        return dict(p.options)
+        """p's options of this (forward) schedule as they take effect (e.g. "auto" replaced
+        by what it chose), for results files; the backward's own are not among them."""
+        return {k: v for k, v in p.options if k in self.OPTIONS}
 
     def options_for(self, given: Mapping[str, Any] | None, backward: bool = True) -> tuple:
         """Every option of this schedule (and of its backward, when `backward`) with

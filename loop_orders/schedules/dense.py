@@ -286,6 +286,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
 @register
 class Dense(Schedule):
     name = "dense"
+    BACKWARD = "dense"
     summary = "standard attention: S and P materialised in HBM by three kernels"
     EXPECTED_SLOPES = {"n": 2}
     TRAFFIC_CLASS = "standard"
@@ -323,7 +324,7 @@ class Dense(Schedule):
             "p": {"read": scores, "write": scores},
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
-        return Ledger(per_head).scaled(p.bh)
+        return self.ledger(per_head, p.bh)
 
     def walk(self, p: Problem) -> Counter:
         c = Counter()
@@ -366,9 +367,9 @@ class Dense(Schedule):
                 f"n_k: dense keeps one row of S in shared memory ({softmax} bytes for "
                 f"n_k={p.n_k}); the limit is {SHARED_BYTES_LIMIT} bytes, so n_k <= {most}")
 
-    def allocate_workspace(self, p: Problem) -> tuple:
+    def allocate_workspace(self, p: Problem, empty=device_empty) -> tuple:
         shape = (p.bh, p.n_q, p.n_k)
-        return device_empty(shape, np.float32), device_empty(shape, np.float32)
+        return empty(shape, np.float32), empty(shape, np.float32)
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         counters = 8 * counter_slots(True) if count else 0

@@ -179,6 +179,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
 @register
 class KVOuter(MicroKernelSchedule):
     name = "kv_outer"
+    BACKWARD = "kv_outer"
     RELOAD = True
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
@@ -216,7 +217,7 @@ class KVOuter(MicroKernelSchedule):
             "m": {"read": rows_visited, "write": p.n_q + rows_visited},
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
-        return Ledger(per_head).scaled(p.bh)
+        return self.ledger(per_head, p.bh)
 
     def walk(self, p: Problem) -> Counter:
         c = Counter()
@@ -252,10 +253,11 @@ class KVOuter(MicroKernelSchedule):
         bc = ceil_div(m, 4 * d)
         return min(bc, d), bc
 
-    def allocate_workspace(self, p: Problem) -> tuple:
+    def allocate_workspace(self, p: Problem, empty=None) -> tuple:
         from ..runtime import device_empty
 
-        return device_empty((p.bh, p.n_q), np.float32), device_empty((p.bh, p.n_q), np.float32)
+        empty = empty or device_empty
+        return empty((p.bh, p.n_q), np.float32), empty((p.bh, p.n_q), np.float32)
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         l_hbm, m_hbm = workspace or self.allocate_workspace(p)

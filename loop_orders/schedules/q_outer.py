@@ -135,6 +135,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
 @register
 class QOuter(MicroKernelSchedule):
     name = "q_outer"
+    BACKWARD = "q_outer"
     RELOAD = False
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
@@ -167,7 +168,7 @@ class QOuter(MicroKernelSchedule):
             "o": {"write": p.n_q * p.dv},
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
-        return Ledger(per_head).scaled(p.bh)
+        return self.ledger(per_head, p.bh)
 
     def walk(self, p: Problem) -> Counter:
         c = Counter()

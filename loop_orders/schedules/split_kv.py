@@ -266,7 +266,7 @@ class SplitKV(MicroKernelSchedule):
     COMBINES_BY_LSE = True
     WORKED_EXAMPLE = ({"n_q": 6, "d": 2, "block_q": 2, "block_k": 2,
                        "options": {"splits": 2}}, 180)
-    BACKWARD = None
+    BACKWARD = "q_outer"  # O and lse are q_outer's, so is the gradient
     LOOP_NEST = """
         for (b, h, i, s) in parallel:         # one CTA per query block and split
             j0, j1 = s * P, min((s + 1) * P, c_i)   # P = ceil(Tc / S)
@@ -334,7 +334,7 @@ class SplitKV(MicroKernelSchedule):
             "o": {"write": p.n_q * p.dv},
             "lse": {"write": p.n_q if p.save_lse else 0},
         }
-        return Ledger(per_head).scaled(p.bh)
+        return self.ledger(per_head, p.bh)
 
     def walk(self, p: Problem) -> Counter:
         n_splits = self.splits(p)
@@ -367,10 +367,9 @@ class SplitKV(MicroKernelSchedule):
         # o_part and lse_part: float32 partials of every split of every query row
         return 4 * self.splits(p) * p.bh * p.n_q * (p.dv + 1)
 
-    def allocate_workspace(self, p: Problem) -> tuple:
+    def allocate_workspace(self, p: Problem, empty=device_empty) -> tuple:
         parts = self.splits(p) * p.bh
-        return (device_empty((parts, p.n_q, p.dv), np.float32),
-                device_empty((parts, p.n_q), np.float32))
+        return empty((parts, p.n_q, p.dv), np.float32), empty((parts, p.n_q), np.float32)
 
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         # As q_outer: the resident query block is the large one.

@@ -1,0 +1,147 @@
+"""Compile every kernel's GPU build to PTX and SASS on a machine without a GPU.
+
+    NUMBA_ENABLE_CUDASIM=0 CUDA_HOME=/usr/local/cuda python -m experiments.ptx_check [--out F]
+
+Needs the CUDA toolkit's libNVVM and ptxas (CUDA_HOME) and the nvidia-cuda-nvrtc wheel, but
+no driver: Numba's compile_ptx builds the PTX, `ptxas -arch=sm_90a -v` reports registers,
+spills and stack. Every registered schedule's forward and backward kernels are built for a
+few problems (the benchmark's tiles at d = 64 and 128, tails, causal, float16, counted and
+not), so a typing or lowering error on the GPU path (the shuffle row max, inline PTX, atomics)
+shows up before any device time is spent. The launches are recorded, not run
+(`runtime.recording_launches`), with zero-pointer array views standing in for device arrays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types as pytypes
+from pathlib import Path
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+os.environ["LOOP_ORDERS_DEVICE_LIMITS"] = "hopper"  # no device to ask
+os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+
+import numpy as np  # noqa: E402
+from numba.cuda import dispatcher  # noqa: E402
+
+# Device functions ask the current device for its compute capability; there is none here.
+dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
+
+import loop_orders as lo  # noqa: E402
+from loop_orders import runtime  # noqa: E402
+from loop_orders.arrays import DeviceView, c_strides  # noqa: E402
+from loop_orders.backward_schedule import backward_of  # noqa: E402
+
+PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
+    (4096, 64, 64, 128, 64, False, "float32"),
+    (4096, 128, 128, 128, 64, True, "float32"),
+    (1000, 64, 64, 64, 64, True, "float16"),
+    (77, 40, 24, 48, 40, True, "float32"),
+]
+GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32)}
+
+
+def view(shape, dtype):
+    dtype = np.dtype(dtype)
+    return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)
+
+
+def recorded(sched, p, count: bool, backward: bool) -> list:
+    """The launches a forward (and backward) call of p makes, recorded."""
+    q, k = view((p.bh, p.n_q, p.d), p.dtype), view((p.bh, p.n_k, p.d), p.dtype)
+    v, o = view((p.bh, p.n_k, p.dv), p.dtype), view((p.bh, p.n_q, p.dv), p.dtype)
+    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.ledger.n_slots(),), np.int64)
+    with runtime.recording_launches() as launches:
+        workspace = sched.allocate_workspace(p, view)
+        sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
+        if backward:
+            bwd = backward_of(sched)
+            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, p.dtype), view(k.shape, p.dtype),
+                       view(v.shape, p.dtype), counts, scale=0.125, count=count,
+                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
+    return launches
+
+
+def backward_variants(sched) -> list:
+    """One options dict per example value of each of the backward's options."""
+    variants = [{key: value} for key, opt in backward_of(sched).OPTIONS.items()
+                for value in opt.examples]
+    return variants or [None]
+
+
+def ptxas(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
+                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if proc.returncode:
+        raise RuntimeError(text)
+    found = {name: int(m.group(1)) if (m := re.search(pattern, text)) else 0 for name, pattern in
+             (("registers", r"Used (\d+) registers"), ("stack", r"(\d+) bytes stack frame"),
+              ("spill_stores", r"(\d+) bytes spill stores"),
+              ("spill_loads", r"(\d+) bytes spill loads"))}
+    return found
+
+
+def check(kernel, args) -> dict:
+    from numba import cuda
+
+    sig = tuple(runtime._numba_type(a) for a in args)
+    options = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **options)
+    return {"ptx_lines": ptx.count("\n"), "atomics": ptx.count("atom."),
+            "ld_shared_v4": ptx.count("ld.shared.v4"), **ptxas(ptx)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--schedules", help="comma-separated subset")
+    args = parser.parse_args(argv)
+    names = args.schedules.split(",") if args.schedules else lo.schedule_names()
+    rows, seen, failures = [], set(), 0
+    for name in names:
+        sched = lo.get_schedule(name)
+        for n, d, dv, bq, bk, causal, dtype in PROBLEMS:
+            for count in (False, True):
+                sizes = {"n_q": n, "d": d, "dv": dv, "causal": causal, "dtype": dtype,
+                         "batch": 2, "heads": 4}
+                p = lo.make_problem(name, block_q=bq, block_k=bk, **sizes)
+                launches = recorded(sched, p, count, False)
+                if sched.BACKWARD:
+                    for opt in backward_variants(sched):
+                        g = lo.make_problem(name, block_q=GRAD_TILES[d][0],
+                                            block_k=GRAD_TILES[d][1], options=opt, **sizes)
+                        forward_launches = len(sched.kernels(g, count))
+                        launches += recorded(sched, g, count, True)[forward_launches:]
+                for kernel, *_, launch_args in launches:
+                    key = (kernel, runtime._args_key(launch_args))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    row = {"schedule": name, "kernel": kernel.py_func.__name__, "n": n,
+                           "d": d, "dv": dv, "causal": causal, "dtype": dtype,
+                           "count": count}
+                    try:
+                        row.update(check(kernel, launch_args))
+                    except Exception as exc:  # report every failure, then fail
+                        failures += 1
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    print(f"ptx_check: {len(rows)} kernels, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

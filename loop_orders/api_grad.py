@@ -1,0 +1,225 @@
+"""`attention_grad`: a schedule's forward pass, then its backward loop order, with counters.
+
+    g = lo.attention_grad(q, k, v, do, schedule="q_outer", options={"dq": "atomic"}, count=True)
+    g.out, g.lse, g.dq, g.dk, g.dv        # the same kind of array as q (lse float32)
+    g.counts_forward, g.counts_backward   # Ledgers with count=True
+
+The forward runs with save_lse and keeps what its backward reads (lse; dense's P, kv_outer's
+l and m, its workspace), allocated per call (the torch op saves them between the passes).
+Every argument is checked before any launch, as `attention`'s are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import runtime
+from .api import (
+    MAX_CALLS,
+    Inputs,
+    _check_bool,
+    _check_scale,
+    call_key,
+    check_inputs,
+    check_launch,
+    check_simulator_budget,
+    clamped_blocks,
+    make_problem,
+    memory_need,
+)
+from .backward_schedule import BackwardSchedule, backward_of
+from .ledger import Ledger, n_slots
+from .schedule import Problem, Schedule, get_schedule
+
+
+@dataclass
+class GradResult:
+    """What `attention_grad` returns: the forward's out and lse, the gradients, and the
+    counted ledgers of each pass (count=True)."""
+
+    out: Any
+    lse: Any
+    dq: Any
+    dk: Any
+    dv: Any
+    counts_forward: Ledger | None
+    counts_backward: Ledger | None
+    problem: Problem
+    schedule: str
+    backward: str
+    backend: str
+    ms: float | None = None
+    clamped: dict | None = None
+
+
+@dataclass
+class Saved:
+    """What a forward leaves for its backward: O and lse (the caller's and the kernels'
+    views) and the forward's workspace."""
+
+    out: Any
+    out_dev: Any
+    lse: Any
+    lse_dev: Any
+    workspace: tuple
+    counts: Ledger | None
+
+
+def backward_memory(bwd: BackwardSchedule, p: Problem, count: bool,
+                    host_do: bool) -> dict[str, int]:
+    """Device memory the backward pass adds to the forward's (bytes), by part."""
+    grads = p.bh * (p.n_q * p.d + p.n_k * (p.d + p.dv)) * p.itemsize
+    return {"do": p.bh * p.n_q * p.dv * p.itemsize if host_do else 0, "gradients": grads,
+            "counters": 8 * n_slots() if count else 0, "workspace": bwd.workspace_bytes(p)}
+
+
+def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bool,
+                   host: bool) -> None:
+    """The backward's own refusals: its checks, every kernel's shared memory, device memory
+    of both passes together, the simulator's budget."""
+    bwd.check(p)
+    for kern in bwd.kernels(p, count):
+        if kern.shared_bytes > kern.shared_limit:
+            raise ValueError(
+                f"block_k: {bwd.name}'s backward needs {kern.shared_bytes} bytes of shared "
+                f"memory per CTA in kernel {kern.name} for block_q={p.block_q}, "
+                f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is {kern.shared_limit} "
+                f"bytes: use smaller blocks")
+    parts = {**{f"forward {k}": v for k, v in memory_need(sched, p, count, host).items()},
+             **{f"backward {k}": v for k, v in backward_memory(bwd, p, count, host).items()}}
+    total = sum(parts.values())
+    limit, where = runtime.memory_limit()
+    if total > limit:
+        detail = ", ".join(f"{name} {size:,}" for name, size in parts.items() if size)
+        raise ValueError(f"n: {sched.name} forward + backward needs {total:,} bytes of device "
+                         f"memory for {p.describe()} ({detail}); the limit is {limit:,} bytes "
+                         f"({where}): use a smaller n, batch or heads")
+    check_simulator_budget(sched, p, backward=True)
+
+
+class GradCall:
+    """One key's worth of `attention_grad` (and of the torch op): Problem, checks, kernels.
+    `forward` runs the forward and keeps what the backward needs; `backward` runs the
+    backward schedule on it."""
+
+    def __init__(self, sched: Schedule, bwd: BackwardSchedule, p: Problem, inputs: Inputs,
+                 scale: float, count: bool, timed: bool, clamped: dict):
+        self.sched, self.bwd, self.p, self.inputs = sched, bwd, p, inputs
+        self.scale, self.count, self.timed, self.clamped = scale, count, timed, clamped or None
+        self.out_shape = inputs.q_shape[:-1] + (p.dv,)
+        self.dtype = np.dtype(p.dtype)
+
+    def _empty(self, like):
+        kind = self.inputs.kind
+        return lambda shape, dtype: kind.empty(like, shape, dtype)[1]
+
+    def _counts(self):
+        return runtime.device_zeros(n_slots() if self.count else 1, np.int64)
+
+    def _ledger(self, counts, tensors) -> Ledger | None:
+        return Ledger.from_array(runtime.to_host(counts), tensors) if self.count else None
+
+    def _views(self, q, k, v):
+        p = self.p
+        return tuple(kx.view(x).reshape(p.bh, n, width) for kx, x, n, width in
+                     zip(self.inputs.kinds, (q, k, v), (p.n_q, p.n_k, p.n_k),
+                         (p.d, p.d, p.dv), strict=False))
+
+    def forward(self, q, k, v) -> Saved:
+        p, kind = self.p, self.inputs.kind
+        qv, kv, vv = self._views(q, k, v)
+        out, out_dev = kind.empty(q, self.out_shape, self.dtype)
+        lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
+        workspace = self.sched.allocate_workspace(p, self._empty(q))
+        counts = self._counts()
+        with runtime.on_stream(kind.stream(q)), runtime.launching():
+            self.sched.launch(p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv),
+                              lse_dev.reshape(p.bh, p.n_q), counts, scale=self.scale,
+                              count=self.count, workspace=workspace)
+        return Saved(out, out_dev, lse, lse_dev, workspace,
+                     self._ledger(counts, self.sched.ledger_tensors()))
+
+    def backward(self, saved: Saved, q, k, v, do):
+        """(dq, dk, dv, backward ledger) as the caller's kind of array."""
+        p, kind = self.p, self.inputs.kind
+        qv, kv, vv = self._views(q, k, v)
+        dov = self.inputs.kinds[-1].view(do).reshape(p.bh, p.n_q, p.dv)
+        grads = [kind.empty(q, shape, self.dtype) for shape in
+                 (self.inputs.q_shape, self.inputs.q_shape[:-2] + (p.n_k, p.d),
+                  self.inputs.q_shape[:-2] + (p.n_k, p.dv))]
+        dqv, dkv, dvv = (dev.reshape(p.bh, n, width) for (_, dev), n, width in
+                         zip(grads, (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=True))
+        counts = self._counts()
+        with runtime.on_stream(kind.stream(q)), runtime.launching():
+            self.bwd.launch(p, qv, kv, vv, saved.out_dev.reshape(p.bh, p.n_q, p.dv), dov,
+                            saved.lse_dev.reshape(p.bh, p.n_q), dqv, dkv, dvv, counts,
+                            scale=self.scale, count=self.count,
+                            forward_workspace=saved.workspace,
+                            workspace=self.bwd.allocate_workspace(p, self._empty(q)))
+        dq, dk, dv = (kind.finish(user) for user, _ in grads)
+        return dq, dk, dv, self._ledger(counts, self.bwd.ledger_tensors())
+
+    def __call__(self, q, k, v, do) -> GradResult:
+        with runtime.Timer(self.timed, self.inputs.kind.stream(q)) as timer:
+            saved = self.forward(q, k, v)
+            dq, dk, dv, counts_backward = self.backward(saved, q, k, v, do)
+        kind = self.inputs.kind
+        return GradResult(out=kind.finish(saved.out), lse=kind.finish(saved.lse), dq=dq, dk=dk,
+                          dv=dv, counts_forward=saved.counts, counts_backward=counts_backward,
+                          problem=self.p, schedule=self.sched.name, backward=self.bwd.name,
+                          backend=runtime.backend_name(), ms=timer.ms, clamped=self.clamped)
+
+
+_CALLS: OrderedDict = OrderedDict()
+
+
+def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
+                 timed) -> GradCall:
+    """Every check of `attention_grad`, in the order the error messages promise (a call
+    key seen before skips them)."""
+    key = call_key(schedule, (q, k, v, do), (block_q, block_k, causal, scale, count, timed),
+                   options)
+    if key is not None:
+        call = _CALLS.get(key)
+        if call is not None:
+            _CALLS.move_to_end(key)
+            return call
+    sched = get_schedule(schedule)
+    bwd = backward_of(sched)
+    inp = check_inputs(q, k, v, do=do)
+    p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
+                     heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
+                     save_lse=True, dtype=inp.dtype, options=options)
+    scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
+    count, timed = _check_bool("count", count), _check_bool("timed", timed)
+    check_launch(sched, p, count, host_inputs=inp.host, simulator_budget=False)
+    check_backward(sched, bwd, p, count, inp.host)
+    call = GradCall(sched, bwd, p, inp, scale, count, timed, clamped_blocks(p, block_q,
+                                                                            block_k))
+    if key is not None:
+        _CALLS[key] = call
+        if len(_CALLS) > MAX_CALLS:
+            _CALLS.popitem(last=False)
+    return call
+
+
+def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
+                   block_k: int = 64, causal: bool = False, scale: float | None = None,
+                   options: dict | None = None, count: bool = False,
+                   timed: bool = False) -> GradResult:
+    """Attention's forward pass in the loop order `schedule`, then the gradients of
+    sum(O * do) with respect to q, k, v in its backward loop order (`backward_schedule_names`;
+    options such as {"dq": "separate"} choose among a backward's variants).
+
+    q, k, v as for `attention`; do: the output's shape and dtype. Outputs are the same kind of
+    array as q; `lse` is float32. With `count`, the counted kernels run and the ledgers of
+    each pass are returned (the forward's includes what it saves for the backward).
+    """
+    call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,
+                        count, timed)
+    return call(q, k, v, do)

@@ -1,0 +1,383 @@
+"""Device functions of the backward pass over one (query block i, key block j) tile, shared
+by the backward orders (and dense's backward products), so that measured differences come
+from the loop order.
+
+Per tile, with tau the softmax scale and P from the forward's statistics of row r:
+
+    S_ij  = Q_i K_j^T                       scores (Q_i loaded unscaled)
+    P_ij  = 2^(tau log2(e) S_ij - base_r) inv_r      base_r, inv_r: lse_r log2(e) and 1 (from
+                                            the forward's lse), or m_r and 1 / l_r (kv_outer's)
+    dP_ij = dO_i V_j^T
+    dS_ij = P_ij o (dP_ij - D_r)            D_r = rowsum(dO_r o O_r)
+    dV_j += P_ij^T dO_i;   dK_j += tau dS_ij^T Q_i;   dQ_i += tau dS_ij K_j
+
+The two score-like products (S, dP) use the forward micro-kernel's register blocking: thread
+(tr, tc) owns rows tr + a TR (a < RM) and keys tc + b TC (b < KN), from 16-byte shared loads
+along the head dim. P_ij and dS_ij then go to shared memory, and the three accumulating
+products read them there: each thread owns a block of its output, rows tm + a TM and 4-wide
+column chunks tn + h TN (`AccLayout`), one scalar of the first operand and one 16-byte chunk
+of the second per step. Masked entries (causal, keys past N_k, rows past N_q) get P = dS = 0,
+and tail rows of the tiles are zeroed on load, so padding never reaches a gradient.
+
+Shared memory is one dynamic buffer (`GradSharedLayout`): K_j, V_j, Q_i, dO_i, P_ij, dS_ij,
+the per-row statistics (base, inv, D), and for kv_outer O_i and dQ_i. Row strides are odd
+numbers of 16-byte chunks (rows start in different banks); P and dS rows an odd number of
+floats (their reads are scalar).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import NamedTuple
+
+from numba import float32, uint32, uint64
+
+from .intrinsics import exp2
+from .runtime import MAX_THREADS_PER_BLOCK, cuda
+
+# Scores per thread in the score-like products (RM KN), for the layout policy.
+SCORES_PER_THREAD = 16
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _odd_chunks(width: int) -> int:
+    """A row stride for `width` floats: whole 16-byte chunks, an odd number of them."""
+    s = _round4(width)
+    return s if (s // 4) % 2 else s + 4
+
+
+def _divisor_at_most(n: int, limit: int) -> int:
+    """The largest divisor of n that is at most limit (>= 1)."""
+    return max(d for d in range(1, min(n, max(1, limit)) + 1) if n % d == 0)
+
+
+class GradLayout(NamedTuple):
+    """Threads of a backward CTA: TR x TC over the Br x Bc tile, RM rows and KN keys each."""
+
+    rm: int
+    kn: int
+    tr: int
+    tc: int
+
+    @property
+    def threads(self) -> int:
+        return self.tr * self.tc
+
+    @property
+    def rows(self) -> int:
+        """Rows the score-like products cover (Br, or a few more)."""
+        return self.tr * self.rm
+
+    @property
+    def keys(self) -> int:
+        return self.tc * self.kn
+
+
+@cache
+def grad_layout(block_q: int, block_k: int) -> GradLayout:
+    """KN = 4 keys per thread (at most Bc), RM = 4 rows (at most Br) so that a thread holds
+    16 scores of S and 16 of dP, RM doubled while the CTA would exceed 1024 threads."""
+    kn = min(4, block_k)
+    rm = min(max(1, SCORES_PER_THREAD // kn), block_q)
+    tc = -(-block_k // kn)
+    while -(-block_q // rm) * tc > MAX_THREADS_PER_BLOCK:
+        rm *= 2
+    return GradLayout(rm, kn, -(-block_q // rm), tc)
+
+
+class AccLayout(NamedTuple):
+    """How a CTA's NT threads own an M x N accumulator: thread t = (tm, tn), tm = t // TN,
+    rows tm + a TM (a < RA), 4-wide column chunks tn + h TN (h < XH)."""
+
+    tm: int
+    tn: int
+    ra: int
+    xh: int
+
+    @property
+    def width(self) -> int:
+        """Columns covered (whole chunks for every thread)."""
+        return 4 * self.tn * self.xh
+
+    @property
+    def size(self) -> int:
+        """Accumulators per thread."""
+        return self.ra * 4 * self.xh
+
+
+@cache
+def acc_layout(m: int, n: int, threads: int) -> AccLayout:
+    tn = _divisor_at_most(threads, -(-n // 4))
+    tm = threads // tn
+    return AccLayout(tm, tn, -(-m // tm), -(-n // (4 * tn)))
+
+
+class GradSharedLayout(NamedTuple):
+    """Offsets and row strides (floats) of the tiles in a backward CTA's shared buffer."""
+
+    k: int  # K_j, Bc (or more) rows, stride qs
+    v: int  # V_j, stride os
+    q: int  # Q_i, Br (or more) rows, stride qs
+    do: int  # dO_i, stride os
+    p: int  # P_ij, rows of ps floats
+    ds: int  # dS_ij, stride ps
+    o: int  # kv_outer: O_i, stride os (for D_i)
+    dq: int  # kv_outer: dQ_i, stride qs
+    stats: int  # base, inv, D of the rows (3 ROWS floats)
+    qs: int
+    os: int
+    ps: int
+    rows: int  # rows of the query-side tiles
+    keys: int  # rows of the key-side tiles
+    size: int
+
+    @property
+    def bytes(self) -> int:
+        return 4 * self.size
+
+
+@cache
+def grad_shared_layout(BR: int, BC: int, D: int, DV: int, with_o: bool,  # noqa: N803
+                       with_dq: bool) -> GradSharedLayout:
+    """The buffer of one backward CTA. `with_o`: an O_i tile (kv_outer computes D_i per
+    visited pair); `with_dq`: a dQ_i tile (kv_outer's read-modify-write of dQ_i)."""
+    lay = grad_layout(BR, BC)
+    nt = lay.threads
+    rows = max(lay.rows, acc_layout(BR, D, nt).tm * acc_layout(BR, D, nt).ra)
+    keys = max(lay.keys, max(acc_layout(BC, w, nt).tm * acc_layout(BC, w, nt).ra
+                             for w in (D, DV)))
+    qs = _odd_chunks(max(D, acc_layout(BC, D, nt).width, acc_layout(BR, D, nt).width))
+    os_ = _odd_chunks(max(DV, acc_layout(BC, DV, nt).width))
+    ps = max(rows, keys) | 1
+    sizes = [keys * qs, keys * os_, rows * qs, rows * os_, rows * ps, rows * ps,
+             rows * os_ if with_o else 0, rows * qs if with_dq else 0, 3 * rows]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    k, v, q, do, p, ds, o, dq, stats, size = offsets
+    return GradSharedLayout(k, v, q, do, p, ds, o, dq, stats, qs, os_, ps, rows, keys, size)
+
+
+class GradTile(NamedTuple):
+    """The device functions of one backward build (see `make_grad_tile`)."""
+
+    clear: object
+    zero_outside: object
+    scores: object
+    grad_scores: object
+    probs: object
+    put_scores: object
+    acc_dv: object
+    acc_dk: object
+    acc_dq: object
+    stage_dk: object
+    stage_dv: object
+    stage_dq: object
+    add_to_dq: object
+    atomic_dq: object
+    row_dot: object
+    coords: object
+
+
+@cache
+def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N803
+                   WITH_O: bool, WITH_DQ: bool) -> GradTile:
+    """Device functions over one backward CTA's shared buffer `buf`; every thread of the CTA
+    calls each of them (the caller puts the barriers between):
+
+    clear(buf)                          zero the buffer (once per CTA)
+    zero_outside(buf, off, stride, n_rows, n_cols, rows, cols)
+                                        zero a tail tile's stale rows and columns
+    scores(buf, s) / grad_scores(buf, dp)
+                                        s = Q_i K_j^T / dp = dO_i V_j^T for the thread's
+                                        RM x KN entries (registers)
+    put_scores(buf, dp)                 dense: dp into the P tile, to be stored
+    probs(buf, s, dp, row0, key0, n_rows, n_keys, scale_log2)
+                                        P_ij and dS_ij into shared memory (masked: 0),
+                                        from the stats rows (base, inv, D)
+    acc_dv(buf, acc) / acc_dk(buf, acc) acc += P^T dO_i / dS^T Q_i (Bc x dv / Bc x d)
+    acc_dq(buf, acc)                    acc += dS K_j (Br x d)
+    stage_dk / stage_dv / stage_dq(buf, acc, factor)
+                                        acc * factor into K_j's / V_j's / Q_i's tile,
+                                        done with by then, for a coalesced store
+    add_to_dq(buf, acc, factor)         kv_outer: dQ_i tile += acc * factor
+    atomic_dq(dq_acc, bh, row0, n_rows, acc, factor)
+                                        q_outer: dq_acc rows += acc * factor (atomics)
+    row_dot(buf, a_off, b_off, stride, out_off, n_rows)
+                                        out[r] = rowsum(A_r o B_r) over DV (D_i)
+    coords()                            (tr, tc) of this thread in the score layout
+    """
+    lay = grad_layout(BR, BC)
+    RM, KN, TR, TC = lay  # noqa: N806
+    NT = lay.threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    QS, OS, PS = sm.qs, sm.os, sm.ps  # noqa: N806
+    K, V, Q, DO, P, DS = sm.k, sm.v, sm.q, sm.do, sm.p, sm.ds  # noqa: N806
+    DQ, STATS, ROWS, SIZE = sm.dq, sm.stats, sm.rows, sm.size  # noqa: N806
+    BASE, INV, DELTA = STATS, STATS + ROWS, STATS + 2 * ROWS  # noqa: N806
+    DX4, DVX4 = -(-D // 4), -(-DV // 4)  # noqa: N806 - 4-wide chunks of the head dims
+    NS = RM * KN  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def coords():
+        t = uint32(cuda.threadIdx.x)
+        return t // uint32(TC), t % uint32(TC)
+
+    @cuda.jit(device=True)
+    def clear(buf):
+        for e in range(cuda.threadIdx.x, SIZE, NT):
+            buf[e] = float32(0.0)
+
+    @cuda.jit(device=True)
+    def zero_outside(buf, off, stride, n_rows, n_cols, rows, cols):
+        """Zero the entries of a rows x cols tile outside its first n_rows x n_cols (a tail
+        tile's stale rows and columns); touches nothing a load of the tile writes."""
+        if n_rows < rows or n_cols < cols:
+            for e in range(cuda.threadIdx.x, rows * cols, NT):
+                r = e // cols
+                c = e % cols
+                if r >= n_rows or c >= n_cols:
+                    buf[off + r * stride + c] = float32(0.0)
+
+    @cuda.jit(device=True, inline="always")
+    def dot_chunks(out, buf, a_base, a_stride, b_base, b_stride, chunks, tr, tc):
+        """out[a KN + b] = sum over 4-wide chunks of A[row a] . B[key b]."""
+        for e in range(NS):
+            out[e] = float32(0.0)
+        for x4 in range(chunks):
+            for a in range(RM):
+                ra = uint64(a_base) + (uint64(tr) + uint64(a * TR)) * uint64(a_stride) \
+                    + uint64(4 * x4)
+                for b in range(KN):
+                    kb = uint64(b_base) + (uint64(tc) + uint64(b * TC)) * uint64(b_stride) \
+                        + uint64(4 * x4)
+                    for u in range(4):
+                        out[a * KN + b] += buf[ra + uint64(u)] * buf[kb + uint64(u)]
+
+    @cuda.jit(device=True)
+    def scores(buf, s):
+        tr, tc = coords()
+        dot_chunks(s, buf, Q, QS, K, QS, DX4, tr, tc)
+
+    @cuda.jit(device=True)
+    def grad_scores(buf, dp):
+        tr, tc = coords()
+        dot_chunks(dp, buf, DO, OS, V, OS, DVX4, tr, tc)
+
+    @cuda.jit(device=True)
+    def probs(buf, s, dp, row0, key0, n_rows, n_keys, scale_log2):
+        tr, tc = coords()
+        for a in range(RM):
+            r = int(tr) + a * TR
+            base = buf[BASE + r]
+            inv = buf[INV + r]
+            delta = buf[DELTA + r]
+            for b in range(KN):
+                c = int(tc) + b * TC
+                p = float32(0.0)
+                ds = float32(0.0)
+                if r < n_rows and c < n_keys and (not CAUSAL or key0 + c <= row0 + r):
+                    p = exp2(s[a * KN + b] * scale_log2 - base) * inv
+                    ds = p * (dp[a * KN + b] - delta)
+                # P_ij, dS_ij: stay on chip, in shared memory for the accumulating products
+                buf[P + r * PS + c] = p
+                buf[DS + r * PS + c] = ds
+
+    @cuda.jit(device=True)
+    def put_scores(buf, dp):
+        """dense: the thread's dP_ij entries into the P tile (for a coalesced store)."""
+        tr, tc = coords()
+        for a in range(RM):
+            for b in range(KN):
+                buf[P + (int(tr) + a * TR) * PS + int(tc) + b * TC] = dp[a * KN + b]
+
+    def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS):  # noqa: N803
+        """acc[m, n] += sum_t A(t, m) B[t, n]: A(t, m) at A_OFF + t A_TS + m A_MS, B rows
+        B_TS apart, t < T; the thread's entries as `acc_layout(M, N, NT)` says."""
+        al = acc_layout(M, N, NT)
+        TM, TN, RA, XH = al  # noqa: N806
+
+        @cuda.jit(device=True, inline="always")
+        def acc_fn(buf, acc):
+            t = uint32(cuda.threadIdx.x)
+            tm, tn = t // uint32(TN), t % uint32(TN)
+            for s in range(T):
+                b_row = uint64(B_OFF) + uint64(s * B_TS)
+                for a in range(RA):
+                    x = buf[uint64(A_OFF + s * A_TS) + (uint64(tm) + uint64(a * TM))
+                            * uint64(A_MS)]
+                    for h in range(XH):
+                        col = b_row + (uint64(tn) + uint64(h * TN)) * uint64(4)
+                        for w in range(4):
+                            acc[a * 4 * XH + 4 * h + w] += x * buf[col + uint64(w)]
+
+        return acc_fn
+
+    # dV_j += P^T dO_i: A(t = row, m = key) = P[row, key]; B = dO_i
+    acc_dv = make_acc(BC, DV, BR, P, PS, 1, DO, OS)
+    # dK_j += dS^T Q_i (tau applied by the caller)
+    acc_dk = make_acc(BC, D, BR, DS, PS, 1, Q, QS)
+    # dQ_i += dS K_j: A(t = key, m = row) = dS[row, key]; B = K_j
+    acc_dq = make_acc(BR, D, BC, DS, 1, PS, K, QS)
+
+    def make_writer(M, N, OFF, STRIDE, ADD):  # noqa: N803
+        """acc (an acc_layout(M, N) accumulator) * factor into (ADD: added to) the tile at
+        OFF, rows STRIDE apart; columns past N land in the tile's padding."""
+        al = acc_layout(M, N, NT)
+        TM, TN, RA, XH = al  # noqa: N806
+
+        @cuda.jit(device=True, inline="always")
+        def write(buf, acc, factor):
+            t = uint32(cuda.threadIdx.x)
+            tm, tn = t // uint32(TN), t % uint32(TN)
+            for a in range(RA):
+                row = uint64(OFF) + (uint64(tm) + uint64(a * TM)) * uint64(STRIDE)
+                for h in range(XH):
+                    col = row + (uint64(tn) + uint64(h * TN)) * uint64(4)
+                    for w in range(4):
+                        x = acc[a * 4 * XH + 4 * h + w] * factor
+                        if ADD:
+                            buf[col + uint64(w)] += x
+                        else:
+                            buf[col + uint64(w)] = x
+
+        return write
+
+    # the outputs, staged for coalesced stores in tiles that are done with by then
+    stage_dk = make_writer(BC, D, K, QS, False)  # into K_j's tile, after the last i
+    stage_dv = make_writer(BC, DV, V, OS, False)  # into V_j's tile
+    stage_dq = make_writer(BR, D, Q, QS, False)  # into Q_i's tile, after the last j
+    add_to_dq = make_writer(BR, D, DQ, QS, True)  # kv_outer: the dQ_i tile += tau dS K_j
+    TMQ, TNQ, RAQ, XHQ = acc_layout(BR, D, NT)  # noqa: N806
+
+    @cuda.jit(device=True)
+    def atomic_dq(dq_acc, bh, row0, n_rows, acc, factor):
+        """dq_acc[bh, row0 + r] += acc * factor for the thread's valid entries (float32
+        atomics, FlashAttention-2's dQ); returns how many elements it added."""
+        t = uint32(cuda.threadIdx.x)
+        tm, tn = t // uint32(TNQ), t % uint32(TNQ)
+        added = 0
+        for a in range(RAQ):
+            r = int(tm) + a * TMQ
+            if r < n_rows:
+                for h in range(XHQ):
+                    for w in range(4):
+                        col = (int(tn) + h * TNQ) * 4 + w
+                        if col < D:
+                            cuda.atomic.add(dq_acc, (bh, row0 + r, col),
+                                            acc[a * 4 * XHQ + 4 * h + w] * factor)
+                            added += 1
+        return added
+
+    @cuda.jit(device=True)
+    def row_dot(buf, a_off, b_off, stride, out_off, n_rows):
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            total = float32(0.0)
+            for x in range(DV):
+                total += buf[a_off + r * stride + x] * buf[b_off + r * stride + x]
+            buf[out_off + r] = total
+
+    return GradTile(clear, zero_outside, scores, grad_scores, probs, put_scores, acc_dv,
+                    acc_dk, acc_dq, stage_dk, stage_dv, stage_dq, add_to_dq, atomic_dq, row_dot,
+                    coords)

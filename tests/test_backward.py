@@ -1,0 +1,178 @@
+"""Every backward schedule (and option) against the float64 gradients, with counters ==
+model == brute-force walk exactly; the API's and CLI's contracts for the backward pass."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import random_qkv
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import loop_orders as lo
+from loop_orders.backward_schedule import backward_of, get_backward
+from loop_orders.cli import main
+from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
+from loop_orders.schedule import per_head_ledger
+
+
+def variants():
+    """(schedule, options) for every schedule with a backward pass and every example value
+    of its backward's options."""
+    out = []
+    for sched in lo.all_schedules():
+        if not sched.BACKWARD:
+            continue
+        bwd = backward_of(sched)
+        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples] or [None]
+        out += [(sched.name, opts) for opts in values]
+    return out
+
+
+VARIANTS = variants()
+IDS = [f"{name}-{'-'.join(map(str, (opts or {}).values())) or 'default'}"
+       for name, opts in VARIANTS]
+
+# (batch, heads, n, d, dv, block_q, block_k, causal, dtype): tails of both block sizes, N
+# smaller than a block, odd d, dv != d, causal, batch and heads > 1, float16.
+CASES = [
+    (1, 1, 6, 2, 2, 2, 2, False, "float32"),
+    (1, 2, 13, 5, 3, 4, 3, True, "float32"),
+    (2, 1, 10, 4, 6, 16, 16, False, "float32"),
+    (1, 1, 9, 3, 2, 1, 4, True, "float32"),
+    (1, 1, 21, 8, 8, 8, 5, True, "float16"),
+]
+
+
+def case_id(case):
+    b, h, n, d, dv, bq, bk, causal, dtype = case
+    return f"B{b}H{h}N{n}d{d}dv{dv}-{bq}x{bk}{'-causal' if causal else ''}-{dtype}"
+
+
+def test_the_backward_orders_are_registered():
+    assert lo.backward_schedule_names() == ["dense", "kv_outer", "q_outer"]
+    assert lo.schedule_options("q_outer") == {"dq": "atomic"}
+
+
+@pytest.mark.parametrize("schedule, options", VARIANTS, ids=IDS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gradients_and_counts(schedule, options, case, rng):
+    b, h, n, d, dv, bq, bk, causal, dtype = case
+    q, k, v = random_qkv(rng, b, h, n, d, dv, dtype)
+    do = rng.standard_normal((b, h, n, dv)).astype(dtype)
+    g = lo.attention_grad(q, k, v, do, schedule=schedule, block_q=bq, block_k=bk,
+                          causal=causal, options=options, count=True)
+    ref_out, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+    refs = attention_grad_reference(q, k, v, do, causal=causal)
+    bwd = backward_of(lo.get_schedule(schedule))
+    roundings = bwd.output_roundings(g.problem)
+    for name, got, ref in zip(("dq", "dk", "dv"), (g.dq, g.dk, g.dv), refs, strict=True):
+        assert got.shape == ref.shape and got.dtype == np.dtype(dtype), name
+        assert relative_error(got, ref) <= grad_tolerance(dtype, roundings), name
+    np.testing.assert_allclose(g.lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert relative_error(g.out, ref_out) <= 1e-5 or dtype == "float16"
+    assert g.counts_backward == bwd.model(g.problem)
+    assert g.counts_forward == lo.get_schedule(schedule).model(g.problem)
+    assert g.problem.save_lse  # the forward keeps lse for the backward
+
+
+@st.composite
+def problems(draw, schedule, options):
+    n = draw(st.integers(1, 60))
+    causal = draw(st.booleans())
+    n_k = n if causal else draw(st.integers(1, 60))
+    return lo.make_problem(
+        schedule, n_q=n, n_k=n_k, d=draw(st.integers(1, 9)), dv=draw(st.integers(1, 9)),
+        block_q=draw(st.integers(1, 70)), block_k=draw(st.integers(1, 70)),
+        batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 2)), causal=causal,
+        save_lse=True, options=options)
+
+
+@pytest.mark.parametrize("schedule, options", VARIANTS, ids=IDS)
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_backward_model_equals_brute_force_walk(schedule, options, data):
+    p = data.draw(problems(schedule, options))
+    bwd = backward_of(lo.get_schedule(schedule))
+    assert bwd.model(p) == per_head_ledger(bwd.walk(p), p.bh)
+
+
+@pytest.mark.parametrize("name", lo.backward_schedule_names())
+def test_flash_backwards_move_less_than_dense_and_scale_with_m(name):
+    """At N = 4096 every flash backward moves less than dense's; doubling Bc halves the
+    Q-side reloads of the K/V-outer loop."""
+    bwd = get_backward(name)
+    small = lo.predict_traffic(name, n=4096, d=64, block_q=64, block_k=64, backward=True)
+    dense = lo.predict_traffic("dense", n=4096, d=64, block_q=64, block_k=64, backward=True)
+    if bwd.TRAFFIC_CLASS == "flash":
+        assert small.total < dense.total
+        large = lo.predict_traffic(name, n=4096, d=64, block_q=64, block_k=128, backward=True)
+        assert large.read("q") * 2 == small.read("q")
+
+
+def test_backward_errors_before_launch(rng, monkeypatch):
+    from loop_orders import runtime
+
+    q, k, v = random_qkv(rng, 1, 2, 8, 4, 4)
+    do = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)
+
+    def reached(*args, **kwargs):
+        raise AssertionError("reached the device before the input was refused")
+
+    for name in ("to_device", "device_empty", "device_zeros"):
+        monkeypatch.setattr(runtime, name, reached)
+    cases = [
+        ({"do": do[..., :3]}, ValueError, r"do: must have the output's shape \(1, 2, 8, 4\)"),
+        ({"do": do.astype(np.float16)}, TypeError, "do: dtype must match q's"),
+        ({"do": do.tolist()}, TypeError, "do: expected an array"),
+        ({"options": {"dq": "sometimes"}}, ValueError, "options: dq of q_outer: got "
+                                                       "'sometimes'; allowed 'atomic'"),
+        ({"options": {"dq": "atomic", "x": 1}}, ValueError, "unknown option 'x' for q_outer"),
+        ({"schedule": "nope"}, ValueError, "unknown schedule 'nope'"),
+        ({"block_q": 0}, ValueError, "block_q: got 0"),
+    ]
+    for kwargs, exc, pattern in cases:
+        args = {"q": q, "k": k, "v": v, "do": do, "schedule": "q_outer", **kwargs}
+        with pytest.raises(exc, match=pattern):
+            lo.attention_grad(**args)
+
+
+def test_forward_accepts_backward_options_and_ignores_them(rng):
+    q, k, v = random_qkv(rng, 1, 1, 9, 4, 4)
+    plain = lo.attention(q, k, v, schedule="q_outer", block_q=4, block_k=4, count=True)
+    other = lo.attention(q, k, v, schedule="q_outer", block_q=4, block_k=4, count=True,
+                         options={"dq": "separate"})
+    np.testing.assert_array_equal(plain.out, other.out)
+    assert plain.counts == other.counts
+
+
+@pytest.mark.parametrize("schedule, options", VARIANTS, ids=IDS)
+def test_cli_traffic_backward_json(schedule, options, capsys):
+    argv = ["traffic", "--backward", "--schedule", schedule, "--n", "7", "--d", "3",
+            "--block-q", "2", "--block-k", "3", "--causal", "--measure", "--json"]
+    for key, value in (options or {}).items():
+        argv += ["--option", f"{key}={value}"]
+    assert main(argv) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["backward"] is True and record["model"] == record["measured"]
+    expected = lo.predict_traffic(schedule, n=7, d=3, block_q=2, block_k=3, causal=True,
+                                  save_lse=True, backward=True, options=options)
+    assert record["model"] == expected.to_dict()
+    assert {"do", "dq", "dk", "dv"} <= set(record["model"])
+
+
+def test_cli_backward_of_a_schedule_without_one(capsys, monkeypatch):
+    sched = lo.get_schedule("q_outer")
+    monkeypatch.setattr(type(sched), "BACKWARD", None)
+    assert main(["traffic", "--backward", "--schedule", "q_outer", "--n", "4", "--d", "2"]) == 2
+    assert "q_outer has no backward pass" in capsys.readouterr().err
+
+
+def test_deterministic_order_gives_identical_gradients(rng):
+    """dq=separate has no atomics: two runs give bit-identical gradients."""
+    q, k, v = random_qkv(rng, 1, 1, 12, 4, 4)
+    do = rng.standard_normal((1, 1, 12, 4)).astype(np.float32)
+    runs = [lo.attention_grad(q, k, v, do, block_q=4, block_k=4, options={"dq": "separate"})
+            for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(getattr(runs[0], name), getattr(runs[1], name))
