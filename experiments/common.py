@@ -14,8 +14,16 @@ import numpy as np
 import loop_orders as lo
 from loop_orders import results, runtime
 from loop_orders.api import check_launch, check_simulator_budget
+from loop_orders.api_grad import check_backward
+from loop_orders.backward_schedule import backward_of
 from loop_orders.ledger import TENSORS, Ledger
-from loop_orders.reference import attention_reference, relative_error, tolerance
+from loop_orders.reference import (
+    attention_grad_reference,
+    attention_reference,
+    grad_tolerance,
+    relative_error,
+    tolerance,
+)
 from loop_orders.schedule import Problem, Schedule
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +103,25 @@ def problem(sched: Schedule, n: int, d: int, block_q: int, block_k: int,
                    causal=causal, options=sched.options_for(options))
 
 
-def measurable(sched: Schedule, p: Problem, backend: str | None = None) -> bool:
+# A GPU run measures a point when its kernels should take under this long (seconds):
+# GPU_STEP_S per tile step of the longest chain of one CTA's steps, per wave of CTAs, plus the
+# model's bytes at GPU_BYTES_PER_S. Generous; it keeps out Bc = 1 at N = 4096 and the like.
+GPU_POINT_BUDGET_S = 2.0
+GPU_STEP_S = 4e-6
+GPU_BYTES_PER_S = 2e12
+GPU_CTA_SLOTS = 264  # 132 SMs x 2
+
+
+def gpu_seconds(order, p: Problem) -> float:
+    """A rough upper estimate of a launch's time for the forward (Schedule) or backward
+    (BackwardSchedule) `order` at p."""
+    ctas = order.ctas(p)
+    steps = p.bh * p.visited_pairs() / ctas * -(-ctas // GPU_CTA_SLOTS)
+    return steps * GPU_STEP_S + order.model(p).bytes(p.itemsize) / GPU_BYTES_PER_S
+
+
+def measurable(sched: Schedule, p: Problem, backend: str | None = None,
+               backward: bool = False) -> bool:
     """Whether this backend measures the point with kernels (else it is only modelled)."""
     backend = backend or runtime.backend_name()
     if backend == "simulator" and (p.n_q > SIMULATOR_MAX_N or p.d > SIMULATOR_MAX_D):
@@ -106,39 +132,59 @@ def measurable(sched: Schedule, p: Problem, backend: str | None = None) -> bool:
         lo.make_problem(sched.name, n_q=p.n_q, d=p.d, dv=p.dv, block_q=p.block_q,
                         block_k=p.block_k, causal=p.causal, options=dict(p.options))
         check_launch(sched, p, count=True, simulator_budget=False)
+        if backward:
+            check_backward(sched, backward_of(sched), p, True, True, simulator_budget=False)
         if backend == "simulator" and runtime.SIMULATOR:
-            check_simulator_budget(sched, p)
+            check_simulator_budget(sched, p, backward)
     except ValueError:
         return False
+    if backend == "gpu":
+        orders = [sched] + ([backward_of(sched)] if backward else [])
+        return sum(gpu_seconds(o, p) for o in orders) <= GPU_POINT_BUDGET_S
     return True
 
 
-def measure(sched: Schedule, p: Problem, seed: int) -> tuple[Ledger, float]:
-    """Run the counted kernels on random inputs; return (counts, relative error).
+def measure(sched: Schedule, p: Problem, seed: int, backward: bool = False
+            ) -> tuple[Ledger, float]:
+    """Run the counted kernels on random inputs; return (counts, relative error): of the
+    forward, or with `backward` of the backward pass (its gradients' largest error).
 
     Correctness gates the count: an output that fails the reference check raises.
     """
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((p.n_q, w)).astype(np.float32) for w in (p.d, p.d, p.dv))
-    res = lo.attention(q, k, v, schedule=sched.name, block_q=p.block_q, block_k=p.block_k,
-                       causal=p.causal, options=dict(p.options), count=True)
-    ref, _ = attention_reference(q, k, v, causal=p.causal)
-    err = relative_error(runtime.to_host(res.out), ref)
-    tol = tolerance(p.dtype, sched.output_roundings(p), v, ref)
+    kwargs = {"schedule": sched.name, "block_q": p.block_q, "block_k": p.block_k,
+              "causal": p.causal, "options": dict(p.options), "count": True}
+    if backward:
+        do = rng.standard_normal((p.n_q, p.dv)).astype(np.float32)
+        g = lo.attention_grad(q, k, v, do, **kwargs)
+        refs = attention_grad_reference(q, k, v, do, causal=p.causal)
+        err = max(relative_error(runtime.to_host(x), r)
+                  for x, r in zip((g.dq, g.dk, g.dv), refs, strict=True))
+        tol = grad_tolerance(p.dtype, backward_of(sched).output_roundings(p))
+        counts = g.counts_backward
+    else:
+        res = lo.attention(q, k, v, **kwargs)
+        ref, _ = attention_reference(q, k, v, causal=p.causal)
+        err = relative_error(runtime.to_host(res.out), ref)
+        tol = tolerance(p.dtype, sched.output_roundings(p), v, ref)
+        counts = res.counts
     if not err <= tol:
         raise RuntimeError(f"{sched.name} failed the reference check at {p.describe()}: "
                            f"relative error {err:.2e} > {tol:.1e}")
-    return res.counts, err
+    return counts, err
 
 
-def model_and_measure(sched: Schedule, p: Problem, seed: int) -> dict:
-    """The values stored for one point: model, and measured counts where this backend can."""
-    values = {"model": sched.model(p).to_dict(), "measured": None, "backend": None,
+def model_and_measure(sched: Schedule, p: Problem, seed: int, backward: bool = False) -> dict:
+    """The values stored for one point: model, and measured counts where this backend can
+    (the forward pass, or with `backward` the backward pass)."""
+    order = backward_of(sched) if backward else sched
+    values = {"model": order.model(p).to_dict(), "measured": None, "backend": None,
               "rel_error": None}
     if p.options:
-        values["options"] = sched.resolved_options(p)
-    if measurable(sched, p):
-        counts, err = measure(sched, p, seed)
+        values["options"] = dict(p.options) if backward else sched.resolved_options(p)
+    if measurable(sched, p, backward=backward):
+        counts, err = measure(sched, p, seed, backward)
         values.update(measured=counts.to_dict(), backend=runtime.backend_name(), rel_error=err)
     return values
 

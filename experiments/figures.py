@@ -12,9 +12,9 @@ import time
 
 from loop_orders import runtime
 
-from . import common, explainer, gpu_figures, notes, theorem2, traffic
+from . import common, explainer, gpu_figures, notes, theorem2, theorem5, traffic
 
-EXPERIMENTS = [explainer, traffic, theorem2, gpu_figures]
+EXPERIMENTS = [explainer, traffic, theorem2, theorem5, gpu_figures]
 
 
 def regenerate(ctx: common.Context) -> list:

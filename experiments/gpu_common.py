@@ -16,7 +16,13 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import runtime
-from loop_orders.reference import relative_error, tolerance
+from loop_orders.backward_schedule import backward_of
+from loop_orders.reference import (
+    attention_grad_reference,
+    grad_tolerance,
+    relative_error,
+    tolerance,
+)
 from loop_orders.results import atomic_write_text, provenance
 
 CHECK_ROWS = 128  # query rows per checked head
@@ -82,6 +88,96 @@ class Buffers:
         self.sched.launch(self.p, q, k, v, self.out, self.lse, self.counts,
                           scale=1.0 / math.sqrt(self.p.d), count=count,
                           workspace=self.workspace)
+
+
+class GradBuffers(Buffers):
+    """Buffers for forward + backward: do, the forward's saved workspace, the gradients and
+    the backward's workspace too (allocated once; the kernels alone are timed)."""
+
+    def __init__(self, sched, p, rng, sets=1):
+        super().__init__(sched, p, rng, sets)
+        self.bwd = backward_of(sched)
+        self.do_host = rng.standard_normal((p.bh, p.n_q, p.dv), dtype=np.float32).astype(
+            p.dtype)
+        self.do = runtime.to_device(self.do_host)
+        self.grads = [runtime.device_empty((p.bh, n, w), np.dtype(p.dtype))
+                      for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv))]
+        self.bwd_workspace = self.bwd.allocate_workspace(p)
+
+    def launch_backward(self, i=0, count=False):
+        q, k, v = self.dev[i % len(self.dev)]
+        self.bwd.launch(self.p, q, k, v, self.out, self.do, self.lse, *self.grads, self.counts,
+                        scale=1.0 / math.sqrt(self.p.d), count=count,
+                        forward_workspace=self.workspace, workspace=self.bwd_workspace)
+
+    def launch_both(self, i=0, count=False):
+        self.launch(i, count)
+        self.launch_backward(i, count)
+
+
+def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
+    """Largest relative error of dQ, dK, dV on the first and last head against float64
+    (whole heads: a gradient row depends on every row); raises if out of tolerance."""
+    heads = sorted({0, p.bh - 1})
+    sub = (slice(None),) if p.bh == 1 else (heads,)
+    refs = attention_grad_reference(q[sub], k[sub], v[sub], do[sub], causal=p.causal)
+    bwd = backward_of(sched)
+    tol = grad_tolerance(p.dtype, bwd.output_roundings(p))
+    errs = [relative_error(g[sub], r) for g, r in zip(grads_host, refs, strict=True)]
+    if not all(np.isfinite(g).all() for g in grads_host) or max(errs) > tol:
+        raise AssertionError(f"{sched.name} backward: errors {errs} > {tol:.2e} for "
+                             f"{p.describe()}")
+    return max(errs)
+
+
+def view(shape, dtype):
+    """A zero-pointer device array view: for recording and compiling launches, never run."""
+    from loop_orders.arrays import DeviceView, c_strides
+
+    dtype = np.dtype(dtype)
+    return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)
+
+
+def recorded_launches(sched, p, count: bool, backward: bool) -> list:
+    """The launches (kernel, grid, block, shared bytes, args) a forward (and backward) call
+    of p makes, recorded with `view` arrays instead of run."""
+    q, k = view((p.bh, p.n_q, p.d), p.dtype), view((p.bh, p.n_k, p.d), p.dtype)
+    v, o = view((p.bh, p.n_k, p.dv), p.dtype), view((p.bh, p.n_q, p.dv), p.dtype)
+    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.ledger.n_slots(),), np.int64)
+    with runtime.recording_launches() as launches:
+        workspace = sched.allocate_workspace(p, view)
+        sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
+        if backward:
+            bwd = backward_of(sched)
+            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, p.dtype), view(k.shape, p.dtype),
+                       view(v.shape, p.dtype), counts, scale=0.125, count=count,
+                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
+    return launches
+
+
+def _compile_worker(jobs: list) -> int:
+    """In a fresh process: compile each (schedule, problem, count, backward) into the disk
+    cache of compiled kernels (runtime._compile stores what it compiles)."""
+    done = 0
+    for name, p, count, backward in jobs:
+        for kernel, _, _, shared, args in recorded_launches(lo.get_schedule(name), p, count,
+                                                            backward):
+            runtime._compile(kernel, args, shared)
+            done += 1
+    return done
+
+
+def warm_cache(jobs: list, workers: int = 8) -> int:
+    """Compile the kernels of `jobs` [(schedule name, Problem, count, backward)] into the
+    disk cache in `workers` processes at once (the cache is safe for concurrent writers), so
+    that a benchmark's first launches load them instead of compiling one by one."""
+    import multiprocessing as mp
+
+    if not jobs:
+        return 0
+    chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
+    with mp.get_context("spawn").Pool(len(chunks)) as pool:
+        return sum(pool.map(_compile_worker, chunks))
 
 
 def write_csv(path: Path, rows: list[dict], prov: dict | None = None) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import loop_orders as lo
 from loop_orders import results
 
-from . import common, explainer, gpu_notes, theorem2, traffic
+from . import common, explainer, gpu_notes, theorem2, theorem5, traffic
 
 # Where the paper's statements live in our code: (label, file, a text on the line).
 ANCHORS = [
@@ -64,8 +64,8 @@ def traffic_summary(ctx: common.Context) -> str:
             f"every tensor and direction: **{s['max_abs_residual']}** elements.")
 
 
-def slope_table(ctx: common.Context) -> str:
-    data = results.load(ctx.results_path(theorem2.SLOPES))
+def slope_table(ctx: common.Context, study: theorem2.Study = theorem2.FORWARD) -> str:
+    data = results.load(ctx.results_path(study.slopes))
     lines = ["| traffic vs | sizes | schedule | source | fit window | slope ± stderr | points "
              "| expected |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(data["records"], key=lambda r: (r["panel"], r["set"], r["schedule"],
@@ -82,7 +82,8 @@ def provenance_block(ctx: common.Context) -> str:
     lines = ["| results file | git SHA | device | date | numpy / numba-cuda |",
              "|---|---|---|---|---|"]
     files = [(ctx.results_path(name).name, results.load(ctx.results_path(name))["provenance"])
-             for name in (traffic.NAME, theorem2.NAME, theorem2.SLOPES, explainer.NAME)]
+             for name in (traffic.NAME, theorem2.NAME, theorem2.SLOPES, theorem5.NAME,
+                          theorem5.BACKWARD.slopes, explainer.NAME)]
     for name, p in files + gpu_notes.provenances(ctx.results_dir):
         v = p.get("versions", {})
         lines.append(f"| `{name}` | `{p.get('git_sha')}` | {p.get('device')} | "
@@ -96,6 +97,7 @@ def blocks(ctx: common.Context) -> dict[str, str]:
             "explainer-ledger": explainer.ledger_table(ex),
             "explainer-walkthrough": explainer.walkthrough_table(ex),
             "traffic-summary": traffic_summary(ctx), "theorem2-slopes": slope_table(ctx),
+            "theorem5-slopes": slope_table(ctx, theorem5.BACKWARD),
             "provenance": provenance_block(ctx), **gpu_notes.blocks(ctx.results_dir)}
 
 

@@ -27,15 +27,14 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 os.environ["LOOP_ORDERS_DEVICE_LIMITS"] = "hopper"  # no device to ask
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 
-import numpy as np  # noqa: E402
 from numba.cuda import dispatcher  # noqa: E402
 
 # Device functions ask the current device for its compute capability; there is none here.
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
 
 import loop_orders as lo  # noqa: E402
+from experiments.gpu_common import recorded_launches as recorded  # noqa: E402
 from loop_orders import runtime  # noqa: E402
-from loop_orders.arrays import DeviceView, c_strides  # noqa: E402
 from loop_orders.backward_schedule import backward_of  # noqa: E402
 
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
@@ -45,27 +44,6 @@ PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (77, 40, 24, 48, 40, True, "float32"),
 ]
 GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32)}
-
-
-def view(shape, dtype):
-    dtype = np.dtype(dtype)
-    return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)
-
-
-def recorded(sched, p, count: bool, backward: bool) -> list:
-    """The launches a forward (and backward) call of p makes, recorded."""
-    q, k = view((p.bh, p.n_q, p.d), p.dtype), view((p.bh, p.n_k, p.d), p.dtype)
-    v, o = view((p.bh, p.n_k, p.dv), p.dtype), view((p.bh, p.n_q, p.dv), p.dtype)
-    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.ledger.n_slots(),), np.int64)
-    with runtime.recording_launches() as launches:
-        workspace = sched.allocate_workspace(p, view)
-        sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
-        if backward:
-            bwd = backward_of(sched)
-            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, p.dtype), view(k.shape, p.dtype),
-                       view(v.shape, p.dtype), counts, scale=0.125, count=count,
-                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
-    return launches
 
 
 def backward_variants(sched) -> list:

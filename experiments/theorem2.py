@@ -17,12 +17,15 @@ Theta(min(N^2 d / sqrt(M), N^2 d^2 / M)), with M < d^2 (FA not optimal) shaded.
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
 import loop_orders as lo
 from loop_orders import results, theory
+from loop_orders.backward_schedule import get_backward
 
 from . import common
 
@@ -55,37 +58,82 @@ QUICK_SWEEP = {
 PANEL_LABEL = {"m": "SRAM budget M (elements)", "n": "sequence length N", "d": "head dim d"}
 
 
+@dataclass(frozen=True)
+class Study:
+    """The forward pass (Theorem 2) or the backward pass (Theorem 5, experiments/theorem5.py)
+    of every registered schedule, one line per (schedule, option variant)."""
+
+    name: str
+    slopes: str
+    backward: bool
+    theorem: str
+
+    def lines(self) -> dict[str, tuple[str, dict | None]]:
+        """{label: (schedule name, options)}: a forward's default options; a backward's
+        every example value of its options (e.g. q_outer dq=atomic, dq=separate)."""
+        if not self.backward:
+            return {s.name: (s.name, None) for s in lo.all_schedules()}
+        out = {}
+        for name in lo.backward_schedule_names():
+            bwd = get_backward(name)
+            variants = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
+            for opts in variants or [None]:
+                label = " ".join([name, *(f"{k}={v}" for k, v in (opts or {}).items())])
+                out[label] = (name, opts)
+        return out
+
+    def order(self, label: str):
+        """The Schedule (forward) or BackwardSchedule of a line, or None if unknown here."""
+        line = self.lines().get(label)
+        if line is None:
+            return None
+        return get_backward(line[0]) if self.backward else lo.get_schedule(line[0])
+
+    def expected(self, label: str, panel: str):
+        order = self.order(label)
+        if order is None:
+            return None
+        return order.expected_slopes(dict(self.lines()[label][1] or {})).get(panel)
+
+
+FORWARD = Study("theorem2", "theorem2_slopes", False, "Theorem 2")
+
+
 def declaration(ctx: common.Context) -> dict:
     return QUICK_SWEEP if ctx.quick else SWEEP
 
 
-def configs(sweep: dict) -> list[dict]:
-    """One point per (panel, size set, schedule, swept value)."""
+def configs(sweep: dict, study: Study = FORWARD) -> list[dict]:
+    """One point per (panel, size set, line, swept value)."""
     out = []
     for var, sets in sweep.items():
         for size_set, spec in sets.items():
-            for sched in lo.all_schedules():
+            for label in study.lines():
                 for value in spec[var]:
                     sizes = {k: v for k, v in spec.items() if k != var}
                     sizes[var] = value
-                    out.append({"panel": var, "set": size_set, "schedule": sched.name,
+                    out.append({"panel": var, "set": size_set, "schedule": label,
                                 "n": sizes["n"], "d": sizes["d"], "m": sizes["m"]})
     return out
 
 
-def evaluate(config: dict) -> dict:
-    sched = lo.get_schedule(config["schedule"])
-    block_q, block_k = sched.tiles_for_sram(config["m"], config["d"])
-    p = common.problem(sched, config["n"], config["d"], block_q, block_k)
-    return {"block_q": block_q, "block_k": block_k,
-            **common.model_and_measure(sched, p, common.seed_for(config))}
+def evaluate(config: dict, study: Study = FORWARD) -> dict:
+    name, options = study.lines()[config["schedule"]]
+    sched = lo.get_schedule(name)
+    block_q, block_k = study.order(config["schedule"]).tiles_for_sram(config["m"],
+                                                                       config["d"])
+    p = common.problem(sched, config["n"], config["d"], block_q, block_k, options=options)
+    return {"block_q": p.block_q, "block_k": p.block_k,
+            **common.model_and_measure(sched, p, common.seed_for(config),
+                                       backward=study.backward)}
 
 
-def run(ctx: common.Context) -> results.Sweep:
-    sweep = ctx.sweep(NAME, meta={})
-    sweep.run(configs(declaration(ctx)), evaluate, progress=ctx.progress, desc=NAME)
+def run(ctx: common.Context, study: Study = FORWARD) -> results.Sweep:
+    sweep = ctx.sweep(study.name, meta={})
+    sweep.run(configs(declaration(ctx), study), lambda c: evaluate(c, study),
+              progress=ctx.progress, desc=study.name)
     sweep.finish()
-    write_slopes(ctx)  # the fitted slopes are part of this experiment's results
+    write_slopes(ctx, study)  # the fitted slopes are part of this experiment's results
     return sweep
 
 
@@ -120,7 +168,7 @@ def in_range(records: list[dict], panel: str, size_set: str, x: np.ndarray,
     return np.array(keep, dtype=bool)
 
 
-def fit_slopes(data: dict) -> list[dict]:
+def fit_slopes(data: dict, study: Study = FORWARD) -> list[dict]:
     """Log-log slope of every (panel, size set, schedule, model/measured) line in range."""
     records = data["records"]
     out = []
@@ -142,37 +190,35 @@ def fit_slopes(data: dict) -> list[dict]:
                 out.append({"panel": panel, "set": size_set, "schedule": schedule,
                             "source": which, "window": window, "fixed": fixed,
                             "x_min": float(x.min()), "x_max": float(x.max()), **fit.to_dict(),
-                            "expected": _expected(schedule, panel)})
+                            "expected": study.expected(schedule, panel)})
     return out
 
 
-def _expected(schedule: str, panel: str):
-    """The slope the schedule expects on this panel (None when it states none, or when the
-    schedule is not registered here)."""
-    if schedule not in lo.schedule_names():
-        return None
-    return lo.get_schedule(schedule).EXPECTED_SLOPES.get(panel)
+def reference_line(names: list[str], traffic_class: str, study: Study = FORWARD) -> str | None:
+    """The first plotted line of a Theorem 2 class ("flash" or "standard"), whose line the
+    theorem's Theta(.) overlay is scaled through."""
+    return next((n for n in names if study.order(n) is not None
+                 and traffic_class == study.order(n).TRAFFIC_CLASS), None)
 
 
-def reference_line(names: list[str], traffic_class: str) -> str | None:
-    """The first plotted schedule of a Theorem 2 class ("flash" or "standard"), whose line
-    the theorem's Theta(.) overlay is scaled through."""
-    return next((n for n in names if n in lo.schedule_names()
-                 and traffic_class == lo.get_schedule(n).TRAFFIC_CLASS), None)
-
-
-def write_slopes(ctx: common.Context) -> dict:
-    data = results.load(ctx.results_path(NAME))
-    payload = {"format": results.FORMAT, "name": f"{SLOPES}.{ctx.backend}", "complete": True,
-               "meta": {"from": ctx.results_path(NAME).name,
-                        "from_provenance": data["provenance"]},
-               "provenance": results.provenance(), "runs": [], "records": []}
-    payload["runs"] = [payload["provenance"]]
+def write_slopes(ctx: common.Context, study: Study = FORWARD) -> dict:
+    """Fit and store the slopes; the file (and its provenance) is rewritten only when the
+    fits changed, so a run with nothing new leaves it as it was."""
+    data = results.load(ctx.results_path(study.name))
     key_fields = ("panel", "set", "schedule", "source", "window")
-    payload["records"] = [{"key": {k: s[k] for k in key_fields}, "run": 0, **s}
-                          for s in fit_slopes(data)]
-    payload["n_records"] = len(payload["records"])
-    results.atomic_write_json(ctx.results_path(SLOPES), payload)
+    records = [{"key": {k: s[k] for k in key_fields}, "run": 0, **s}
+               for s in fit_slopes(data, study)]
+    meta = {"from": ctx.results_path(study.name).name, "from_provenance": data["provenance"]}
+    path = ctx.results_path(study.slopes)
+    if path.exists():
+        old = results.load(path)
+        if old["records"] == json.loads(json.dumps(records)) and old["meta"] == meta:
+            return old
+    prov = results.provenance()
+    payload = {"format": results.FORMAT, "name": f"{study.slopes}.{ctx.backend}",
+               "complete": True, "meta": meta, "provenance": prov, "runs": [prov],
+               "n_records": len(records), "records": records}
+    results.atomic_write_json(path, payload)
     return payload
 
 
@@ -181,16 +227,16 @@ def _scaled(reference_x, reference_y, x, shape):
     return shape(x) * reference_y / shape(np.array([reference_x]))[0]
 
 
-def plot(ctx: common.Context) -> list:
-    data = results.load(ctx.results_path(NAME))
+def plot(ctx: common.Context, study: Study = FORWARD) -> list:
+    data = results.load(ctx.results_path(study.name))
     slopes = {(s["key"]["panel"], s["key"]["set"], s["key"]["schedule"], s["key"]["source"]):
-              s for s in results.load(ctx.results_path(SLOPES))["records"]
+              s for s in results.load(ctx.results_path(study.slopes))["records"]
               if s["key"]["window"] == "theorem"}
-    gpu = ctx.gpu_results(NAME)
+    gpu = ctx.gpu_results(study.name)
     records = data["records"]
     plt = common.pyplot()
-    names = [s.name for s in lo.all_schedules()
-             if any(r["key"]["schedule"] == s.name for r in records)]
+    names = [label for label in study.lines()
+             if any(r["key"]["schedule"] == label for r in records)]
     colors = common.schedule_colors(names)
     here = data["provenance"].get("backend", "?")
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.6))
@@ -219,9 +265,11 @@ def plot(ctx: common.Context) -> list:
             if gpu is not None:
                 xg, yg = series(gpu["records"], panel, "model", name, "measured")
                 if len(xg):
-                    ax.plot(xg, yg, "s", color=colors[name], ms=4)
+                    ax.plot(xg, yg, "s", color=colors[name], ms=4,
+                            label=f"{name} measured (GPU, committed)")
         # Theta(.) overlays on the model sweep, scaled through one point of a reference line
-        x, y_fa = series(records, panel, "model", reference_line(names, "flash") or names[0])
+        x, y_fa = series(records, panel, "model",
+                         reference_line(names, "flash", study) or names[0])
         sizes = {k: np.full(len(x), fixed_model[k], dtype=float) for k in ("n", "d", "m")}
         sizes[panel] = x
         mid = len(x) // 2
@@ -230,7 +278,7 @@ def plot(ctx: common.Context) -> list:
         sy = theory.saha_ye_lower_bound(sizes["n"], sizes["d"], sizes["m"])
         ax.plot(x, sy * y_fa[mid] / fa[mid], color="0.4", ls="-.", lw=1,
                 label="Saha–Ye Θ(min(N²d/√M, N²d²/M))")
-        standard = reference_line(names, "standard")
+        standard = reference_line(names, "standard", study)
         if standard:
             _, y_dense = series(records, panel, "model", standard)
             st = theory.standard_traffic(sizes["n"], sizes["d"])
@@ -253,11 +301,13 @@ def plot(ctx: common.Context) -> list:
                      fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6.5, loc="best")
-    fig.suptitle("Theorem 2: tiles sized from M by each schedule's tiles_for_sram; slopes "
-                 "fitted in d ≤ M ≤ Nd (solid = model only, dotted + markers = measured by "
-                 f"kernels on {data['provenance'].get('device')})", fontsize=10)
+    what = "backward pass" if study.backward else "forward pass"
+    fig.suptitle(f"{study.theorem}, the {what}: tiles sized from M by each order's "
+                 "tiles_for_sram; slopes fitted in d ≤ M ≤ Nd (solid = model only, dotted + "
+                 f"markers = measured by kernels on {data['provenance'].get('device')}; "
+                 "squares: committed GPU counts)", fontsize=10)
     fig.tight_layout()
-    return common.save_figure(fig, ctx.figures_dir, NAME)
+    return common.save_figure(fig, ctx.figures_dir, study.name)
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import runtime
+from . import arrays, runtime
 from .api import (
     MAX_CALLS,
     Inputs,
@@ -79,9 +79,9 @@ def backward_memory(bwd: BackwardSchedule, p: Problem, count: bool,
 
 
 def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bool,
-                   host: bool) -> None:
+                   host: bool, simulator_budget: bool = True) -> None:
     """The backward's own refusals: its checks, every kernel's shared memory, device memory
-    of both passes together, the simulator's budget."""
+    of both passes together, the simulator's budget (unless `simulator_budget` is False)."""
     bwd.check(p)
     for kern in bwd.kernels(p, count):
         if kern.shared_bytes > kern.shared_limit:
@@ -99,7 +99,8 @@ def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bo
         raise ValueError(f"n: {sched.name} forward + backward needs {total:,} bytes of device "
                          f"memory for {p.describe()} ({detail}); the limit is {limit:,} bytes "
                          f"({where}): use a smaller n, batch or heads")
-    check_simulator_budget(sched, p, backward=True)
+    if simulator_budget:
+        check_simulator_budget(sched, p, backward=True)
 
 
 class GradCall:
@@ -148,7 +149,7 @@ class GradCall:
         """(dq, dk, dv, backward ledger) as the caller's kind of array."""
         p, kind = self.p, self.inputs.kind
         qv, kv, vv = self._views(q, k, v)
-        dov = self.inputs.kinds[-1].view(do).reshape(p.bh, p.n_q, p.dv)
+        dov = arrays.kind_of(do).view(do).reshape(p.bh, p.n_q, p.dv)
         grads = [kind.empty(q, shape, self.dtype) for shape in
                  (self.inputs.q_shape, self.inputs.q_shape[:-2] + (p.n_k, p.d),
                   self.inputs.q_shape[:-2] + (p.n_k, p.dv))]
@@ -181,8 +182,10 @@ _CALLS: OrderedDict = OrderedDict()
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
                  timed) -> GradCall:
     """Every check of `attention_grad`, in the order the error messages promise (a call
-    key seen before skips them)."""
-    key = call_key(schedule, (q, k, v, do), (block_q, block_k, causal, scale, count, timed),
+    key seen before skips them). `do` None: the caller gives the output's gradient later,
+    of the output's shape and dtype (the torch op: autograd guarantees it)."""
+    arrays_in = (q, k, v) if do is None else (q, k, v, do)
+    key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed),
                    options)
     if key is not None:
         call = _CALLS.get(key)
@@ -191,7 +194,7 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
             return call
     sched = get_schedule(schedule)
     bwd = backward_of(sched)
-    inp = check_inputs(q, k, v, do=do)
+    inp = check_inputs(q, k, v, **({} if do is None else {"do": do}))
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
                      save_lse=True, dtype=inp.dtype, options=options)

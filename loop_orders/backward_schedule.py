@@ -40,6 +40,14 @@ class BackwardSchedule(ABC):
     EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}
     TRAFFIC_CLASS: ClassVar[str | None] = None
 
+    def expected_slopes(self, options: dict) -> dict:
+        """EXPECTED_SLOPES, for a backward whose expectations depend on its options."""
+        return dict(self.EXPECTED_SLOPES)
+
+    def ctas(self, p: Problem) -> int:
+        """CTAs of the main kernel: how many tile chains run side by side (B H Tc)."""
+        return p.bh * p.tc
+
     def loop_nest(self) -> str:
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
 

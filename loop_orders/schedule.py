@@ -200,6 +200,14 @@ class Schedule(ABC):
     # forward, if any: its own name unless the forward shares another's backward.
     BACKWARD: ClassVar[str | None] = None
 
+    def expected_slopes(self, options: dict) -> dict:
+        """EXPECTED_SLOPES, for a schedule whose expectations depend on its options."""
+        return dict(self.EXPECTED_SLOPES)
+
+    def ctas(self, p: Problem) -> int:
+        """CTAs of the main kernel: how many tile chains run side by side (B H Tr)."""
+        return p.bh * p.tr
+
     def loop_nest(self) -> str:
         """The loop nest as pseudo-code (quoted in paper_notes.md)."""
         return textwrap.dedent(self.LOOP_NEST).strip("\n")

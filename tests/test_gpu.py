@@ -1,11 +1,18 @@
-"""Realistic sizes on a real GPU (skipped under the simulator): output and counters."""
+"""Realistic sizes on a real GPU (skipped under the simulator): outputs, gradients, counters,
+arrays of every kind, the launch path and the torch op on CUDA tensors."""
 
 import numpy as np
 import pytest
 from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
-from loop_orders.reference import relative_error, tolerance
+from loop_orders.backward_schedule import backward_of
+from loop_orders.reference import (
+    attention_grad_reference,
+    grad_tolerance,
+    relative_error,
+    tolerance,
+)
 
 
 @gpu
@@ -16,7 +23,7 @@ def test_realistic_size(schedule, causal, dtype, rng):
     b, h, n, d = 2, 4, 1024, 64
     q, k, v = random_qkv(rng, b, h, n, d, d, dtype)
     res = lo.attention(q, k, v, schedule=schedule, block_q=64, block_k=64, causal=causal,
-                       save_lse=True, count=True)
+                       save_lse=True, count=True, timed=True)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     roundings = lo.get_schedule(schedule).output_roundings(res.problem)
     err = relative_error(res.out, ref)
@@ -35,3 +42,130 @@ def test_tail_blocks_and_odd_dims_at_scale(schedule, rng):
     ref, _ = lo.attention_reference(q, k, v, causal=True)
     assert relative_error(res.out, ref) <= 1e-5
     assert res.counts == lo.get_schedule(schedule).model(res.problem)
+
+
+def _backward_variants():
+    out = []
+    for name in lo.backward_schedule_names():
+        bwd = lo.backward_schedule.get_backward(name)
+        out += [(name, {k: v}) for k, opt in bwd.OPTIONS.items() for v in opt.examples] or \
+            [(name, None)]
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("schedule, options", _backward_variants())
+def test_gradients_at_scale(schedule, options, causal, dtype, rng):
+    """Every backward order at N = 1000 (tails), d = 64, against float64 gradients; counters
+    == model."""
+    b, h, n, d = 1, 4, 1000, 64
+    q, k, v = random_qkv(rng, b, h, n, d, d, dtype)
+    do = rng.standard_normal((b, h, n, d)).astype(dtype)
+    g = lo.attention_grad(q, k, v, do, schedule=schedule, block_q=64, block_k=64,
+                          causal=causal, options=options, count=True, timed=True)
+    refs = attention_grad_reference(q, k, v, do, causal=causal)
+    bwd = backward_of(lo.get_schedule(schedule))
+    errs = [relative_error(got, ref) for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True)]
+    print(f"{schedule} {options} causal={causal} {dtype}: dq dk dv errors "
+          f"{', '.join(f'{e:.2e}' for e in errs)}; {g.ms:.2f} ms forward + backward")
+    assert max(errs) <= grad_tolerance(dtype, bwd.output_roundings(g.problem))
+    assert g.counts_backward == bwd.model(g.problem)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("schedule, options", _backward_variants())
+def test_gradients_beside_torch_autograd(schedule, options, dtype):
+    """On CUDA tensors through the torch op: gradients against torch autograd of SDPA in
+    float64, and within 2x torch's own error in the same dtype (float16)."""
+    torch = pytest.importorskip("torch")
+    import loop_orders.torch as lot
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tdt = getattr(torch, dtype)
+    q, k, v, w = (torch.randn(2, 4, 512, 64, device="cuda", generator=gen, dtype=tdt)
+                  for _ in range(4))
+    grads = {}
+    for name, fn, cast in (
+            ("ours", lambda a, b, c: lot.attention(a, b, c, schedule=schedule, causal=True,
+                                                   options=options), tdt),
+            ("torch", lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, is_causal=True), tdt),
+            ("float64", lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+                a, b, c, is_causal=True), torch.float64)):
+        xs = [x.detach().to(cast).requires_grad_() for x in (q, k, v)]
+        (fn(*xs) * w.to(cast)).sum().backward()
+        grads[name] = [x.grad.double() for x in xs]
+    for i, label in enumerate(("dq", "dk", "dv")):
+        ref = grads["float64"][i]
+        ours = float((grads["ours"][i] - ref).abs().max() / ref.abs().max())
+        theirs = float((grads["torch"][i] - ref).abs().max() / ref.abs().max())
+        print(f"{schedule} {options} {dtype} {label}: ours {ours:.2e}, torch {theirs:.2e}")
+        assert ours <= (1e-5 if dtype == "float32" else 2 * theirs + 1e-4)
+
+
+@gpu
+def test_every_kind_of_array_gives_the_same_kind_back(rng):
+    """NumPy, Numba, torch (CUDA), CuPy (when installed) and a bare
+    __cuda_array_interface__ object: the same numbers; torch and CuPy outputs on their
+    device; torch's current stream used."""
+    from loop_orders import runtime
+
+    q, k, v = random_qkv(rng, 1, 2, 256, 64, 64)
+    want = lo.attention(q, k, v).out
+    dev = [runtime.to_device(x) for x in (q, k, v)]
+    got = lo.attention(*dev).out
+    assert hasattr(got, "copy_to_host")
+    np.testing.assert_array_equal(got.copy_to_host(), want)
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = lo.attention(tq, tk, tv).out
+    stream.synchronize()
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
+
+    class Bare:
+        def __init__(self, t):
+            self.t, self.shape, self.dtype = t, tuple(t.shape), np.float32
+            self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+    bare = lo.attention(Bare(tq), Bare(tk), Bare(tv)).out
+    np.testing.assert_array_equal(bare.copy_to_host(), want)
+    try:
+        import cupy
+    except ImportError:
+        return
+    cq, ck, cv = (cupy.asarray(x) for x in (q, k, v))
+    out = lo.attention(cq, ck, cv).out
+    assert isinstance(out, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(out), want)
+
+
+@gpu
+def test_the_parameter_block_launch_matches_numbas_own(rng):
+    """runtime.launch passes the arguments itself (a ctypes block, cuLaunchKernel): the same
+    output as Numba's dispatcher launching the same kernel."""
+    from loop_orders import runtime
+
+    sched = lo.get_schedule("q_outer")
+    q, k, v = random_qkv(rng, 2, 2, 300, 64, 64)
+    p = lo.make_problem("q_outer", n_q=300, d=64, batch=2, heads=2, block_q=32, block_k=32)
+    dq, dk, dv = (runtime.to_device(x.reshape(4, 300, 64)) for x in (q, k, v))
+    outs = []
+    for direct in (True, False):
+        out = runtime.device_empty((4, 300, 64), np.float32)
+        lse = runtime.device_empty((1, 1), np.float32)
+        counts = runtime.device_zeros(1, np.int64)
+        if direct:
+            sched.launch(p, dq, dk, dv, out, lse, counts, scale=0.125, count=False)
+        else:
+            kern = sched.kernels(p, False)[0]
+            lay = sched.layout(p)
+            kern.fn[(p.tr, p.bh), lay.threads(32, 32), 0, sched.dynamic_shared_bytes(p)](
+                dq, dk, dv, out, lse, counts, np.float32(0.125 * lo.tiles.LOG2E))
+        outs.append(out.copy_to_host())
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -250,6 +250,9 @@ class KVOuterBackward(BackwardSchedule):
         bc = ceil_div(m, 4 * d)
         return min(bc, d), bc
 
+    def ctas(self, p: Problem) -> int:
+        return p.bh  # one CTA per head, as the forward
+
     def output_roundings(self, p: Problem) -> int:
         # dQ_i is stored in the input dtype after every K/V block that visits it.
         return int(p.visible_kv_blocks().max())

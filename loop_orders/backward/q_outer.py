@@ -367,6 +367,14 @@ class QOuterBackward(BackwardSchedule):
                       write dQ_i
     """
 
+    def expected_slopes(self, options: dict) -> dict:
+        # separate: the Q-outer dQ kernel reads K, V once per query block of
+        # Br = min(M / 4d, d) rows, N^2 (d + dv) / Br in all, which stops falling with M
+        # once M > 4 d^2: only the slope against N is Theorem 5's
+        if options.get("dq") == "separate":
+            return {"n": 2}
+        return dict(self.EXPECTED_SLOPES)
+
     def forward_saves(self) -> str:
         return "lse"
 

@@ -244,6 +244,9 @@ class KVOuter(MicroKernelSchedule):
         # l and m: one float32 each per query row, kept in HBM between K/V blocks.
         return 2 * p.bh * p.n_q * 4
 
+    def ctas(self, p: Problem) -> int:
+        return p.bh  # one CTA per head: the j loop is serial inside it
+
     def output_roundings(self, p: Problem) -> int:
         # O_i is stored in the input dtype after every K/V block that visits it.
         return int(p.visible_kv_blocks().max())

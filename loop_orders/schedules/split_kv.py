@@ -314,6 +314,9 @@ class SplitKV(MicroKernelSchedule):
                 return s
         return 1
 
+    def ctas(self, p: Problem) -> int:
+        return p.bh * p.tr * self.splits(p)
+
     def resolved_options(self, p: Problem) -> dict:
         return {"splits": self.splits(p)}
 

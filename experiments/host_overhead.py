@@ -1,0 +1,180 @@
+"""Host time of a call and of a first call: what a user's loop pays beside the kernels.
+
+    python -m experiments.host_overhead [--out DIR]          # on a GPU (torch there)
+
+1. Per-call host time of `lo.attention` at a tiny shape (B = H = 1, N = 64, d = 64, q_outer)
+   for every kind of array (NumPy in and out, Numba device arrays, torch CUDA tensors, CuPy
+   arrays when CuPy is there), beside torch SDPA's on the same tensors: the wall time of
+   CALLS calls in a row over CALLS (the GPU finishes each tiny kernel before the host has
+   the next one ready, so this is the host's time).
+2. At N = 1024 (B = 4, H = 16, d = 64): the kernel alone, the public call on torch tensors
+   and torch SDPA (efficient), each timed back to back between CUDA events.
+3. Compiled kernels on disk: a fresh process's first call at a shape no process has seen
+   (it compiles), then another fresh process's first call at that shape (it loads from the
+   cache), and two processes filling an empty cache at once (both right, the entries whole).
+
+Writes host_overhead.json with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CALLS, WARMUP = 2000, 50
+FIRST_CALL = """
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np, torch
+import loop_orders as lo
+t1 = time.perf_counter()
+q, k, v = (torch.randn(2, 4, 512, 64, device="cuda") for _ in range(3))
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+out = lo.attention(q, k, v, schedule="q_outer", causal=True, block_q=128, block_k=64).out
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+print(json.dumps({"import_s": t1 - t0, "first_call_s": t3 - t2,
+                  "max_abs_error": float((out - ref).abs().max())}))
+"""
+
+
+def per_call_us(fn, calls=CALLS) -> float:
+    import torch
+
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def tiny_calls() -> dict:
+    import torch
+
+    import loop_orders as lo
+    from loop_orders import runtime
+
+    rng = np.random.default_rng(0)
+    host = [rng.standard_normal((1, 1, 64, 64), dtype=np.float32) for _ in range(3)]
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in host)
+    nq, nk, nv = (runtime.to_device(x) for x in host)
+    want = lo.attention(*host).out
+    kinds = {"numpy": host, "numba": (nq, nk, nv), "torch": (tq, tk, tv)}
+    try:
+        import cupy
+
+        kinds["cupy"] = tuple(cupy.asarray(x) for x in host)
+    except ImportError:
+        pass
+    out = {}
+    for kind, args in kinds.items():
+        got = lo.attention(*args).out
+        got = got.cpu().numpy() if kind == "torch" else got if kind == "numpy" else (
+            got.copy_to_host() if kind == "numba" else cupy.asnumpy(got))
+        assert np.array_equal(got, want), kind
+        out[f"lo.attention {kind}"] = per_call_us(lambda a=args: lo.attention(*a))
+    out["torch sdpa"] = per_call_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
+    return out
+
+
+def n1024() -> dict:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import loop_orders as lo
+    from experiments.bench_runtime import time_launches
+    from loop_orders.arrays import KINDS
+
+    q, k, v = (torch.randn(4, 16, 1024, 64, device="cuda") for _ in range(3))
+    sched = lo.get_schedule("q_outer")
+    p = lo.make_problem("q_outer", n_q=1024, d=64, batch=4, heads=16, block_q=128,
+                        block_k=64)
+    views = [KINDS["torch"].view(x).reshape(64, 1024, 64) for x in (q, k, v)]
+    out = torch.empty_like(q)
+    out_v = KINDS["torch"].view(out).reshape(64, 1024, 64)
+    from loop_orders import runtime
+
+    lse, counts = runtime.device_empty((1, 1), np.float32), runtime.device_empty(1, np.int64)
+
+    def kernel(_i):
+        sched.launch(p, *views, out_v, lse, counts, scale=0.125, count=False)
+
+    def public(_i):
+        lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64)
+
+    def sdpa(_i):
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return {name: time_launches(fn) for name, fn in
+            (("q_outer kernel", kernel), ("q_outer lo.attention", public),
+             ("torch sdpa efficient", sdpa))}
+
+
+def fresh_process(cache: Path) -> dict:
+    env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_cache() -> dict:
+    from loop_orders import kernel_cache
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "kernels"
+        first = fresh_process(cache)
+        entries = len(list(cache.glob("*.pkl")))
+        second = fresh_process(cache)
+        racing = Path(tmp) / "racing"
+        env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(racing)}
+        procs = [subprocess.Popen([sys.executable, "-c", FIRST_CALL], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        raced = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
+                 for p in procs]
+        after = fresh_process(racing)
+    return {"first_process": first, "second_process": second, "entries": entries,
+            "racing_processes": raced, "after_the_race": after,
+            "where": str(kernel_cache.cache_dir())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args(argv)
+    from loop_orders import runtime
+    from loop_orders.results import atomic_write_json, provenance
+
+    if runtime.SIMULATOR:
+        print("host_overhead: no CUDA GPU here; nothing measured")
+        return 0
+    import torch
+
+    result = {"provenance": provenance(torch=torch.__version__),
+              "tiny_per_call_us": tiny_calls(), "n1024_ms": n1024(),
+              "compile_cache": compile_cache(), "calls": CALLS}
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out / "host_overhead.json", result)
+    print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

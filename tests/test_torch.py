@@ -1,0 +1,88 @@
+"""The differentiable PyTorch op (loop_orders.torch): on the CPU under the simulator (tiny
+sizes), on CUDA tensors on a GPU (tests/test_gpu.py); skipped where torch is not installed."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import loop_orders as lo  # noqa: E402
+import loop_orders.torch as lot  # noqa: E402
+from loop_orders import runtime  # noqa: E402
+
+DEVICE = "cpu" if runtime.SIMULATOR else "cuda"
+VARIANTS = [("q_outer", None), ("q_outer", {"dq": "separate"}), ("kv_outer", None),
+            ("dense", None), ("split_kv", {"splits": 2})]
+
+
+def leaves(shape, dtype=torch.float32, n=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen, dtype=dtype).to(DEVICE).requires_grad_()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("schedule, options", VARIANTS,
+                         ids=[f"{s}-{o}" for s, o in VARIANTS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_op_matches_torch_autograd_of_sdpa(schedule, options, causal):
+    """Output and gradients against torch's own attention in float64 (not the same code:
+    torch differentiates its math), on fresh random inputs with tails (N = 11, Br = 4,
+    Bc = 3) and dv != d."""
+    q, k, _ = leaves((2, 2, 11, 5))
+    (v,) = leaves((2, 2, 11, 3), n=1, seed=1)
+    (w,) = leaves((2, 2, 11, 3), n=1, seed=2)  # a weight so that d(loss)/d(out) is not 1
+    out = lot.attention(q, k, v, schedule=schedule, causal=causal, block_q=4, block_k=3,
+                        options=options)
+    assert isinstance(out, torch.Tensor) and out.device.type == DEVICE
+    assert out.requires_grad and out.dtype == torch.float32
+    (out * w.detach()).sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expect = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=causal)
+    (expect * w.detach().double()).sum().backward()
+    assert torch.allclose(out.double(), expect, atol=1e-6, rtol=1e-5)
+    for got, want in zip((q, k, v), ref, strict=True):
+        err = (got.grad.double() - want.grad).abs().max() / want.grad.abs().max()
+        assert err <= 1e-5, (schedule, float(err))
+
+
+def test_counting_collects_each_pass_and_equals_the_model():
+    q, k, v = leaves((1, 2, 9, 4))
+    with lot.counting() as calls:
+        out = lot.attention(q, k, v, schedule="kv_outer", block_q=4, block_k=4)
+        out.sum().backward()
+        lot.attention(q, k, v, schedule="q_outer", block_q=4, block_k=4)
+    assert [(c.schedule, c.pass_) for c in calls] == [
+        ("kv_outer", "forward"), ("kv_outer", "backward"), ("q_outer", "forward")]
+    assert all(c.ledger == c.model for c in calls)
+    bwd = calls[1]
+    assert bwd.ledger.read("dq") > 0 and bwd.model == lo.predict_traffic(
+        "kv_outer", n=9, d=4, heads=2, block_q=4, block_k=4, save_lse=True, backward=True)
+    out = lot.attention(q, k, v)  # outside the block: not counted
+    assert len(calls) == 3
+
+
+def test_two_dimensional_inputs_and_a_custom_scale():
+    q, k, v = leaves((7, 4))
+    out = lot.attention(q, k, v, scale=0.3)
+    out.sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    s = (ref[0] @ ref[1].T * 0.3).softmax(-1)
+    (s @ ref[2]).sum().backward()
+    assert out.shape == (7, 4)
+    assert torch.allclose(q.grad.double(), ref[0].grad, atol=1e-6)
+
+
+def test_float16_runs_and_bfloat16_is_refused_clearly():
+    q, k, v = leaves((1, 1, 8, 4), dtype=torch.float16)
+    out = lot.attention(q, k, v, block_q=4, block_k=4)
+    out.float().sum().backward()
+    assert out.dtype == torch.float16 and q.grad.dtype == torch.float16
+    assert torch.isfinite(q.grad).all()
+    with pytest.raises(TypeError, match="q: dtype bfloat16 is not supported"):
+        lot.attention(*(x.detach().bfloat16() for x in (q, k, v)))
+
+
+def test_a_non_contiguous_output_gradient_is_taken():
+    """out.sum() gives an expanded (stride 0) gradient: the op copies it contiguous."""
+    q, k, v = leaves((1, 2, 6, 4))
+    lot.attention(q, k, v, block_q=4, block_k=4).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
