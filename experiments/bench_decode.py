@@ -60,8 +60,9 @@ class Point:
                              generator=gen)
         self.k, self.v = (torch.randn(*lead, shape["n_k"], shape["d"], device="cuda",
                                       dtype=tdt, generator=gen) for _ in range(2))
-        self.rows = np.sort(rng.choice(shape["n_q"], min(CHECK_ROWS, shape["n_q"]),
-                                       replace=False))
+        self.rows = sorted(int(r) for r in rng.choice(shape["n_q"], min(CHECK_ROWS,
+                                                                          shape["n_q"]),
+                                                      replace=False))
         heads = sorted({0, shape["bh"] - 1})
         flat = [x.reshape(shape["bh"], -1, shape["d"]) for x in (self.q, self.k, self.v)]
         self.host = [x[heads].float().cpu().numpy().astype(shape["dtype"]) for x in flat]
@@ -95,7 +96,8 @@ def bench_ours(name: str, point: Point, options=None) -> dict:
     p = problem(name, point.shape, options)
     lo.api.check_launch(sched, p, count=True, host_inputs=False)
     kind = KINDS["torch"]
-    qv, kv, vv = (kind.view(x).reshape(p.bh, -1, p.d) for x in (point.q, point.k, point.v))
+    qv, kv, vv = (kind.view(x).reshape(p.bh, n, p.d) for x, n in
+                  ((point.q, p.n_q), (point.k, p.n_k), (point.v, p.n_k)))
     out = torch.empty(*point.q.shape[:-1], p.dv, device="cuda", dtype=point.q.dtype)
     out_v = kind.view(out).reshape(p.bh, p.n_q, p.dv)
     lse = runtime.device_empty((1, 1), np.float32)

@@ -218,6 +218,127 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
     return rows
 
 
+BACKWARD_SWEEP = {"n": [1024, 4096, 16384], "d": [64], "causal": [False, True]}
+BACKWARD_TORCH = [("torch_sdpa_efficient", "float32", "efficient"),
+                  ("torch_sdpa_flash", "float16", "flash")]
+
+
+def backward_providers() -> list[tuple[str, dict | None]]:
+    """(schedule, options) for every backward order and value of its options."""
+    out = []
+    for name in lo.backward_schedule_names():
+        bwd = lo.backward_schedule.get_backward(name)
+        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
+        out += [(name, opts) for opts in values or [None]]
+    return out
+
+
+def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
+    """(forward ms, backward ms, forward + backward through the torch op ms, gradient
+    error) of one backward order; kernels alone except the torch op's."""
+    import torch
+
+    import loop_orders.torch as lot
+    from experiments.gpu_common import GradBuffers, check_gradients
+
+    sched = lo.get_schedule(name)
+    bufs = GradBuffers(sched, p, rng, sets=input_sets(p))
+    bufs.launch_both(0)
+    grads = [runtime.to_host(g) for g in bufs.grads]
+    err = check_gradients(sched, p, *bufs.host[0], bufs.do_host, grads, rng)
+    fwd = time_launches(bufs.launch)
+    bwd = time_launches(bufs.launch_backward)
+    shape = (p.batch, p.heads)
+    tq, tk, tv = (torch.from_numpy(x.reshape(*shape, *x.shape[1:])).cuda().requires_grad_()
+                  for x in bufs.host[0])
+    tdo = torch.from_numpy(bufs.do_host.reshape(*shape, *bufs.do_host.shape[1:])).cuda()
+
+    def op(_i):
+        out = lot.attention(tq, tk, tv, schedule=name, causal=p.causal, block_q=p.block_q,
+                            block_k=p.block_k, options=options)
+        out.backward(tdo)
+
+    return fwd, bwd, time_launches(op), err
+
+
+def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.randn(p.batch, p.heads, p.n_q, p.d, device="cuda", dtype=tdt)
+               .requires_grad_() for _ in range(3))
+    do = torch.randn(p.batch, p.heads, p.n_q, p.dv, device="cuda", dtype=tdt)
+    chosen = {"efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def launch(_i):
+        with sdpa_kernel(chosen):
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=p.causal)
+        out.backward(do)
+
+    return time_launches(launch)
+
+
+def run_backward(out_dir: Path, sweep: dict, rng) -> list[dict]:
+    """Forward + backward of every backward order beside torch SDPA's (same run, same
+    shapes, B H N fixed), gradients checked against float64 on two heads first."""
+    from experiments.gpu_common import warm
+
+    rows, last = [], {}
+    warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
+                                block_q=64, block_k=64, causal=causal, save_lse=True,
+                                dtype=dtype, options=options), True)
+         for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
+         for dtype in ("float32", "float16") for name, options in backward_providers())
+    for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
+        batch, heads = shape_for(n)
+        for dtype in ("float32", "float16"):
+            for name, options in backward_providers():
+                p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
+                                    block_q=64, block_k=64, causal=causal, save_lse=True,
+                                    dtype=dtype, options=options)
+                label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
+                row = {"provider": label, "dtype": dtype, "batch": batch, "heads": heads,
+                       "n": n, "d": d, "causal": causal, "block_q": 64, "block_k": 64,
+                       "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
+                       "rel_error": "", "status": "ok"}
+                trend = (label, dtype, d, causal)
+                predicted = 4 * last.get(trend, 0) / 1e3
+                if predicted > 4 * POINT_BUDGET_S:
+                    row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
+                else:
+                    try:
+                        lo.api.check_launch(lo.get_schedule(name), p, count=False)
+                        fwd, bwd, op, err = bench_grad(name, options, p, rng)
+                        row.update(ms_forward=round(fwd, 4), ms_backward=round(bwd, 4),
+                                   ms_total=round(fwd + bwd, 4), ms_torch_op=round(op, 4),
+                                   rel_error=f"{err:.2e}")
+                        last[trend] = fwd + bwd
+                    except (ValueError, RuntimeError, MemoryError) as exc:
+                        row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
+                print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d}: "
+                      f"{row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
+                      f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
+                      flush=True)
+            for provider, tdtype, backend in BACKWARD_TORCH:
+                if tdtype != dtype:
+                    continue
+                p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
+                                    block_q=64, block_k=64, causal=causal, dtype=dtype)
+                ms = bench_torch_grad(backend, dtype, p, rng)
+                rows.append({"provider": provider, "dtype": dtype, "batch": batch,
+                             "heads": heads, "n": n, "d": d, "causal": causal, "block_q": "",
+                             "block_k": "", "ms_forward": "", "ms_backward": "",
+                             "ms_total": round(ms, 4), "ms_torch_op": "", "rel_error": "",
+                             "status": "ok"})
+                print(f"backward {provider:22s} {dtype} d={d} causal={causal!s:5} N={n:6d}: "
+                      f"{ms:.4f} ms forward + backward", flush=True)
+            write_csv(out_dir / "bench_backward.csv", rows, PROV)
+    return rows
+
+
 def run_blocksize(out_dir: Path, rng) -> None:
     """Block size vs model traffic and runtime (cf. FlashAttention Figure 2, middle)."""
     rows = []
@@ -380,6 +501,8 @@ def main(argv=None) -> int:
                              "fastest tiles and layout it found")
     parser.add_argument("--tune-providers", default="q_outer",
                         help="schedules the tuning sweep times (comma-separated)")
+    parser.add_argument("--backward", action="store_true",
+                        help="only forward + backward beside SDPA's (bench_backward.csv)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
@@ -394,6 +517,10 @@ def main(argv=None) -> int:
              "d": args.d or SWEEP["d"],
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
+    if args.backward:
+        run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {})}, rng)
+        print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
+        return 0
     if args.layouts or args.tune:
         rows = (finished_tuning(args.out / "bench_layouts.csv") if args.tune else None) or \
             run_layouts(args.out, set(args.tune_providers.split(",")), rng)

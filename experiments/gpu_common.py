@@ -180,6 +180,23 @@ def warm_cache(jobs: list, workers: int = 8) -> int:
         return sum(pool.map(_compile_worker, chunks))
 
 
+def warm(problems, counted=(False, True), workers: int = 12) -> None:
+    """On a GPU, compile the kernels of [(schedule name, Problem, backward)] (each counted
+    and not, as `counted` says) into the disk cache in parallel first; prints what it did."""
+    import time
+
+    if runtime.SIMULATOR:
+        return
+    jobs = {}
+    for name, p, backward in problems:
+        for count in counted:
+            jobs.setdefault((name, p, count, backward), (name, p, count, backward))
+    t0 = time.time()
+    done = warm_cache(list(jobs.values()), workers)
+    print(f"warm: {done} kernel builds for {len(jobs)} problems in {time.time() - t0:.0f} s",
+          flush=True)
+
+
 def write_csv(path: Path, rows: list[dict], prov: dict | None = None) -> None:
     """Atomically write rows (dicts with the same keys) plus provenance columns."""
     prov = prov or provenance()

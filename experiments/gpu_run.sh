@@ -1,30 +1,54 @@
 #!/usr/bin/env bash
-# Device calls for the GPU experiments, one stage per call (each under the 10-minute limit):
-#   bash experiments/gpu_run.sh STAGE [STAGE ...]    STAGE: tests, bench, layouts, profile or ncu
-# (results land in $OUT; each stage has its own time limit).
-# Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first.
+# One device call running GPU stages in order, each under its own time limit:
+#   bash experiments/gpu_run.sh STAGE [STAGE ...]
+# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, profile, ncu,
+# each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
+# Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
+# stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
+# (a device call returns at most 8 files), with the stages' log tails in $OUT/summary.log.
+# A stage that fails or runs out of time leaves what it wrote, and the next one runs.
 set -u
 export PYTHONUNBUFFERED=1 LOOP_ORDERS_GIT_SHA=${LOOP_ORDERS_GIT_SHA:-unknown}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt"
-for stage in "$@"; do case "$stage" in
-  tests) timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -x -p no:cacheprovider -s \
-           ${TESTS:-tests/test_correctness.py tests/test_gpu.py tests/test_explainer.py \
-                    tests/test_hardening.py} > "$OUT/pytest_gpu.log" 2>&1
-         echo "pytest exit status $? (124: stopped by the time limit)" | tee -a "$OUT/pytest_gpu.log"
-         grep -E "relative error" "$OUT/pytest_gpu.log"; tail -3 "$OUT/pytest_gpu.log" ;;
-  layouts) timeout 300 python3 -m experiments.bench_runtime --layouts --out "$OUT" 2>&1 \
-           | tee "$OUT/layouts.log" | tail -30 ;;
-  bench) timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.bench_runtime --out "$OUT" ${BENCH_ARGS:-} 2>&1 \
-           | tee "$OUT/bench.log" | tail -80 ;;
-  profile) timeout 150 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
-           --section WarpStateStats --section Occupancy --section LaunchStats \
-           --section InstructionStats --section MemoryWorkloadAnalysis -k regex:q_outer -c 1 \
-           python3 -m loop_orders run --schedule q_outer --n 4096 --d 64 --batch 4 --heads 16 \
-           --block-q 128 --block-k 64 --repeat 1 > "$OUT/profile_q_outer.txt" 2>&1
-         grep -E "Throughput|Issue Slots|Warp Cycles|Occupancy|Registers|Stall|Executed Ipc|FMA|time:|error" \
-           "$OUT/profile_q_outer.txt" | head -40 ;;
-  ncu)   timeout 400 python3 -m experiments.hw_traffic --out "$OUT" ${HW_ARGS:-} 2>&1 | tail -70 ;;
-  *) echo "usage: gpu_run.sh tests|bench|layouts|profile|ncu ..."; exit 2 ;;
-esac; done
+W=$OUT/work
+mkdir -p "$W"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt"
+run() {  # run STAGE TIMEOUT COMMAND...: the command's output in $W/STAGE/log
+  local stage=$1 limit=$2; shift 2
+  mkdir -p "$W/$stage"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$W/$stage/log" 2>&1
+  local rc=$?
+  echo "== $stage: exit $rc after $((SECONDS - t0)) s (124: stopped at ${limit} s)" \
+    | tee -a "$OUT/summary.log"
+  tail -n "${TAIL:-25}" "$W/$stage/log" | tee -a "$OUT/summary.log"
+}
+for arg in "$@"; do
+  stage=${arg%%:*}; T=${STAGE_TIMEOUT:-300}; [ "$stage" != "$arg" ] && T=${arg#*:}
+  case "$stage" in
+  tests)    run tests "$T" python3 -m pytest -q -p no:cacheprovider -n 8 -s \
+              ${TESTS:-tests/test_gpu.py tests/test_torch.py} ;;
+  host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
+  decode)   run decode "$T" python3 -m experiments.bench_decode --out "$W/decode" ${DECODE_ARGS:-} ;;
+  backward) run backward "$T" python3 -m experiments.bench_runtime --backward --out "$W/backward" ;;
+  theorems) for t in theorem2 theorem5; do
+              run "$t" "$T" python3 -m experiments."$t" --no-progress \
+                --results-dir "$W/$t" --figures-dir "$W/$t/fig" --notes "$W/$t/notes.md"
+            done ;;
+  train)    run train "$T" python3 -m experiments.train_tiny --out "$W/train" ;;
+  fig2)     run fig2 "$T" python3 -m experiments.fig2_setting --out "$W/fig2" ;;
+  bench)    run bench "$T" python3 -m experiments.bench_runtime --out "$W/bench" ${BENCH_ARGS:-} ;;
+  layouts)  run layouts "$T" python3 -m experiments.bench_runtime --layouts --out "$W/layouts" ;;
+  ncu)      run ncu "$T" python3 -m experiments.hw_traffic --out "$W/ncu" ${HW_ARGS:-} ;;
+  profile)  run profile "$T" ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
+              --section WarpStateStats --section Occupancy --section LaunchStats \
+              --section InstructionStats --section MemoryWorkloadAnalysis -k regex:q_outer -c 1 \
+              python3 -m loop_orders run --schedule q_outer --n 4096 --d 64 --batch 4 \
+              --heads 16 --block-q 128 --block-k 64 --repeat 1 ;;
+  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|ncu|profile[:SECONDS] ..."
+     exit 2 ;;
+  esac
+done
+tar czf "$OUT/work.tgz" -C "$W" .
+ls -la "$OUT"

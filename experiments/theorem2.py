@@ -118,20 +118,32 @@ def configs(sweep: dict, study: Study = FORWARD) -> list[dict]:
 
 
 def evaluate(config: dict, study: Study = FORWARD) -> dict:
-    name, options = study.lines()[config["schedule"]]
-    sched = lo.get_schedule(name)
-    block_q, block_k = study.order(config["schedule"]).tiles_for_sram(config["m"],
-                                                                       config["d"])
-    p = common.problem(sched, config["n"], config["d"], block_q, block_k, options=options)
+    sched = lo.get_schedule(study.lines()[config["schedule"]][0])
+    p = point_problem(config, study)
     return {"block_q": p.block_q, "block_k": p.block_k,
             **common.model_and_measure(sched, p, common.seed_for(config),
                                        backward=study.backward)}
 
 
+def point_problem(config: dict, study: Study) -> lo.Problem:
+    name, options = study.lines()[config["schedule"]]
+    sched = lo.get_schedule(name)
+    block_q, block_k = study.order(config["schedule"]).tiles_for_sram(config["m"],
+                                                                       config["d"])
+    return common.problem(sched, config["n"], config["d"], block_q, block_k, options=options)
+
+
 def run(ctx: common.Context, study: Study = FORWARD) -> results.Sweep:
     sweep = ctx.sweep(study.name, meta={})
-    sweep.run(configs(declaration(ctx), study), lambda c: evaluate(c, study),
-              progress=ctx.progress, desc=study.name)
+    todo = sweep.pending(configs(declaration(ctx), study))
+    if ctx.backend == "gpu":  # compile what will be measured in parallel first
+        from .gpu_common import warm
+
+        points = [(study.lines()[c["schedule"]][0], point_problem(c, study)) for c in todo]
+        warm(((name, p, study.backward) for name, p in points
+              if common.measurable(lo.get_schedule(name), p, backward=study.backward)),
+             counted=(True,))
+    sweep.run(todo, lambda c: evaluate(c, study), progress=ctx.progress, desc=study.name)
     sweep.finish()
     write_slopes(ctx, study)  # the fitted slopes are part of this experiment's results
     return sweep

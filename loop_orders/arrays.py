@@ -47,6 +47,11 @@ class DeviceView:
         """A view of another shape (a C-contiguous view only)."""
         if len(shape) == 1 and isinstance(shape[0], tuple):
             shape = shape[0]
+        if -1 in shape:
+            known = int(np.prod([x for x in shape if x != -1], dtype=np.int64))
+            shape = tuple(self.size // known if x == -1 else x for x in shape)
+        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            raise ValueError(f"cannot view {self.shape} as {shape}")
         strides, step = [], self.dtype.itemsize
         for extent in reversed(shape):
             strides.append(step)
