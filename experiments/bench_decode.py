@@ -171,6 +171,9 @@ def measure(provider: str, fn, shape: dict, budget: dict) -> dict:
         values = fn()
     except (ValueError, RuntimeError, MemoryError) as exc:
         return row(provider, shape, status=f"refused: {str(exc).splitlines()[0][:160]}")
+    except AssertionError as exc:  # a wrong answer is recorded, never timed
+        print(f"{provider}: FAILED {exc}", flush=True)
+        return row(provider, shape, status=f"failed: {str(exc).splitlines()[0][:160]}")
     budget[trend] = values["ms_kernel"]
     out = row(provider, shape, **values)
     print(f"{provider:22s} N_q={shape['n_q']:4d} N_k={shape['n_k']:7d} BH={shape['bh']:3d} "

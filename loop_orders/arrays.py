@@ -18,6 +18,9 @@ converting it to a Numba array, so a call costs microseconds of host time.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
 from . import runtime
@@ -32,8 +35,8 @@ class DeviceView:
     __slots__ = ("ptr", "shape", "strides", "dtype", "owner")
 
     def __init__(self, ptr: int, shape: tuple, strides: tuple, dtype, owner=None):
-        self.ptr, self.shape, self.strides = int(ptr), tuple(shape), tuple(strides)
-        self.dtype, self.owner = np.dtype(dtype), owner
+        self.ptr, self.shape, self.strides = ptr, tuple(shape), tuple(strides)
+        self.dtype, self.owner = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype), owner
 
     @property
     def ndim(self) -> int:
@@ -41,22 +44,20 @@ class DeviceView:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def reshape(self, *shape) -> DeviceView:
         """A view of another shape (a C-contiguous view only)."""
         if len(shape) == 1 and isinstance(shape[0], tuple):
             shape = shape[0]
+        size = math.prod(self.shape)
         if -1 in shape:
-            known = int(np.prod([x for x in shape if x != -1], dtype=np.int64))
-            shape = tuple(self.size // known if x == -1 else x for x in shape)
-        if int(np.prod(shape, dtype=np.int64)) != self.size:
+            shape = tuple(size // math.prod(x for x in shape if x != -1) if x == -1 else x
+                          for x in shape)
+        if math.prod(shape) != size:
             raise ValueError(f"cannot view {self.shape} as {shape}")
-        strides, step = [], self.dtype.itemsize
-        for extent in reversed(shape):
-            strides.append(step)
-            step *= extent
-        return DeviceView(self.ptr, shape, tuple(reversed(strides)), self.dtype, self.owner)
+        return DeviceView(self.ptr, shape, c_strides(shape, self.dtype.itemsize), self.dtype,
+                          self.owner)
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -252,14 +253,16 @@ def is_c_contiguous(x) -> bool:
         iface["strides"])
 
 
-def torch_to_numpy_dtype(dtype):
+@functools.cache
+def _torch_dtypes() -> dict:
     import torch
 
-    return {torch.float32: np.float32, torch.float16: np.float16}[dtype]
+    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
+
+
+def torch_to_numpy_dtype(dtype):
+    return _torch_dtypes()[dtype]
 
 
 def numpy_to_torch_dtype(dtype):
-    import torch
-
-    return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}[
-        np.dtype(dtype)]
+    return {v: k for k, v in _torch_dtypes().items()}[np.dtype(dtype)]

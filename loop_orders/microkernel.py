@@ -44,6 +44,7 @@ stay in registers.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from abc import abstractmethod
@@ -489,6 +490,14 @@ class MicroKernelSchedule(Schedule):
     def layout(self, p: Problem) -> Layout:
         return thread_layout(p.block_q, p.block_k, p.dv)
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
+    def _launch_plan(self, p: Problem, count: bool, forced: str | None):
+        """(kernel, threads, dynamic shared bytes) of p: worked out once per problem (and
+        forced layout), as a call's host time counts."""
+        lay = self.layout(p)
+        return (self.micro_kernel(p, count, lay).fn, lay.threads(p.block_q, p.block_k),
+                self.dynamic_shared_bytes(p, lay))
+
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | None = None) -> int:
         lay = lay or self.layout(p)
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
@@ -508,7 +517,5 @@ class MicroKernelSchedule(Schedule):
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the kernels load Q_i pre-scaled by it)."""
-        lay = self.layout(p)
-        kernel = self.micro_kernel(p, count, lay)
-        launch(kernel.fn, grid, lay.threads(p.block_q, p.block_k),
-               self.dynamic_shared_bytes(p, lay), *args, np.float32(scale * LOG2E))
+        fn, threads, shared = self._launch_plan(p, count, os.environ.get("LOOP_ORDERS_LAYOUT"))
+        launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))

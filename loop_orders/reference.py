@@ -86,18 +86,21 @@ def relative_error(out, ref) -> float:
 def tolerance(dtype, roundings: int, v, ref) -> float:
     """Largest acceptable `relative_error` of a schedule's output.
 
-    float32 inputs: 1e-5 (float32 accumulation over the key sum stays far below it).
+    float32 inputs: 1e-5, grown as sqrt(N_k / 4096) past 4096 keys (the key sum accumulates
+    float32 rounding like a random walk: about sqrt(N_k) 2^-24; measured 1.06e-5 at
+    N_k = 131072 on the H200, results/bench_decode.csv).
     float16 inputs: the reference sees the same float16-rounded inputs, so the only extra error
     is rounding the output to float16, at most 2^-11 of an element's magnitude each time. Every
     intermediate output row is a convex combination of V's rows, so one rounding costs at most
     2^-11 max|V|; a schedule that rounds O `roundings` times (kv_outer stores O after every K/V
     block) may lose `roundings` times that, relative to max|ref|.
     """
+    base = FLOAT32_TOLERANCE * max(1.0, np.sqrt(np.shape(v)[-2] / 4096))
     if np.dtype(dtype) == np.float32:
-        return FLOAT32_TOLERANCE
+        return base
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
     ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
-    return FLOAT32_TOLERANCE + roundings * 2.0**-11 * v_max / ref_max
+    return base + roundings * 2.0**-11 * v_max / ref_max
 
 
 def grad_tolerance(dtype, roundings: int) -> float:

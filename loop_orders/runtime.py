@@ -44,6 +44,7 @@ import numba  # noqa: E402  (must follow the backend choice above)
 from numba import cuda  # noqa: E402
 
 SIMULATOR: bool = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+BACKEND = "simulator" if SIMULATOR else "gpu"
 
 
 def _fix_simulator_shared_race() -> None:
@@ -306,6 +307,14 @@ def current_stream() -> int:
     return getattr(_stream, "handle", 0)
 
 
+def set_stream(handle: int) -> int:
+    """Make `handle` the launches' stream; returns the previous one (on_stream, without a
+    context manager's cost)."""
+    previous = getattr(_stream, "handle", 0)
+    _stream.handle = handle
+    return previous
+
+
 def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     """kernel[grid, block](*args) with `shared_bytes` of dynamic shared memory per CTA, on
     the stream of `on_stream`.
@@ -356,7 +365,7 @@ def memory_limit() -> tuple[int, str]:
 
 
 def backend_name() -> str:
-    return "simulator" if SIMULATOR else "gpu"
+    return BACKEND
 
 
 def device_name() -> str:
