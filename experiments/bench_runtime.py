@@ -318,6 +318,7 @@ def run_backward(out_dir: Path, sweep: dict, rng) -> list[dict]:
                     except (ValueError, RuntimeError, MemoryError) as exc:
                         row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
                 rows.append(row)
+                runtime.release_memory()
                 print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d}: "
                       f"{row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",

@@ -128,7 +128,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng()
     cfgs = configs()
     warm((cfg["schedule"], problem(cfg, cfg["dtype"]), True) for cfg in cfgs)
-    rows = [row for cfg in cfgs for row in measure(cfg, rng)]
+    rows = []
+    for cfg in cfgs:
+        rows += measure(cfg, rng)
+        runtime.release_memory()
     ncu = shutil.which("ncu")
     if ncu and not args.no_ncu:
         config_file = args.out / "fig2_configs.json"

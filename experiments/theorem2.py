@@ -136,9 +136,11 @@ def point_problem(config: dict, study: Study) -> lo.Problem:
 def run(ctx: common.Context, study: Study = FORWARD) -> results.Sweep:
     sweep = ctx.sweep(study.name, meta={})
     todo = sweep.pending(configs(declaration(ctx), study))
-    if ctx.backend == "gpu":  # compile what will be measured in parallel first
+    if ctx.backend == "gpu":  # compile what will be measured in parallel first; cheap first
         from .gpu_common import warm
 
+        todo.sort(key=lambda c: common.gpu_seconds(study.order(c["schedule"]),
+                                                   point_problem(c, study)))
         points = [(study.lines()[c["schedule"]][0], point_problem(c, study)) for c in todo]
         warm(((name, p, study.backward) for name, p in points
               if common.measurable(lo.get_schedule(name), p, backward=study.backward)),

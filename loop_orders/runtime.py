@@ -404,6 +404,20 @@ def synchronize() -> None:
     cuda.synchronize()
 
 
+def release_memory() -> None:
+    """Free what is no longer referenced now: Numba defers freeing device arrays, and torch
+    caches what it freed; between the points of a sweep both would pile up."""
+    import gc
+
+    gc.collect()
+    if SIMULATOR:
+        return
+    cuda.current_context().deallocations.clear()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def launching():
     """Wrap kernel launches. Under the simulator, shorten the interpreter's thread switch
