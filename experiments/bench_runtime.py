@@ -519,7 +519,9 @@ def main(argv=None) -> int:
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
     if args.backward:
-        run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {})}, rng)
+        causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
+        run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
+                                "causal": causal}, rng)
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
         return 0
     if args.layouts or args.tune:
