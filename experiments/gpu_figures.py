@@ -1,10 +1,10 @@
 """Figures of the GPU experiments, drawn from their committed results files.
 
 The measurements themselves need a GPU and minutes of device time, so `loop-orders figures`
-does not rerun them: `python -m experiments.bench_runtime` and `python -m
-experiments.hw_traffic` do (README, "GPU experiments"). This step plots whatever of
-bench_runtime.csv, hw_traffic.csv and bench_blocksize.csv the results directory holds, and
-says which is missing.
+does not rerun them: the GPU experiments do (README, "GPU experiments"). This step plots
+whatever of their results files (bench_runtime, hw_traffic, bench_blocksize, bench_decode,
+bench_backward, train_tiny, fig2_setting) the results directory holds, and says which is
+missing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def run(ctx: common.Context) -> None:
     """Nothing to measure here; see the module docstring."""
 
 
-L2_BYTES = 60 * 2**20  # the H200 we measure on (DESIGN.md: 132 SMs, 60 MB L2)
+L2_BYTES = 60 * 2**20  # the H200 we measure on: 132 SMs, 60 MB of L2
 
 
 def plot_hw(rows: list[dict], out: Path) -> list[Path]:
@@ -87,11 +87,160 @@ def plot_blocksize(rows: list[dict], out: Path) -> list[Path]:
     return plot_bench.save_with_provenance(fig, rows[0], out, "bench_blocksize")
 
 
+def _f(x) -> float:
+    return float(x) if x not in ("", None) else float("nan")
+
+
+def plot_decode(rows: list[dict], out: Path) -> list[Path]:
+    """The decode regime: kernel time vs N_k at N_q = 1, 16, 128 (B·H = 16, d = 64), each
+    provider in float32 (solid) and float16 (dashed); and at the target shape (N_q = 1,
+    N_k = 65536), time and the model's bytes against the split count S."""
+    plt = common.pyplot()
+    ok = [r for r in rows if r["status"] == "ok"]
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8))
+    colors = common.schedule_colors(["split_kv", "q_outer", "torch_sdpa"])
+    for ax, n_q in zip(axes[:3], ("1", "16", "128"), strict=True):
+        for dtype, style in (("float32", "o-"), ("float16", "s--")):
+            sel = [r for r in ok if r["n_q"] == n_q and r["bh"] == "16" and r["d"] == "64"
+                   and r["dtype"] == dtype and not r["provider"].startswith("split_kv_s")]
+            for provider in dict.fromkeys(r["provider"] for r in sel):
+                pts = sorted((int(r["n_k"]), _f(r["ms_kernel"])) for r in sel
+                             if r["provider"] == provider)
+                base = "torch_sdpa" if provider.startswith("torch") else provider
+                ax.loglog(*zip(*pts, strict=True), style, color=colors[base], base=2,
+                          label=f"{provider} ({dtype})")
+        ax.set(title=f"N_q = {n_q}, B·H = 16, d = 64", xlabel="keys N_k",
+               ylabel="kernel time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6.5)
+    target = [r for r in ok if r["provider"].startswith("split_kv_s")]
+    if target:
+        pts = sorted((int(r["splits"]), _f(r["ms_kernel"]), _f(r["model_bytes"]))
+                     for r in target)
+        s, ms, nbytes = zip(*pts, strict=True)
+        ax = axes[3]
+        ax.semilogx(s, ms, "o-", color=colors["split_kv"], base=2, label="split_kv, S fixed")
+        auto = [r for r in ok if r["provider"] == "split_kv" and all(
+            r[k] == v for k, v in (("n_q", "1"), ("n_k", "65536"), ("bh", "16"), ("d", "64"),
+                                   ("dtype", "float32")))]
+        if auto:
+            ax.plot([int(auto[0]["splits"])], [_f(auto[0]["ms_kernel"])], "*", ms=14,
+                    color="k", label=f"auto (S = {auto[0]['splits']})")
+        ax.set(xlabel="splits S", ylabel="kernel time (ms)", yscale="log",
+               title="N_q = 1, N_k = 65536, B·H = 16, d = 64, float32")
+        twin = ax.twinx()
+        twin.semilogx(s, [b / 1e9 for b in nbytes], "x:", color="0.4", base=2,
+                      label="model HBM bytes (GB)")
+        twin.set_ylabel("model HBM traffic (GB)")
+        ax.legend(fontsize=7, loc="upper center")
+        twin.legend(fontsize=7, loc="center right")
+    return plot_bench.save_with_provenance(fig, rows[0], out, "bench_decode")
+
+
+def plot_backward(rows: list[dict], out: Path) -> list[Path]:
+    """Forward + backward time per provider (stacked forward and backward for ours), one
+    group per (N, dtype), beside SDPA's forward + backward."""
+    plt = common.pyplot()
+    ok = [r for r in rows if r["status"].startswith("ok")]
+    groups = list(dict.fromkeys((r["n"], r["dtype"], r["causal"]) for r in ok))
+    providers = list(dict.fromkeys(r["provider"] for r in ok if r["block_q"]))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.4), squeeze=False)
+    for ax, (n, dtype, causal) in zip(axes[0], groups, strict=True):
+        sel = {r["provider"]: r for r in ok if (r["n"], r["dtype"], r["causal"]) ==
+               (n, dtype, causal)}
+        labels, fwd, bwd = [], [], []
+        for name in providers + [p for p in sel if p.startswith("torch")]:
+            if name not in sel:
+                continue
+            r = sel[name]
+            labels.append(name.replace("torch_sdpa_", "SDPA "))
+            if r["ms_forward"]:
+                fwd.append(_f(r["ms_forward"]))
+                bwd.append(_f(r["ms_backward"]))
+            else:
+                fwd.append(_f(r["ms_total"]))
+                bwd.append(0.0)
+        ax.bar(labels, fwd, color="tab:blue", label="forward")
+        ax.bar(labels, bwd, bottom=fwd, color="tab:orange", label="backward")
+        ax.set_title(f"N = {n}, {dtype}, causal = {causal}", fontsize=9)
+        ax.set_ylabel("ms (kernels alone)")
+        ax.tick_params(axis="x", rotation=60, labelsize=7)
+        ax.legend(fontsize=7)
+    return plot_bench.save_with_provenance(fig, ok[0], out, "bench_backward")
+
+
+def plot_train(rows: list[dict], out: Path) -> list[Path]:
+    """Training loss per step of every run (on top of each other), and the counted HBM
+    traffic of one step's attention calls, forward and backward, per schedule."""
+    plt = common.pyplot()
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(14, 4.8),
+                                   gridspec_kw={"width_ratios": [1.4, 1]})
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    for i, run in enumerate(runs):
+        pts = sorted((int(r["step"]), _f(r["loss"])) for r in rows if r["run"] == run)
+        ax.plot(*zip(*pts, strict=True), lw=2.5 if run == "torch_sdpa" else 1,
+                ls="-" if i % 2 == 0 else "--", label=run)
+    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)",
+           title="loss curves (the same weights and batches for every run)")
+    ax.legend(fontsize=7)
+    counted = [r for r in rows if r["counted"] == "True" and r["step"] == "0"]
+    names = [r["run"] for r in counted]
+    fwd = [_f(r["forward_bytes"]) / 1e9 for r in counted]
+    bwd = [_f(r["backward_bytes"]) / 1e9 for r in counted]
+    bars.bar(names, fwd, color="tab:blue", label="forward (counted = model)")
+    bars.bar(names, bwd, bottom=fwd, color="tab:orange", label="backward (counted = model)")
+    bars.set(ylabel="HBM traffic of one step's attention (GB)", title="traffic per step")
+    bars.tick_params(axis="x", rotation=45, labelsize=7)
+    bars.legend(fontsize=7)
+    return plot_bench.save_with_provenance(fig, rows[0], out, "train_tiny")
+
+
+def plot_fig2(rows: list[dict], out: Path) -> list[Path]:
+    """The Figure 2 setting: per run, forward + backward bytes (model = counted, ncu DRAM)
+    and runtime, float16 and float32, beside what the paper prints (dashed)."""
+    from .gpu_notes import PAPER_FIG2
+
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    x = range(len(runs))
+    for offset, dtype in ((-0.2, "float16"), (0.2, "float32")):
+        total = {key: [sum(_f(r[key]) for r in rows if r["run"] == run and r["dtype"] == dtype)
+                       for run in runs]
+                 for key in ("counted_bytes", "dram_read_bytes", "dram_write_bytes", "ms")}
+        dram = [a + b for a, b in zip(total["dram_read_bytes"], total["dram_write_bytes"],
+                                      strict=True)]
+        for ax, values, label in ((axes[0], [v / 1e9 for v in total["counted_bytes"]],
+                                   "counted = model"),
+                                  (axes[1], [v / 1e9 for v in dram], "ncu DRAM"),
+                                  (axes[2], total["ms"], "runtime")):
+            ax.bar([i + offset for i in x], values, width=0.4, label=f"{label}, {dtype}")
+    for ax, key, unit in ((axes[0], "hbm_gb", "GB"), (axes[1], "hbm_gb", "GB"),
+                          (axes[2], "ms", "ms")):
+        for name, printed in PAPER_FIG2.items():
+            ax.axhline(printed[key], ls="--", lw=1, color="k" if name == "standard" else "0.5",
+                       label=f"paper, {name}: {printed[key]} {unit}")
+        ax.set_xticks(list(x), runs, rotation=40, fontsize=7)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("forward + backward HBM elements' bytes (GB)")
+    axes[1].set_ylabel("DRAM read + write after the L2 (GB)")
+    axes[2].set_ylabel("forward + backward, kernels alone (ms)")
+    setting = rows[0]
+    axes[1].set_title(f"B = {setting['batch']}, H = {setting['heads']}, N = {setting['n']}, "
+                      f"d = {setting['d']}, causal (the paper: an A100, with dropout and a "
+                      "padding mask)", fontsize=9)
+    return plot_bench.save_with_provenance(fig, rows[0], out, "fig2_setting")
+
+
 def plot(ctx: common.Context) -> list:
     written = []
     for name, required, draw in (("bench_runtime.csv", "provider", plot_bench.plot),
                                  ("hw_traffic.csv", "ncu_ld_bytes", plot_hw),
-                                 ("bench_blocksize.csv", "model_bytes", plot_blocksize)):
+                                 ("bench_blocksize.csv", "model_bytes", plot_blocksize),
+                                 ("bench_decode.csv", "n_k", plot_decode),
+                                 ("bench_backward.csv", "ms_backward", plot_backward),
+                                 ("train_tiny.csv", "loss", plot_train),
+                                 ("fig2_setting.csv", "counted_bytes", plot_fig2)):
         path = ctx.results_dir / name
         if path.exists():
             written += draw(plot_bench.read_rows(path, required), ctx.figures_dir)

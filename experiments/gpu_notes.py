@@ -7,9 +7,13 @@ one-line "not measured yet" instead, so the notes regenerate on any machine.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 from pathlib import Path
+
+import loop_orders as lo
+from loop_orders.backward_schedule import backward_of
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
 PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_6296e24.txt"
@@ -157,21 +161,245 @@ def q_outer_profile(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# What the FlashAttention paper prints in Figure 2 (left) for GPT-2 medium's attention,
+# forward + backward, on an A100 (arXiv 2205.14135; the stored transcripts we could read of
+# its later versions print these, one of an earlier version 35.3 GB and 35.1 / 11.7 ms).
+PAPER_FIG2 = {"standard": {"gflops": 66.6, "hbm_gb": 40.3, "ms": 41.7},
+              "FlashAttention": {"gflops": 75.2, "hbm_gb": 4.4, "ms": 7.3}}
+DECODE_TARGET = {"n_q": "1", "n_k": "65536", "bh": "16", "d": "64", "dtype": "float32"}
+
+
+def _ms(x) -> str:
+    return f"{float(x):.3f}" if x not in ("", None) else "—"
+
+
+def decode_summary(results_dir: Path) -> str:
+    path = results_dir / "bench_decode.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    ok = [r for r in rows if r["status"] == "ok"]
+
+    def at(shape, provider):
+        return next((r for r in ok if r["provider"] == provider
+                     and all(r[k] == v for k, v in shape.items())), None)
+
+    split, q, sdpa = (at(DECODE_TARGET, name) for name in
+                      ("split_kv", "q_outer", "torch_sdpa_efficient"))
+    lines = [f"Target shape (N_q = 1, B·H = 16, N_k = 65536, d = 64, float32): split_kv "
+             f"(splits = auto → S = {split['splits']}) **{float(split['ms_kernel']):.3f} ms**, "
+             f"q_outer {float(q['ms_kernel']):.2f} ms "
+             f"(**{float(q['ms_kernel']) / float(split['ms_kernel']):.1f}×** slower), torch SDPA "
+             f"efficient {float(sdpa['ms_kernel']):.3f} ms "
+             f"(split_kv **{float(sdpa['ms_kernel']) / float(split['ms_kernel']):.2f}×** "
+             f"faster); through the public call `lo.attention` on torch tensors "
+             f"{float(split['ms_call']):.3f} ms. Our schedules' counters equal the model at "
+             f"every point ({sum(1 for r in ok if r['counted_bytes'])} points).", "",
+             "| N_q | N_k | dtype | split_kv ms (S) | q_outer ms | SDPA ms | split_kv GB/s "
+             "(model bytes) |", "|---|---|---|---|---|---|---|"]
+    for n_q in ("1", "16", "128"):
+        for n_k in ("4096", "16384", "65536", "131072"):
+            for dtype in ("float32", "float16"):
+                shape = {"n_q": n_q, "n_k": n_k, "bh": "16", "d": "64", "dtype": dtype}
+                sk, qo = at(shape, "split_kv"), at(shape, "q_outer")
+                sd = at(shape, "torch_sdpa_efficient") or at(shape, "torch_sdpa_flash")
+                if sk and qo and sd:
+                    lines.append(f"| {n_q} | {n_k} | {dtype} | {_ms(sk['ms_kernel'])} "
+                                 f"({sk['splits']}) | {_ms(qo['ms_kernel'])} | "
+                                 f"{_ms(sd['ms_kernel'])} ({sd['provider'][11:]}) | "
+                                 f"{sk['gbps']} |")
+    sweep = sorted((int(r["splits"]), r) for r in ok if r["provider"].startswith("split_kv_s"))
+    lines += ["", "Split count at the target shape (the model's bytes beside the time):", "",
+              "| S | ms | model HBM bytes (GB) |", "|---|---|---|"]
+    lines += [f"| {s} | {_ms(r['ms_kernel'])} | {int(r['model_bytes']) / 1e9:.3f} |"
+              for s, r in sweep]
+    from .bench_decode import SWEEP
+
+    measured = {(r["n_q"], r["n_k"], r["bh"], r["d"], r["dtype"]) for r in rows}
+    declared = list(itertools.product(*([str(v) for v in SWEEP[k]]
+                                        for k in ("n_q", "n_k", "bh", "d", "dtype"))))
+    missing: dict = {}
+    for n_q, n_k, bh, d, dtype in declared:
+        if (n_q, n_k, bh, d, dtype) not in measured:
+            missing.setdefault((n_q, bh, d, dtype), []).append(n_k)
+    lines += ["", f"{len(measured)} of the sweep's {len(declared)} shapes were measured in "
+              "the run" + ("; not measured (the stage's time ran out): " + "; ".join(
+                  f"N_q = {a}, B·H = {b}, d = {c}, {t} at N_k = {', '.join(ks)}"
+                  for (a, b, c, t), ks in missing.items()) if missing else "") + "."]
+    return "\n".join(lines)
+
+
+def backward_bench(results_dir: Path) -> str:
+    path = results_dir / "bench_backward.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    ok = [r for r in rows if r["status"].startswith("ok")]
+    ref = [r for r in ok if (r["n"], r["dtype"], r["causal"]) == ("4096", "float32", "False")]
+    ours = [r for r in ref if not r["provider"].startswith("torch")]
+    sdpa = next((r for r in ref if r["provider"] == "torch_sdpa_efficient"), None)
+    head = []
+    if ours and sdpa:
+        best = min(ours, key=lambda r: float(r["ms_total"]))
+        head = [f"Reference shape (B = 4, H = 16, N = 4096, d = 64, float32, not causal): the "
+                f"fastest order, {best['provider']}, {float(best['ms_total']):.2f} ms forward + "
+                f"backward (backward {float(best['ms_backward']):.2f} ms, "
+                f"{float(best['ms_backward']) / float(best['ms_forward']):.1f}× its forward) "
+                f"against SDPA efficient's {float(sdpa['ms_total']):.2f} ms: "
+                f"**{float(sdpa['ms_total']) / float(best['ms_total']):.3f}×**.", ""]
+    lines = head + ["| N | B·H | dtype | provider | forward ms | backward ms | total ms | "
+                    "torch op ms | vs SDPA | gradient error |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ok:
+        sdpa = next((x for x in ok if x["provider"].startswith("torch") and
+                     (x["n"], x["dtype"], x["causal"]) == (r["n"], r["dtype"], r["causal"])),
+                    None)
+        ratio = (f"{float(sdpa['ms_total']) / float(r['ms_total']):.3f}×"
+                 if sdpa and not r["provider"].startswith("torch") else "")
+        lines.append(f"| {r['n']} | {int(r['batch']) * int(r['heads'])} | {r['dtype']} | "
+                     f"{r['provider']} | {_ms(r['ms_forward'])} | {_ms(r['ms_backward'])} | "
+                     f"{_ms(r['ms_total'])} | {_ms(r['ms_torch_op'])} | {ratio} | "
+                     f"{r['rel_error'] or '—'} |")
+    return "\n".join(lines)
+
+
+def train_summary(results_dir: Path) -> str:
+    path = results_dir / "train_tiny.json"
+    if not path.exists():
+        return _missing(path)
+    data = json.loads(path.read_text())
+    st, summary = data["setting"], data["summary"]
+    rows = _rows(results_dir / "train_tiny.csv") or []
+    counted = {r["run"]: r for r in rows if r["counted"] == "True" and r["step"] == "0"}
+    lines = [f"{st['layers']} layers × {st['heads']} heads × head dim {st['head_dim']}, "
+             f"sequence {st['seq']}, batch {st['batch']}, {st['steps']} steps, {st['dtype']}, "
+             f"the same initial weights and batches for every run:", "",
+             "| run | mean loss, last 20 steps | / SDPA's | median step ms | one step's attention "
+             "traffic, forward + backward (counted = model) |", "|---|---|---|---|---|"]
+    for run, s in summary.items():
+        c = counted.get(run)
+        traffic = (f"{(int(c['forward_bytes']) + int(c['backward_bytes'])) / 1e9:.3f} GB "
+                   f"({int(c['forward_elements']) + int(c['backward_elements']):,} elements)"
+                   if c else "—")
+        lines.append(f"| {run} | {s['mean_last_20']:.5f} | {s.get('final_vs_sdpa', 1):.5f} | "
+                     f"{s['median_step_ms']:.1f} | {traffic} |")
+    return "\n".join(lines)
+
+
+def fig2_table(results_dir: Path) -> str:
+    path = results_dir / "fig2_setting.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    lines = ["| run | dtype | pass | model = counted (GB) | ncu L1 ld + st (GB) | ncu RED "
+             "(GB) | DRAM rd + wr (GB) | ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['dtype']} | {r['pass']} | "
+                     f"{int(r['counted_bytes']) / 1e9:.3f} | "
+                     f"{(int(r['ncu_ld_bytes']) + int(r['ncu_st_bytes'])) / 1e9:.3f} | "
+                     f"{int(r['ncu_red_bytes']) / 1e9:.3f} | "
+                     f"{(int(r['dram_read_bytes']) + int(r['dram_write_bytes'])) / 1e9:.3f} | "
+                     f"{float(r['ms']):.2f} |")
+    same = sum(r["model_bytes"] == r["counted_bytes"] for r in rows)
+    plain = [abs(float(r["ncu_vs_counted"])) for r in rows if int(r["ncu_red_bytes"]) == 0]
+    lines += ["", f"Model = counted in {same} of {len(rows)} rows. Where no atomics run, "
+              f"|ncu L1 ld + st − counted| / counted ≤ **{max(plain):.2%}**."]
+    for r in rows:
+        if int(r["ncu_red_bytes"]) and r["dtype"] == "float32" and r["schedule"] == "q_outer":
+            p = lo.make_problem("q_outer", n_q=int(r["n"]), d=int(r["d"]), batch=int(r["batch"]),
+                                heads=int(r["heads"]), block_q=int(r["block_q"]),
+                                block_k=int(r["block_k"]), causal=r["causal"] == "True",
+                                save_lse=True, options={"dq": "atomic"})
+            adds = backward_of(lo.get_schedule("q_outer")).model(p).read("dq_acc") \
+                - p.bh * p.n_q * p.d  # the convert kernel's plain loads
+            rest = int(r["counted_bytes"]) - 8 * adds
+            ld_st = int(r["ncu_ld_bytes"]) + int(r["ncu_st_bytes"])
+            lines.append(f"The atomic dQ order's backward ({r['dtype']}): {adds / 1e6:,.1f} M "
+                         f"float32 atomic adds, which ncu's l1tex RED bytes count at "
+                         f"{int(r['ncu_red_bytes']) / adds:.2f} bytes each (we count 4 + 4); "
+                         f"the loads and stores beside them: ncu {ld_st / 1e9:.3f} GB against "
+                         f"{rest / 1e9:.3f} GB counted ({ld_st / rest - 1:+.2%}).")
+            break
+    totals = {}
+    for r in rows:
+        key = (r["run"], r["dtype"])
+        t = totals.setdefault(key, {"counted": 0, "dram": 0, "ms": 0.0})
+        t["counted"] += int(r["counted_bytes"])
+        t["dram"] += int(r["dram_read_bytes"]) + int(r["dram_write_bytes"])
+        t["ms"] += float(r["ms"])
+    lines += ["", "Forward + backward beside the paper (A100, GPT-2 medium's attention):", "",
+              "| | HBM traffic (GB): elements moved | DRAM after the L2 (GB) | ms |",
+              "|---|---|---|---|"]
+    for name, printed in PAPER_FIG2.items():
+        lines.append(f"| paper, {name} | {printed['hbm_gb']} (as printed) | | {printed['ms']} |")
+    for (run, dtype), t in totals.items():
+        lines.append(f"| {run}, {dtype} | {t['counted'] / 1e9:.2f} | {t['dram'] / 1e9:.2f} | "
+                     f"{t['ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def host_overhead(results_dir: Path) -> str:
+    path = results_dir / "host_overhead.json"
+    if not path.exists():
+        return _missing(path)
+    data = json.loads(path.read_text())
+    lines = ["| call (B = H = 1, N = 64, d = 64) | µs per call |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in data["tiny_per_call_us"].items()]
+    n = data["n1024_ms"]
+    cache = data["compile_cache"]
+    lines += ["", f"At N = 1024 (B = 4, H = 16): the q_outer kernel {n['q_outer kernel']:.3f} ms, "
+              f"through `lo.attention` {n['q_outer lo.attention']:.3f} ms, torch SDPA efficient "
+              f"{n['torch sdpa efficient']:.3f} ms.", "",
+              f"A new process's first call at a shape no process had compiled: "
+              f"{cache['first_process']['first_call_s']:.2f} s; the next new process's first "
+              f"call there (kernels from the disk cache): "
+              f"**{cache['second_process']['first_call_s'] * 1e3:.1f} ms** (importing "
+              f"numba, torch and loop_orders: {cache['second_process']['import_s']:.1f} s). "
+              f"Two processes filling an empty cache at once: first calls "
+              + ", ".join(f"{r['first_call_s']:.2f} s" for r in cache["racing_processes"])
+              + ", both right (max |error| "
+              + ", ".join(f"{r['max_abs_error']:.1e}" for r in cache["racing_processes"])
+              + f"); a third process then loaded in "
+              f"{cache['after_the_race']['first_call_s'] * 1e3:.1f} ms."]
+    return "\n".join(lines)
+
+
+def ptxas_kernels(results_dir: Path) -> str:
+    path = results_dir / "kernels_ptxas.json"
+    if not path.exists():
+        return (f"*Not built yet: `{path.name}` is written by `python -m experiments."
+                "ptx_check --out results/kernels_ptxas.json`.*")
+    data = json.loads(path.read_text())
+    rows = [r for r in data["kernels"] if not r["count"] and "error" not in r]
+    lines = ["| schedule | kernel | d | dtype | causal | registers | stack (B) | spills "
+             "(stores / loads, B) | ld.shared.v4 in PTX |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['schedule']} | {r['kernel']} | {r['d']} | {r['dtype']} | "
+                     f"{r['causal']} | {r['registers']} | {r['stack']} | {r['spill_stores']} / "
+                     f"{r['spill_loads']} | {r['ld_shared_v4']} |")
+    failed = sum(1 for r in data["kernels"] if "error" in r)
+    return (f"{len(data['kernels'])} kernel builds (counted and not) compiled by ptxas for "
+            f"sm_90a, {failed} failed; the uncounted builds:\n\n" + "\n".join(lines))
+
+
 def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     """(file name, provenance) of each GPU results file present; the csv files carry it in
     their columns (versions as JSON), bench_kernels.json under "provenance"."""
     out = []
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
-                 "bench_blocksize.csv"):
+                 "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
+                 "fig2_setting.csv", "train_tiny.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
             dates = " + ".join(dict.fromkeys(r["date"] for r in rows))
             out.append((name, {**rows[0], "git_sha": shas, "date": dates,
                                "versions": json.loads(rows[0]["versions"])}))
-    kernels = results_dir / "bench_kernels.json"
-    if kernels.exists():
-        out.append((kernels.name, json.loads(kernels.read_text())["provenance"]))
+    for name in ("bench_kernels.json", "host_overhead.json", "train_tiny.json",
+                 "kernels_ptxas.json"):
+        path = results_dir / name
+        if path.exists():
+            out.append((name, json.loads(path.read_text())["provenance"]))
     return out
 
 
@@ -180,4 +408,9 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "bench-tuning": bench_tuning(results_dir),
             "bench-kernels": bench_kernels(results_dir),
             "bench-blocksize": bench_blocksize(results_dir),
-            "q-outer-profile": q_outer_profile(results_dir)}
+            "q-outer-profile": q_outer_profile(results_dir),
+            "decode-summary": decode_summary(results_dir),
+            "backward-bench": backward_bench(results_dir),
+            "train-summary": train_summary(results_dir), "fig2-setting": fig2_table(results_dir),
+            "host-overhead": host_overhead(results_dir),
+            "ptxas-kernels": ptxas_kernels(results_dir)}

@@ -34,6 +34,28 @@ ANCHORS = [
     ("Tiles to and from HBM, coalesced", "loop_orders/tiles.py", "def _tile_copy("),
     ("online-softmax recurrence (explainer)", "loop_orders/reference.py", "def online_row("),
     ("Standard attention (Algorithm 0) model", "loop_orders/schedules/dense.py", "def model("),
+    ("Split-KV: a split's K/V range, then its partial O and lse",
+     "loop_orders/schedules/split_kv.py", "j0 = s * per"),
+    ("Split-KV: the combine's weights exp(lse_is - lse_i)", "loop_orders/schedules/split_kv.py",
+     "exp(lse_is - lse_i), summing"),
+    ("Algorithm 4 line 4 (dQ, dK, dV = 0 in HBM)", "loop_orders/backward/kv_outer.py",
+     "# Algorithm 4 line 4"),
+    ("Algorithm 4 line 8 (Q_i, O_i, dO_i, dQ_i, l_i, m_i per (j, i))",
+     "loop_orders/backward/kv_outer.py", "reloaded from HBM per K/V block (line 8)"),
+    ("Algorithm 4 line 22 (dQ_i written back per (j, i))", "loop_orders/backward/kv_outer.py",
+     "(line 22)"),
+    ("FA-2 backward: delta = rowsum(dO o O) (preprocess)", "loop_orders/backward/q_outer.py",
+     "# delta_r: rowsum"),
+    ("FA-2 backward: K_j, V_j once per CTA", "loop_orders/backward/q_outer.py",
+     "# K_j, V_j: read from HBM once"),
+    ("FA-2 backward: dQ by float32 atomics", "loop_orders/backward/q_outer.py",
+     "# dq_acc_i: float32 atomic adds"),
+    ("Deterministic dQ: the Q-outer kernel", "loop_orders/backward/q_outer.py",
+     "def q_outer_bwd_dq("),
+    ("Backward tile: P, dS from S, dP (shared by the orders)", "loop_orders/backward_tiles.py",
+     "def probs("),
+    ("Standard attention backward (Algorithm 3) model", "loop_orders/backward/dense.py",
+     "def model("),
     ("Theorem 2 Θ(N²d²/M), Θ(Nd + N²)", "loop_orders/theory.py", "def flash_traffic("),
     ("Saha–Ye lower bound", "loop_orders/theory.py", "def saha_ye_lower_bound("),
     ("Slope fit (scipy linregress)", "loop_orders/theory.py", "def fit_power_law("),
@@ -78,6 +100,52 @@ def slope_table(ctx: common.Context, study: theorem2.Study = theorem2.FORWARD) -
     return "\n".join(lines)
 
 
+def split_kv_traffic() -> str:
+    """split_kv's and q_outer's models at the decode target shape, per tensor."""
+    shape = {"n": 1, "n_k": 65536, "d": 64, "heads": 16, "block_q": 64, "block_k": 64}
+    p = lo.make_problem("split_kv", n_q=1, n_k=65536, d=64, heads=16, block_q=64, block_k=64)
+    ledgers = {"q_outer": lo.predict_traffic("q_outer", **shape),
+               f"split_kv (auto: S = {lo.get_schedule('split_kv').splits(p)})":
+                   lo.predict_traffic("split_kv", **shape),
+               "split_kv (S = 128)": lo.predict_traffic("split_kv", **shape,
+                                                        options={"splits": 128})}
+    tensors = list(dict.fromkeys(t for lg in ledgers.values() for t in lg.tensors
+                                 if lg.tensor_total(t)))
+    lines = ["| tensor | " + " | ".join(f"{n} (read / write)" for n in ledgers) + " |",
+             "|---|" + "---|" * len(ledgers)]
+    for t in tensors:
+        lines.append(f"| {t} | " + " | ".join(f"{lg.read(t):,} / {lg.write(t):,}"
+                                             for lg in ledgers.values()) + " |")
+    lines.append("| **bytes (float32)** | " + " | ".join(f"**{lg.bytes(4):,}**"
+                                                       for lg in ledgers.values()) + " |")
+    return ("N_q = 1, N_k = 65536, B·H = 16, d = dv = 64, Br = Bc = 64 (the model, "
+            "`lo.predict_traffic`):\n\n" + "\n".join(lines))
+
+
+def backward_traffic() -> str:
+    """The three dQ strategies (and dense) per tensor at Figure 2's setting, from the
+    models; what the counters measured there is in the fig2-setting block."""
+    shape = {"n": 1024, "d": 64, "heads": 16, "batch": 64, "block_q": 64, "block_k": 64,
+             "causal": True, "save_lse": True, "backward": True}
+    ledgers = {"dense (Algorithm 3)": lo.predict_traffic("dense", **shape),
+               "kv_outer (Algorithm 4: dQ_i in HBM)": lo.predict_traffic("kv_outer", **shape),
+               "q_outer dq=atomic (float32 atomics)": lo.predict_traffic(
+                   "q_outer", **shape, options={"dq": "atomic"}),
+               "q_outer dq=separate (Q-outer dQ kernel)": lo.predict_traffic(
+                   "q_outer", **shape, options={"dq": "separate"})}
+    tensors = list(dict.fromkeys(t for lg in ledgers.values() for t in lg.tensors
+                                 if lg.tensor_total(t)))
+    lines = ["| tensor | " + " | ".join(f"{n}" for n in ledgers) + " |",
+             "|---|" + "---|" * len(ledgers)]
+    for t in tensors:
+        lines.append(f"| {t} | " + " | ".join(f"{lg.tensor_total(t) / 1e6:,.1f} M"
+                                             for lg in ledgers.values()) + " |")
+    lines.append("| **total, float16 bytes** | " + " | ".join(
+        f"**{lg.bytes(2) / 1e9:.2f} GB**" for lg in ledgers.values()) + " |")
+    return ("The backward pass alone, B = 64, H = 16, N = 1024, d = 64, causal, Br = Bc = 64 "
+            "(elements read + written, from the models):\n\n" + "\n".join(lines))
+
+
 def provenance_block(ctx: common.Context) -> str:
     lines = ["| results file | git SHA | device | date | numpy / numba-cuda |",
              "|---|---|---|---|---|"]
@@ -98,6 +166,7 @@ def blocks(ctx: common.Context) -> dict[str, str]:
             "explainer-walkthrough": explainer.walkthrough_table(ex),
             "traffic-summary": traffic_summary(ctx), "theorem2-slopes": slope_table(ctx),
             "theorem5-slopes": slope_table(ctx, theorem5.BACKWARD),
+            "split-kv-traffic": split_kv_traffic(), "backward-traffic": backward_traffic(),
             "provenance": provenance_block(ctx), **gpu_notes.blocks(ctx.results_dir)}
 
 
@@ -113,8 +182,41 @@ def replace_blocks(text: str, new: dict[str, str]) -> str:
     return text
 
 
+def schedule_table() -> str:
+    """The README's table of the registered schedules, their options and backward orders."""
+    from loop_orders.backward_schedule import get_backward
+
+    lines = ["| schedule | loop order | options | backward |", "|---|---|---|---|"]
+    for sched in lo.all_schedules():
+        options = ", ".join(f"`{k}` ({o.allowed}; default {o.default!r})"
+                            for k, o in sched.OPTIONS.items()) or "—"
+        back = "—"
+        if sched.BACKWARD:
+            bwd = get_backward(sched.BACKWARD)
+            own = ", ".join(f"`{k}`: {o.allowed}" for k, o in bwd.OPTIONS.items())
+            back = (bwd.summary if sched.name == sched.BACKWARD else
+                    f"{sched.BACKWARD}'s") + (f" ({own})" if own else "")
+        lines.append(f"| `{sched.name}` | {sched.summary} | {options} | {back} |")
+    return "\n".join(lines)
+
+
+README_PATH = common.REPO_ROOT / "README.md"
+
+
+def update_readme(path: Path = README_PATH) -> Path:
+    """Rewrite the README's generated blocks (the schedule table), only where it changed."""
+    text = path.read_text(encoding="utf-8")
+    new = replace_blocks(text, {"schedules": schedule_table()})
+    return path if new == text else results.atomic_write_text(path, new)
+
+
 def update(ctx: common.Context, template: Path | None = None) -> Path:
     """Rewrite ctx.notes_path's generated blocks (reading `template` if it does not exist)."""
     source = ctx.notes_path if ctx.notes_path.exists() else (template or common.NOTES_PATH)
-    text = replace_blocks(source.read_text(encoding="utf-8"), blocks(ctx))
+    old = source.read_text(encoding="utf-8")
+    text = replace_blocks(old, blocks(ctx))
+    if ctx.notes_path == common.NOTES_PATH:  # the repository's own: its README too
+        update_readme()
+    if source == ctx.notes_path and text == old:
+        return ctx.notes_path  # nothing changed: the file is left as it was
     return results.atomic_write_text(ctx.notes_path, text)

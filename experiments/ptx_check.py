@@ -116,7 +116,10 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=1))
+        from loop_orders.results import atomic_write_json, provenance
+
+        atomic_write_json(args.out, {"provenance": provenance(ptxas="sm_90a", cc="9.0"),
+                                     "kernels": rows})
     print(f"ptx_check: {len(rows)} kernels, {failures} failed")
     return 1 if failures else 0
 

@@ -134,11 +134,14 @@ def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
     return lo_
 
 
-# What the Numba CUDA simulator manages (one Python thread per CUDA thread), fitted on the
-# 2-core CI machine (tests/test_simulator_budget.py checks the estimate is not far off): a
-# second per SIM_OPS_PER_S multiply-adds and element moves, plus the cost of each CTA.
+# What the Numba CUDA simulator manages (one Python thread per CUDA thread), measured on a
+# 2-core machine like CI's: SIM_OPS_PER_S multiply-adds and element moves a second, plus
+# SIM_CTA_S per CTA, slowed by the square root of a CTA's threads (its Python threads
+# contend for the interpreter), and SIM_LAUNCH_S per kernel launched.
+# tests/test_simulator_budget.py times a few calls against it.
 SIM_OPS_PER_S = 2.0e5
 SIM_CTA_S = 2e-3
+SIM_LAUNCH_S = 0.05
 SIMULATOR_BUDGET_S = 60.0
 
 
@@ -146,11 +149,17 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     """A rough estimate of how long the simulator takes for p (seconds), forward and, with
     `backward`, the backward pass too (five products to the forward's two)."""
     flops = p.bh * p.visited_pairs() * p.block_q * p.block_k * (p.d + p.dv)
+    threads = sched.threads(p)
     if backward:
         flops = flops * 7 // 2
+        from .backward_schedule import backward_of
+
+        threads = max(threads, backward_of(sched).threads(p))
     moved = sched.model(p).total
-    ctas = p.bh * max(p.tr, p.tc)
-    return (flops + moved) / SIM_OPS_PER_S + ctas * SIM_CTA_S
+    ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc))
+    launches = len(sched.kernels(p, False)) + (3 if backward else 0)
+    return ((flops + moved) / SIM_OPS_PER_S + ctas * SIM_CTA_S) * math.sqrt(threads) \
+        + launches * SIM_LAUNCH_S
 
 
 def check_simulator_budget(sched: Schedule, p: Problem, backward: bool = False) -> None:
@@ -162,7 +171,7 @@ def check_simulator_budget(sched: Schedule, p: Problem, backward: bool = False) 
     estimate = simulated_seconds(sched, p, backward)
     if estimate <= budget:
         return
-    message = (f"n: the Numba CUDA simulator would take about {estimate:,.0f} s for "
+    message = (f"n: the Numba CUDA simulator would take about {estimate:,.3g} s for "
                f"{sched.name} at {p.describe()} (its budget is {budget:g} s, "
                f"LOOP_ORDERS_SIMULATOR_BUDGET_S): use a smaller n, d, batch or heads, or "
                f"run on a GPU; LOOP_ORDERS_ALLOW_SLOW=1 runs it anyway")

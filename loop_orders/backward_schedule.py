@@ -48,6 +48,12 @@ class BackwardSchedule(ABC):
         """CTAs of the main kernel: how many tile chains run side by side (B H Tc)."""
         return p.bh * p.tc
 
+    def threads(self, p: Problem) -> int:
+        """Threads of a CTA of the main kernel (backward_tiles.grad_layout)."""
+        from .backward_tiles import grad_layout
+
+        return grad_layout(p.block_q, p.block_k).threads
+
     def loop_nest(self) -> str:
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
 

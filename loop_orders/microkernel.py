@@ -490,6 +490,9 @@ class MicroKernelSchedule(Schedule):
     def layout(self, p: Problem) -> Layout:
         return thread_layout(p.block_q, p.block_k, p.dv)
 
+    def threads(self, p: Problem) -> int:
+        return self.layout(p).threads(p.block_q, p.block_k)
+
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
     def _launch_plan(self, p: Problem, count: bool, forced: str | None):
         """(kernel, threads, dynamic shared bytes) of p: worked out once per problem (and

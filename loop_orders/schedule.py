@@ -208,6 +208,10 @@ class Schedule(ABC):
         """CTAs of the main kernel: how many tile chains run side by side (B H Tr)."""
         return p.bh * p.tr
 
+    def threads(self, p: Problem) -> int:
+        """Threads of a CTA of the main kernel (one per query row unless said otherwise)."""
+        return p.block_q
+
     def loop_nest(self) -> str:
         """The loop nest as pseudo-code (quoted in paper_notes.md)."""
         return textwrap.dedent(self.LOOP_NEST).strip("\n")

@@ -143,3 +143,29 @@ def test_hw_traffic_sweep_covers_every_schedule_and_tile_size_and_fits():
     for c in cfgs:  # every kernel of every configuration is profiled
         sched = lo.get_schedule(c["schedule"])
         assert {k.name for k in sched.kernels(hw_traffic.problem(c), False)} <= set(profiled)
+
+
+@pytest.mark.parametrize("name, required, draw", [
+    ("bench_decode.csv", "n_k", gpu_figures.plot_decode),
+    ("bench_backward.csv", "ms_backward", gpu_figures.plot_backward),
+    ("train_tiny.csv", "loss", gpu_figures.plot_train),
+    ("fig2_setting.csv", "counted_bytes", gpu_figures.plot_fig2),
+])
+def test_this_rounds_gpu_figures_draw_from_the_committed_results(name, required, draw,
+                                                                  tmp_path):
+    from experiments.common import REPO_ROOT
+
+    rows = plot_bench.read_rows(REPO_ROOT / "results" / name, required)
+    paths = draw(rows, tmp_path)
+    assert len(paths) == 2 and all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_this_rounds_notes_blocks_read_the_committed_results():
+    from experiments import gpu_notes
+    from experiments.common import REPO_ROOT
+
+    committed = gpu_notes.blocks(REPO_ROOT / "results")
+    assert "Target shape (N_q = 1, B·H = 16, N_k = 65536" in committed["decode-summary"]
+    assert "Reference shape" in committed["backward-bench"]
+    assert "Model = counted in 24 of 24 rows" in committed["fig2-setting"]
+    assert "SDPA" in committed["train-summary"] and "cache" in committed["host-overhead"]

@@ -1,0 +1,45 @@
+"""The simulator's time estimate (api.simulated_seconds) against the simulator itself, and
+the refusal of a call over budget before anything runs."""
+
+import time
+
+import numpy as np
+import pytest
+from conftest import random_qkv
+
+import loop_orders as lo
+from loop_orders import runtime
+from loop_orders.api import simulated_seconds
+
+pytestmark = pytest.mark.skipif(not runtime.SIMULATOR, reason="the simulator's budget")
+
+
+@pytest.mark.parametrize("schedule, n, d, block", [("q_outer", 32, 8, 16),
+                                                    ("kv_outer", 32, 8, 8),
+                                                    ("split_kv", 24, 4, 8)])
+def test_estimate_is_within_a_few_times_of_the_simulator(schedule, n, d, block, rng):
+    q, k, v = random_qkv(rng, 1, 1, n, d, d)
+    lo.attention(q, k, v, schedule=schedule, block_q=block, block_k=block)  # warm
+    t0 = time.perf_counter()
+    res = lo.attention(q, k, v, schedule=schedule, block_q=block, block_k=block)
+    took = time.perf_counter() - t0
+    estimate = simulated_seconds(lo.get_schedule(schedule), res.problem)
+    assert estimate / 5 <= took <= estimate * 5, (took, estimate)
+
+
+def test_over_budget_is_refused_before_launch_with_the_estimate(rng, monkeypatch,
+                                                               fresh_calls):
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "0.001")
+    monkeypatch.setattr(runtime, "device_empty", lambda *a: pytest.fail("launched"))
+    q, k, v = random_qkv(rng, 1, 1, 16, 4, 4)
+    with pytest.raises(ValueError, match=r"^n: the Numba CUDA simulator would take about .* s "
+                                         r"for q_outer .*its budget is 0.001 s, "
+                                         r"LOOP_ORDERS_SIMULATOR_BUDGET_S.*run on a GPU"):
+        lo.attention(q, k, v, block_q=8, block_k=8)
+    monkeypatch.setenv("LOOP_ORDERS_ALLOW_SLOW", "1")
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="would take about"):
+        monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "0.001")
+        monkeypatch.setenv("LOOP_ORDERS_ALLOW_SLOW", "1")
+        out = lo.attention(q, k, v, block_q=8, block_k=8).out
+    assert np.isfinite(out).all()
