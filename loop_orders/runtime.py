@@ -371,6 +371,8 @@ def backend_name() -> str:
 def device_name() -> str:
     if SIMULATOR:
         return "Numba CUDA simulator"
+    if _hopper_stand_in():
+        return "no device (H100/H200 limits assumed: LOOP_ORDERS_DEVICE_LIMITS=hopper)"
     name = cuda.get_current_device().name
     return name.decode() if isinstance(name, bytes) else str(name)
 
