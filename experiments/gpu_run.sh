@@ -31,8 +31,10 @@ for arg in "$@"; do
               ${TESTS:-tests/test_gpu.py tests/test_torch.py} ;;
   host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
   decode)   run decode "$T" python3 -m experiments.bench_decode --out "$W/decode" ${DECODE_ARGS:-} ;;
-  backward) run backward "$T" python3 -m experiments.bench_runtime --backward --out "$W/backward" ;;
-  theorems) for t in theorem2 theorem5; do
+  backward) run backward "$T" python3 -m experiments.bench_runtime --backward --out "$W/backward" \
+              ${BACKWARD_ARGS:-} ;;
+  theorems) for t in theorem2 theorem5; do  # resuming the committed GPU points, if any
+              mkdir -p "$W/$t"; cp "results/$t.gpu.json" "$W/$t/" 2>/dev/null
               run "$t" "$T" python3 -m experiments."$t" --no-progress \
                 --results-dir "$W/$t" --figures-dir "$W/$t/fig" --notes "$W/$t/notes.md"
             done ;;

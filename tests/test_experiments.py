@@ -228,10 +228,15 @@ def test_figures_quick_end_to_end(tmp_path, capsys):
     assert slopes["records"]
     text = (tmp_path / "notes.md").read_text()
     assert "| **total (model)** | **240** |" in text and "slope ± stderr" in text
-    # a second run resumes: nothing is measured again, files are rewritten identically
-    before = (tmp_path / "results" / "traffic.simulator.json").read_text()
+    # a second run resumes: nothing is measured again, and every file it wrote (results,
+    # figures, notes) is byte for byte what it was
+    def snapshot():
+        return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    first = snapshot()
     assert main(args) == 0
-    assert (tmp_path / "results" / "traffic.simulator.json").read_text() == before
+    assert snapshot() == first
+    before = (tmp_path / "results" / "traffic.simulator.json").read_text()
     # a damaged results file ends in one clear line, status 2
     (tmp_path / "results" / "traffic.simulator.json").write_text(before[:100])
     capsys.readouterr()
