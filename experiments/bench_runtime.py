@@ -225,12 +225,7 @@ BACKWARD_TORCH = [("torch_sdpa_efficient", "float32", "efficient"),
 
 def backward_providers() -> list[tuple[str, dict | None]]:
     """(schedule, options) for every backward order and value of its options."""
-    out = []
-    for name in lo.backward_schedule_names():
-        bwd = lo.backward_schedule.get_backward(name)
-        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
-        out += [(name, opts) for opts in values or [None]]
-    return out
+    return [(v.schedule, v.options) for v in lo.backward_schedule.grad_variants()]
 
 
 def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:

@@ -33,7 +33,7 @@ from experiments.gpu_common import (
 )
 from experiments.hw_traffic import METRICS, logical_bytes, parse_ncu_csv
 from loop_orders import runtime
-from loop_orders.backward_schedule import backward_of
+from loop_orders.backward_schedule import backward_of, grad_variants
 from loop_orders.results import provenance
 
 SETTING = {"n": 1024, "d": 64, "heads": 16, "batch": 64, "causal": True}
@@ -43,16 +43,8 @@ BLOCKS = (64, 64)
 
 def runs() -> list[dict]:
     """Every schedule with a backward pass, with every value of its backward's options."""
-    out = []
-    for sched in lo.all_schedules():
-        if not sched.BACKWARD:
-            continue
-        bwd = backward_of(sched)
-        for options in [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples] or \
-                [None]:
-            label = " ".join([sched.name, *(f"{k}={v}" for k, v in (options or {}).items())])
-            out.append({"run": label, "schedule": sched.name, "options": options})
-    return out
+    return [{"run": v.label, "schedule": v.schedule, "options": v.options}
+            for v in grad_variants(forwards=True)]
 
 
 def problem(run: dict, dtype: str) -> lo.Problem:

@@ -35,7 +35,7 @@ dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capabili
 import loop_orders as lo  # noqa: E402
 from experiments.gpu_common import recorded_launches as recorded  # noqa: E402
 from loop_orders import runtime  # noqa: E402
-from loop_orders.backward_schedule import backward_of  # noqa: E402
+from loop_orders.backward_schedule import grad_variants  # noqa: E402
 
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),
@@ -48,9 +48,7 @@ GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32)}
 
 def backward_variants(sched) -> list:
     """One options dict per example value of each of the backward's options."""
-    variants = [{key: value} for key, opt in backward_of(sched).OPTIONS.items()
-                for value in opt.examples]
-    return variants or [None]
+    return [v.options for v in grad_variants() if v.schedule == sched.BACKWARD]
 
 
 def ptxas(ptx: str) -> dict:

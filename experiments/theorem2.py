@@ -25,7 +25,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results, theory
-from loop_orders.backward_schedule import get_backward
+from loop_orders.backward_schedule import get_backward, grad_variants
 
 from . import common
 
@@ -73,14 +73,7 @@ class Study:
         every example value of its options (e.g. q_outer dq=atomic, dq=separate)."""
         if not self.backward:
             return {s.name: (s.name, None) for s in lo.all_schedules()}
-        out = {}
-        for name in lo.backward_schedule_names():
-            bwd = get_backward(name)
-            variants = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
-            for opts in variants or [None]:
-                label = " ".join([name, *(f"{k}={v}" for k, v in (opts or {}).items())])
-                out[label] = (name, opts)
-        return out
+        return {v.label: (v.schedule, v.options) for v in grad_variants()}
 
     def order(self, label: str):
         """The Schedule (forward) or BackwardSchedule of a line, or None if unknown here."""

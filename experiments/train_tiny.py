@@ -64,19 +64,11 @@ def corpus(size: int) -> np.ndarray:
 
 def runs() -> list[dict]:
     """One run per schedule with a backward pass and value of its backward's options; SDPA."""
-    import loop_orders as lo
-    from loop_orders.backward_schedule import backward_of
+    from loop_orders.backward_schedule import grad_variants
 
-    out = []
-    for sched in lo.all_schedules():
-        if not sched.BACKWARD:
-            continue
-        bwd = backward_of(sched)
-        variants = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
-        for options in variants or [None]:
-            label = " ".join([sched.name, *(f"{k}={v}" for k, v in (options or {}).items())])
-            out.append({"run": label, "schedule": sched.name, "options": options})
-    return out + [{"run": "torch_sdpa", "schedule": None, "options": None}]
+    return [{"run": v.label, "schedule": v.schedule, "options": v.options}
+            for v in grad_variants(forwards=True)] + [
+        {"run": "torch_sdpa", "schedule": None, "options": None}]
 
 
 def build_model(attention, st: Setting):

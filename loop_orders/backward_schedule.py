@@ -17,7 +17,7 @@ import textwrap
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from .ledger import Ledger, declare_tensor
 from .schedule import Kernel, Option, Problem, Schedule
@@ -143,6 +143,32 @@ def get_backward(name: str) -> BackwardSchedule:
     except KeyError:
         raise ValueError(f"schedule: no backward schedule {name!r}; backward schedules: "
                          f"{', '.join(_BACKWARD)}") from None
+
+
+class GradVariant(NamedTuple):
+    """One (schedule, backward options) pair to run or measure, and its label."""
+
+    label: str  # "q_outer dq=atomic", or the schedule's name when its backward has no options
+    schedule: str
+    options: dict | None
+
+
+def grad_variants(forwards: bool = False) -> list[GradVariant]:
+    """Every backward order with every example value of its options: one per backward
+    schedule, or with `forwards` one per forward schedule that has a backward pass (split_kv
+    with q_outer's options too)."""
+    from .schedule import all_schedules
+
+    pairs = ([(s.name, s.BACKWARD) for s in all_schedules() if s.BACKWARD] if forwards
+             else [(name, name) for name in backward_schedule_names()])
+    out = []
+    for name, backward in pairs:
+        bwd = get_backward(backward)
+        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
+        for options in values or [None]:
+            label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
+            out.append(GradVariant(label, name, options))
+    return out
 
 
 def backward_of(sched: Schedule) -> BackwardSchedule:

@@ -34,6 +34,7 @@ from numba import float32, uint32, uint64
 
 from .intrinsics import exp2
 from .runtime import MAX_THREADS_PER_BLOCK, cuda
+from .tiles import LOG2E
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
 SCORES_PER_THREAD = 16
@@ -176,6 +177,7 @@ class GradTile(NamedTuple):
     stage_dq: object
     add_to_dq: object
     atomic_dq: object
+    lse_stats: object
     row_dot: object
     coords: object
 
@@ -204,6 +206,8 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
     add_to_dq(buf, acc, factor)         kv_outer: dQ_i tile += acc * factor
     atomic_dq(dq_acc, bh, row0, n_rows, acc, factor)
                                         q_outer: dq_acc rows += acc * factor (atomics)
+    lse_stats(buf, lse, delta, bh, row0, n_rows)
+                                        q_outer: the stats rows from lse and delta
     row_dot(buf, a_off, b_off, stride, out_off, n_rows)
                                         out[r] = rowsum(A_r o B_r) over DV (D_i)
     coords()                            (tr, tc) of this thread in the score layout
@@ -371,6 +375,18 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
         return added
 
     @cuda.jit(device=True)
+    def lse_stats(buf, lse, delta, bh, row0, n_rows):
+        """The stats rows from the forward's lse and the preprocess's delta: base = lse
+        log2(e), inv = 1, D = delta; returns how many rows this thread loaded."""
+        loaded = 0
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            buf[BASE + r] = lse[bh, row0 + r] * float32(LOG2E)
+            buf[INV + r] = float32(1.0)
+            buf[DELTA + r] = delta[bh, row0 + r]
+            loaded += 1
+        return loaded
+
+    @cuda.jit(device=True)
     def row_dot(buf, a_off, b_off, stride, out_off, n_rows):
         for r in range(cuda.threadIdx.x, n_rows, NT):
             total = float32(0.0)
@@ -379,5 +395,5 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
             buf[out_off + r] = total
 
     return GradTile(clear, zero_outside, scores, grad_scores, probs, put_scores, acc_dv,
-                    acc_dk, acc_dq, stage_dk, stage_dv, stage_dq, add_to_dq, atomic_dq, row_dot,
-                    coords)
+                    acc_dk, acc_dq, stage_dk, stage_dv, stage_dq, add_to_dq, atomic_dq,
+                    lse_stats, row_dot, coords)

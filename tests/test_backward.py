@@ -10,28 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loop_orders as lo
-from loop_orders.backward_schedule import backward_of, get_backward
+from loop_orders.backward_schedule import backward_of, get_backward, grad_variants
 from loop_orders.cli import main
 from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
 from loop_orders.schedule import per_head_ledger
 
-
-def variants():
-    """(schedule, options) for every schedule with a backward pass and every example value
-    of its backward's options."""
-    out = []
-    for sched in lo.all_schedules():
-        if not sched.BACKWARD:
-            continue
-        bwd = backward_of(sched)
-        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples] or [None]
-        out += [(sched.name, opts) for opts in values]
-    return out
-
-
-VARIANTS = variants()
-IDS = [f"{name}-{'-'.join(map(str, (opts or {}).values())) or 'default'}"
-       for name, opts in VARIANTS]
+# every schedule with a backward pass, every example value of its backward's options
+VARIANTS = [(v.schedule, v.options) for v in grad_variants(forwards=True)]
+IDS = [v.label.replace(" ", "-") for v in grad_variants(forwards=True)]
 
 # (batch, heads, n, d, dv, block_q, block_k, causal, dtype): tails of both block sizes, N
 # smaller than a block, odd d, dv != d, causal, batch and heads > 1, float16.

@@ -104,7 +104,7 @@ BACKWARD_EXAMPLES = int(os.environ.get("LOOP_ORDERS_FUZZ_BACKWARD_EXAMPLES",
 def test_every_backward_matches_reference_and_model(case):
     """Each backward schedule (each value of its options) on the drawn case: gradients
     within tolerance of the float64 ones, counters == model exactly."""
-    from loop_orders.backward_schedule import get_backward
+    from loop_orders.backward_schedule import get_backward, grad_variants
     from loop_orders.reference import attention_grad_reference, grad_tolerance
 
     c = case
@@ -113,24 +113,23 @@ def test_every_backward_matches_reference_and_model(case):
     _, k, v = random_qkv(rng, c["batch"], c["heads"], c["n_k"], c["d"], c["dv"], c["dtype"])
     do = rng.standard_normal(q.shape[:-1] + (c["dv"],)).astype(c["dtype"])
     refs = attention_grad_reference(q, k, v, do, causal=c["causal"])
-    for name in lo.backward_schedule_names():
+    for variant in grad_variants():
+        name, options = variant.schedule, variant.options
         bwd = get_backward(name)
-        for options in [{key: value} for key, opt in bwd.OPTIONS.items()
-                        for value in opt.examples] or [None]:
-            sched = lo.get_schedule(name)
-            p = lo.make_problem(name, n_q=c["n"], n_k=c["n_k"], d=c["d"], dv=c["dv"],
-                                batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
-                                block_k=c["block_k"], causal=c["causal"], save_lse=True,
-                                dtype=c["dtype"], options=options)
-            try:
-                lo.api.check_launch(sched, p, count=True)
-                lo.api_grad.check_backward(sched, bwd, p, True, True)
-            except ValueError:
-                continue  # refused up front, with a message: allowed (not a wrong number)
-            g = lo.attention_grad(q, k, v, do, schedule=name, block_q=c["block_q"],
-                                  block_k=c["block_k"], causal=c["causal"], options=options,
-                                  count=True)
-            tol = grad_tolerance(c["dtype"], bwd.output_roundings(g.problem))
-            for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
-                assert relative_error(got, ref) <= tol, (name, options)
-            assert g.counts_backward == bwd.model(g.problem), (name, options)
+        sched = lo.get_schedule(name)
+        p = lo.make_problem(name, n_q=c["n"], n_k=c["n_k"], d=c["d"], dv=c["dv"],
+                            batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
+                            block_k=c["block_k"], causal=c["causal"], save_lse=True,
+                            dtype=c["dtype"], options=options)
+        try:
+            lo.api.check_launch(sched, p, count=True)
+            lo.api_grad.check_backward(sched, bwd, p, True, True)
+        except ValueError:
+            continue  # refused up front, with a message: allowed (not a wrong number)
+        g = lo.attention_grad(q, k, v, do, schedule=name, block_q=c["block_q"],
+                              block_k=c["block_k"], causal=c["causal"], options=options,
+                              count=True)
+        tol = grad_tolerance(c["dtype"], bwd.output_roundings(g.problem))
+        for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
+            assert relative_error(got, ref) <= tol, (name, options)
+        assert g.counts_backward == bwd.model(g.problem), (name, options)

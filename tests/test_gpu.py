@@ -6,7 +6,7 @@ import pytest
 from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
-from loop_orders.backward_schedule import backward_of
+from loop_orders.backward_schedule import backward_of, grad_variants
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
@@ -45,12 +45,7 @@ def test_tail_blocks_and_odd_dims_at_scale(schedule, rng):
 
 
 def _backward_variants():
-    out = []
-    for name in lo.backward_schedule_names():
-        bwd = lo.backward_schedule.get_backward(name)
-        out += [(name, {k: v}) for k, opt in bwd.OPTIONS.items() for v in opt.examples] or \
-            [(name, None)]
-    return out
+    return [(v.schedule, v.options) for v in grad_variants()]
 
 
 @gpu

@@ -58,7 +58,7 @@ from ..schedule import (
     rows,
     sees,
 )
-from ..tiles import LOG2E, counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
 from ..tiles import zero_counts as zero
 
 PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
@@ -126,7 +126,8 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
-    stage_dk, stage_dv, atomic_dq = gt.stage_dk, gt.stage_dv, gt.atomic_dq
+    stage_dk, stage_dv, atomic_dq, lse_stats = gt.stage_dk, gt.stage_dv, gt.atomic_dq, \
+        gt.lse_stats
     ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
     ACC_Q = acc_layout(BR, D, NT).size if ATOMIC else 1  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
@@ -135,7 +136,6 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
     load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
     store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
     store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
@@ -183,16 +183,12 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
             moved_do = load_dO_i(buf, do, bh, row0, n_rows, 0, DV)
             zero_outside(buf, sm.q, sm.qs, n_rows, D, BR, D)  # a tail's stale rows
             zero_outside(buf, sm.do, sm.os, n_rows, DV, BR, DV)
-            for r in range(cuda.threadIdx.x, n_rows, NT):
-                buf[BASE + r] = lse[bh, row0 + r] * float32(LOG2E)
-                buf[INV + r] = float32(1.0)
-                buf[DELTA + r] = delta[bh, row0 + r]
-                if COUNT:
-                    cnt[LSE_R] += 1
-                    cnt[DELTA_R] += 1
+            rows_in = lse_stats(buf, lse, delta, bh, row0, n_rows)
             if COUNT:
                 cnt[Q_R] += moved_q
                 cnt[DO_R] += moved_do
+                cnt[LSE_R] += rows_in
+                cnt[DELTA_R] += rows_in
             cuda.syncthreads()  # Q_i, dO_i and the row statistics are in shared memory
             scores(buf, s)
             grad_scores(buf, dp)
@@ -233,14 +229,13 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803
     gt = make_grad_tile(BR, BC, D, DV, CAUSAL, False, False)
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
-    probs, acc_dq, stage_dq = gt.probs, gt.acc_dq, gt.stage_dq
+    probs, acc_dq, stage_dq, lse_stats = gt.probs, gt.acc_dq, gt.stage_dq, gt.lse_stats
     ACC_Q = acc_layout(BR, D, NT).size  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
     load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
     store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))  # noqa: N806 - in Q_i's place
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
@@ -268,16 +263,12 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803
         # Q_i, dO_i, lse_i, delta_i: read from HBM once, stay on chip for every K/V block
         moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D)
         moved_do = load_dO_i(buf, do, bh, row0, n_rows, 0, DV)
-        for r in range(cuda.threadIdx.x, n_rows, NT):
-            buf[BASE + r] = lse[bh, row0 + r] * float32(LOG2E)
-            buf[INV + r] = float32(1.0)
-            buf[DELTA + r] = delta[bh, row0 + r]
-            if COUNT:
-                cnt[LSE_R] += 1
-                cnt[DELTA_R] += 1
+        rows_in = lse_stats(buf, lse, delta, bh, row0, n_rows)
         if COUNT:
             cnt[Q_R] += moved_q
             cnt[DO_R] += moved_do
+            cnt[LSE_R] += rows_in
+            cnt[DELTA_R] += rows_in
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
             c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
