@@ -367,7 +367,7 @@ def host_overhead(results_dir: Path) -> str:
 def ptxas_kernels(results_dir: Path) -> str:
     path = results_dir / "kernels_ptxas.json"
     if not path.exists():
-        return (f"*Not built yet: `{path.name}` is written by `python -m experiments."
+        return (f"*Not measured yet: `{path.name}` is written by `python -m experiments."
                 "ptx_check --out results/kernels_ptxas.json`.*")
     data = json.loads(path.read_text())
     rows = [r for r in data["kernels"] if not r["count"] and "error" not in r]
