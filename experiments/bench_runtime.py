@@ -223,9 +223,11 @@ BACKWARD_TORCH = [("torch_sdpa_efficient", "float32", "efficient"),
                   ("torch_sdpa_flash", "float16", "flash")]
 
 
-def backward_providers() -> list[tuple[str, dict | None]]:
-    """(schedule, options) for every backward order and value of its options."""
-    return [(v.schedule, v.options) for v in lo.backward_schedule.grad_variants()]
+def backward_providers(only: set[str] | None = None) -> list[tuple[str, dict | None]]:
+    """(schedule, options) for every backward order and value of its options, or for the
+    schedules named in `only`."""
+    return [(v.schedule, v.options) for v in lo.backward_schedule.grad_variants()
+            if only is None or v.schedule in only]
 
 
 def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
@@ -275,7 +277,7 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
     return time_launches(launch)
 
 
-def run_backward(out_dir: Path, sweep: dict, rng) -> list[dict]:
+def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
     shapes, B H N fixed), gradients checked against float64 on two heads first."""
     from experiments.gpu_common import warm
@@ -285,11 +287,11 @@ def run_backward(out_dir: Path, sweep: dict, rng) -> list[dict]:
                                 block_q=64, block_k=64, causal=causal, save_lse=True,
                                 dtype=dtype, options=options), True)
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
-         for dtype in ("float32", "float16") for name, options in backward_providers())
+         for dtype in ("float32", "float16") for name, options in backward_providers(only))
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
         for dtype in ("float32", "float16"):
-            for name, options in backward_providers():
+            for name, options in backward_providers(only):
                 p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
                                     block_q=64, block_k=64, causal=causal, save_lse=True,
                                     dtype=dtype, options=options)
@@ -516,7 +518,7 @@ def main(argv=None) -> int:
     if args.backward:
         causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
-                                "causal": causal}, rng)
+                                "causal": causal}, rng, only)
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
         return 0
     if args.layouts or args.tune:
