@@ -142,7 +142,8 @@ def plot_backward(rows: list[dict], out: Path) -> list[Path]:
     group per (N, dtype), beside SDPA's forward + backward."""
     plt = common.pyplot()
     ok = [r for r in rows if r["status"].startswith("ok")]
-    groups = list(dict.fromkeys((r["n"], r["dtype"], r["causal"]) for r in ok))
+    groups = sorted(dict.fromkeys((r["n"], r["dtype"], r["causal"]) for r in ok),
+                    key=lambda g: (g[2], int(g[0]), g[1]))
     providers = list(dict.fromkeys(r["provider"] for r in ok if r["block_q"]))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.4), squeeze=False)
     for ax, (n, dtype, causal) in zip(axes[0], groups, strict=True):

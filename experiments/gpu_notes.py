@@ -247,16 +247,19 @@ def backward_bench(results_dir: Path) -> str:
                 f"{float(best['ms_backward']) / float(best['ms_forward']):.1f}× its forward) "
                 f"against SDPA efficient's {float(sdpa['ms_total']):.2f} ms: "
                 f"**{float(sdpa['ms_total']) / float(best['ms_total']):.3f}×**.", ""]
-    lines = head + ["| N | B·H | dtype | provider | forward ms | backward ms | total ms | "
-                    "torch op ms | vs SDPA | gradient error |",
-                    "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in ok:
+    lines = head + ["| causal | N | B·H | dtype | provider | forward ms | backward ms | "
+                    "total ms | torch op ms | vs SDPA | gradient error |",
+                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+    order = {name: i for i, name in enumerate(dict.fromkeys(r["provider"] for r in ok))}
+    for r in sorted(ok, key=lambda r: (r["causal"], int(r["n"]), r["dtype"],
+                                       order[r["provider"]])):
         sdpa = next((x for x in ok if x["provider"].startswith("torch") and
                      (x["n"], x["dtype"], x["causal"]) == (r["n"], r["dtype"], r["causal"])),
                     None)
         ratio = (f"{float(sdpa['ms_total']) / float(r['ms_total']):.3f}×"
                  if sdpa and not r["provider"].startswith("torch") else "")
-        lines.append(f"| {r['n']} | {int(r['batch']) * int(r['heads'])} | {r['dtype']} | "
+        lines.append(f"| {'yes' if r['causal'] == 'True' else 'no'} | {r['n']} | "
+                     f"{int(r['batch']) * int(r['heads'])} | {r['dtype']} | "
                      f"{r['provider']} | {_ms(r['ms_forward'])} | {_ms(r['ms_backward'])} | "
                      f"{_ms(r['ms_total'])} | {_ms(r['ms_torch_op'])} | {ratio} | "
                      f"{r['rel_error'] or '—'} |")
