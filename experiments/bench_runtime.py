@@ -32,7 +32,7 @@ import numpy as np
 import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, flops, write_csv
 from loop_orders import runtime
-from loop_orders.microkernel import thread_layout
+from loop_orders.microkernel_tc import TensorCores
 from loop_orders.results import atomic_write_text, provenance
 
 SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
@@ -145,14 +145,15 @@ def blank_row(name, dtype, what, p, status="ok") -> dict:
 
 
 def layout_in_effect(sched, p) -> str:
-    """RM,KN of the flash micro-kernel (microkernel.Layout) at p, or "" for a schedule that
-    does not use it."""
+    """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout), mma.f16 or
+    mma.bf16 for the tensor-core one, "" for a schedule that uses neither."""
     if not sched.uses_micro_kernel:
         return ""
     try:
-        return "{},{}".format(*thread_layout(p.block_q, p.block_k, p.dv))
+        lay = sched.layout(p)
     except ValueError:
         return "invalid"
+    return str(lay) if isinstance(lay, TensorCores) else "{},{}".format(*lay)
 
 
 @contextmanager
@@ -188,11 +189,12 @@ def measure(name, dtype, what, p, rng) -> dict:
     return row
 
 
-def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng) -> list[dict]:
+def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
+              dtypes: tuple = ("float32",)) -> list[dict]:
     path = out_dir / "bench_runtime.csv"
     done = finished_rows(path)
     rows, last_ms = list(done.values()), {}
-    providers = [(s.name, "float32", s) for s in lo.all_schedules()] + PROVIDERS
+    providers = [(s.name, dtype, s) for dtype in dtypes for s in lo.all_schedules()] + PROVIDERS
     providers = [pr for pr in providers if only is None or pr[0] in only]
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
@@ -499,6 +501,10 @@ def main(argv=None) -> int:
                              "fastest tiles and layout it found")
     parser.add_argument("--tune-providers", default="q_outer",
                         help="schedules the tuning sweep times (comma-separated)")
+    parser.add_argument("--dtypes", default="float32",
+                        help="input dtypes the schedules run in (comma-separated; float16 "
+                             "and bfloat16 run the flash orders on tensor cores)")
+    parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
     args = parser.parse_args(argv)
@@ -515,6 +521,9 @@ def main(argv=None) -> int:
              "d": args.d or SWEEP["d"],
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
+    if args.blocks:
+        for d in BLOCKS:
+            BLOCKS[d] = tuple(int(b) for b in args.blocks.split(","))
     if args.backward:
         causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
@@ -540,7 +549,7 @@ def main(argv=None) -> int:
         print(json.dumps(report["counting"], indent=1), flush=True)
     if not args.no_extras:
         run_blocksize(args.out, rng)
-    run_sweep(args.out, sweep, only, rng)
+    run_sweep(args.out, sweep, only, rng, tuple(args.dtypes.split(",")))
     print(f"bench_runtime: done in {time.time() - t0:.0f} s")
     return 0
 

@@ -41,6 +41,8 @@ PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),
     (4096, 128, 128, 128, 64, True, "float32"),
     (1000, 64, 64, 64, 64, True, "float16"),
+    (4096, 64, 64, 128, 64, False, "float16"),
+    (4096, 128, 128, 128, 64, True, "float16"),
     (77, 40, 24, 48, 40, True, "float32"),
 ]
 GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32)}

@@ -1,4 +1,6 @@
-"""Hardware instructions the kernels want and Numba does not offer as such.
+"""Hardware instructions the kernels want and Numba does not offer as such: the one module
+of inline PTX (each an `@intrinsic` emitting `llvmlite.ir.InlineAsm`), so a move to another
+compiler front end is this module's work.
 
 `exp2(x)`: 2^x in float32 as the single MUFU.EX2 instruction (PTX `ex2.approx.ftz.f32`).
 Numba lowers `math.exp2` to `ex2.approx.f32`, which flushes no subnormals and so takes three
@@ -6,20 +8,159 @@ more instructions around the MUFU (a compare and two multiplies that rescale sub
 inputs). The online softmax only ever exponentiates differences s - m <= 0 of a row's scores
 and its running max, where a weight below 2^-126 is as good as 0, so the flushing version is
 exact enough; both give 2^-inf = 0 and propagate NaN. The simulator runs `math.exp2`.
+
+Tensor cores (the 16-bit micro-kernel, `microkernel_tc`), warp-collective: all 32 lanes of a
+warp call them together. Fragments are 32-bit registers holding two 16-bit values, the lower
+column (or key) in the low half; lane = 4 g + t.
+
+    mma_f16(a0..a3, b0, b1, c0..c3) -> (d0..d3)   mma.sync m16n8k16, float16 in, float32 acc
+    mma_bf16(...)                                 the same for bfloat16
+        A (16 x 16, row major): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 8+2t:..],
+        a3 = A[g+8, 8+2t:..];  B (16 x 8, k x n): b0 = B[2t:2t+2, g], b1 = B[8+2t:.., g];
+        C, D (16 x 8): c0, c1 = C[g, 2t], C[g, 2t+1]; c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+    mma_tf32(a0..a3, b0, b1, c0..c3)              mma.sync m16n8k8 on TF32 (float32 bits):
+        a0 = A[g, t], a1 = A[g+8, t], a2 = A[g, t+4], a3 = A[g+8, t+4]; b0 = B[t, g],
+        b1 = B[t+4, g]; C, D as above
+    pack_f16x2(lo, hi), pack_bf16x2(lo, hi)       two float32 -> one register (round to nearest)
+    ldmatrix_x4(tile, e), ldmatrix_x4_trans(tile, e)
+                                                  four 8x8 16-bit matrices from shared memory:
+        lane l gives the address tile[e] of row l % 8 of matrix l // 8; lane 4g + t receives
+        row g, columns 2t, 2t+1 of each matrix (transposed: rows 2t, 2t+1 of column g)
+    cp_async16(tile, e, src, bh, row, col, n_bytes)
+                                                  16 bytes src[bh, row, col:] -> tile[e:],
+        asynchronously, the bytes past n_bytes (0 or 16) zero-filled; then
+    cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
+    shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
+
+On the simulator, which has no warps, each is emulated in Python: the lanes of a warp swap
+their operands through the block (`_warp_gather`, two barriers), so the kernels' fragment
+logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The emulation needs
+every thread of the CTA at every warp-collective call, which the tensor-core micro-kernel's
+uniform control flow gives.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+
+import numpy as np
 
 from .runtime import SIMULATOR, cuda
 
+FULL_MASK = 0xFFFFFFFF
+
 if SIMULATOR:
     exp2 = math.exp2
+
+    def _warp_gather(value):
+        """The values of `value` from the 32 lanes of the calling thread's warp."""
+        thread = threading.current_thread()
+        store = thread._manager.__dict__.setdefault("_warp_exchange", {})
+        store[thread.thread_id] = value
+        thread.syncthreads()  # every lane's value is in the block's exchange
+        base = thread.thread_id - thread.thread_id % 32
+        got = [store[base + lane] for lane in range(32)]
+        thread.syncthreads()  # every lane has read before the next exchange overwrites
+        return got
+
+    def _lane():
+        return threading.current_thread().thread_id % 32
+
+    def _halves(words, kind):
+        """uint32 words -> float64 pairs (low half first) of float16 or bfloat16."""
+        w = np.asarray(words, dtype=np.uint32)
+        if kind == "f16":
+            return w.view(np.float16).astype(np.float64).reshape(*w.shape, 2)
+        lo, hi = (w << 16).view(np.float32), (w & 0xFFFF0000).view(np.float32)
+        return np.stack([lo, hi], axis=-1).astype(np.float64)
+
+    def _mma_m16n8k16(kind, a, b, c):
+        lanes = _warp_gather((a, b, c))
+        A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))  # noqa: N806
+        for lane, (la, lb, lc) in enumerate(lanes):
+            g, t = divmod(lane, 4)
+            h = _halves(la, kind)
+            A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = h[0], h[1]
+            A[g, 8 + 2 * t:10 + 2 * t], A[g + 8, 8 + 2 * t:10 + 2 * t] = h[2], h[3]
+            hb = _halves(lb, kind)
+            B[2 * t:2 * t + 2, g], B[8 + 2 * t:10 + 2 * t, g] = hb[0], hb[1]
+            C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = lc[:2], lc[2:]
+        D = (A @ B + C).astype(np.float32)  # noqa: N806
+        g, t = divmod(_lane(), 4)
+        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_m16n8k16("f16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma_m16n8k16("bf16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        lanes = _warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))  # noqa: N806
+        for lane, (la, lb, lc) in enumerate(lanes):
+            g, t = divmod(lane, 4)
+            # TF32 keeps float32's top 19 bits (the hardware ignores the low 13)
+            x = (np.asarray(la + lb, dtype=np.uint32) & 0xFFFFE000).view(np.float32)
+            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = x[:4]
+            B[t, g], B[t + 4, g] = x[4:]
+            C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = lc[:2], lc[2:]
+        D = (A @ B + C).astype(np.float32)  # noqa: N806
+        g, t = divmod(_lane(), 4)
+        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+    def pack_f16x2(lo, hi):
+        return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
+
+    def _bf16_bits(x):
+        bits = int(np.float32(x).view(np.uint32))
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF  # nearest, ties to even
+
+    def pack_bf16x2(lo, hi):
+        return _bf16_bits(lo) | _bf16_bits(hi) << 16
+
+    def _ldmatrix(tile, e, trans):
+        rows = _warp_gather(int(e))
+        bits = tile.view(np.uint16)
+        g, t = divmod(_lane(), 4)
+        out = []
+        for mat in range(4):
+            at = rows[8 * mat:8 * mat + 8]
+            if trans:
+                lo, hi = bits[at[2 * t] + g], bits[at[2 * t + 1] + g]
+            else:
+                lo, hi = bits[at[g] + 2 * t], bits[at[g] + 2 * t + 1]
+            out.append(int(lo) | int(hi) << 16)
+        return tuple(out)
+
+    def ldmatrix_x4(tile, e):
+        return _ldmatrix(tile, e, False)
+
+    def ldmatrix_x4_trans(tile, e):
+        return _ldmatrix(tile, e, True)
+
+    def cp_async16(tile, e, src, bh, row, col, n_bytes):
+        per = 16 // tile.itemsize
+        for u in range(per):
+            tile[e + u] = src[bh, row, col + u] if u * tile.itemsize < n_bytes else 0
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait_all():
+        pass
+
+    def shfl_xor(x, lanes):
+        return _warp_gather(x)[_lane() ^ lanes]
+
 else:
     from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.cuda.extending import intrinsic
+
+    _F32, _I32 = ir.FloatType(), ir.IntType(32)
 
     @intrinsic
     def _ex2_approx_ftz(typingctx, x):
@@ -28,8 +169,7 @@ else:
 
         def codegen(context, builder, sig, args):
             arg = context.cast(builder, args[0], sig.args[0], types.float32)
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;",
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "ex2.approx.ftz.f32 $0, $1;",
                                "=f,f")
             return builder.call(asm, [arg])
 
@@ -38,3 +178,125 @@ else:
     @cuda.jit(device=True, inline="always")
     def exp2(x):
         return _ex2_approx_ftz(x)
+
+    def _mma_intrinsic(asm_text: str, a_regs: str):
+        """An mma.sync intrinsic of four 32-bit A registers, two B and four float32 C; A and
+        B go in as `a_regs` ('r': packed 16-bit pairs; TF32 is float32 bits, also 'r')."""
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            def codegen(context, builder, sig, args):
+                ins = [context.cast(builder, x, t, types.uint32)
+                       for x, t in zip(args[:6], sig.args[:6], strict=True)]
+                ins += [context.cast(builder, x, t, types.float32)
+                        for x, t in zip(args[6:], sig.args[6:], strict=True)]
+                out = ir.LiteralStructType([_F32] * 4)
+                fnty = ir.FunctionType(out, [_I32] * 6 + [_F32] * 4)
+                cons = "=f,=f,=f,=f," + f"{a_regs}," * 6 + "f,f,f,f"
+                res = builder.call(ir.InlineAsm(fnty, asm_text, cons), ins)
+                vals = [builder.extract_value(res, n) for n in range(4)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2,
+                                                    c3), codegen
+
+        return mma
+
+    _OPERANDS = "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+    mma_f16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 " + _OPERANDS,
+                             "r")
+    mma_bf16 = _mma_intrinsic(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS, "r")
+    mma_tf32 = _mma_intrinsic("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 " + _OPERANDS,
+                              "r")
+
+    def _pack_intrinsic(kind: str):
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            def codegen(context, builder, sig, args):
+                vals = [context.cast(builder, x, t, types.float32)
+                        for x, t in zip(args, sig.args, strict=True)]
+                # cvt puts its first source in the upper half
+                asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                                   f"cvt.rn.{kind}x2.f32 $0, $2, $1;", "=r,f,f")
+                return builder.call(asm, vals)
+
+            return types.uint32(lo, hi), codegen
+
+        return pack
+
+    pack_f16x2 = _pack_intrinsic("f16")
+    pack_bf16x2 = _pack_intrinsic("bf16")
+
+    def _element_pointer(context, builder, aryty, ary, indices, index_types):
+        """Generic address of ary[indices] as a 64-bit integer."""
+        arr = context.make_array(aryty)(context, builder, ary)
+        idx = [context.cast(builder, i, t, types.intp)
+               for i, t in zip(indices, index_types, strict=True)]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, arr, idx, wraparound=False)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    # generic -> 32-bit shared-window address, inside the asm
+    _TO_SHARED = ".reg .u64 a64; .reg .u32 a32; cvta.to.shared.u64 a64, {0}; cvt.u32.u64 a32, a64;"
+
+    def _ldmatrix_intrinsic(trans: bool):
+        suffix = ".trans" if trans else ""
+
+        @intrinsic
+        def ldmatrix(typingctx, tile, e):
+            def codegen(context, builder, sig, args):
+                addr = _element_pointer(context, builder, sig.args[0], args[0], [args[1]],
+                                        [sig.args[1]])
+                out = ir.LiteralStructType([_I32] * 4)
+                text = ("{ " + _TO_SHARED.format("$4") + f" ldmatrix.sync.aligned.m8n8.x4{suffix}"
+                        ".shared.b16 {$0,$1,$2,$3}, [a32]; }")
+                asm = ir.InlineAsm(ir.FunctionType(out, [ir.IntType(64)]), text,
+                                   "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+                res = builder.call(asm, [addr])
+                vals = [builder.extract_value(res, n) for n in range(4)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return types.UniTuple(types.uint32, 4)(tile, e), codegen
+
+        return ldmatrix
+
+    ldmatrix_x4 = _ldmatrix_intrinsic(False)
+    ldmatrix_x4_trans = _ldmatrix_intrinsic(True)
+
+    @intrinsic
+    def cp_async16(typingctx, tile, e, src, bh, row, col, n_bytes):
+        def codegen(context, builder, sig, args):
+            dst = _element_pointer(context, builder, sig.args[0], args[0], [args[1]],
+                                   [sig.args[1]])
+            srcp = _element_pointer(context, builder, sig.args[2], args[2], args[3:6],
+                                    sig.args[3:6])
+            nb = context.cast(builder, args[6], sig.args[6], types.uint32)
+            text = ("{ " + _TO_SHARED.format("$0")
+                    + " cp.async.cg.shared.global [a32], [$1], 16, $2; }")
+            i64 = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64, _I32]), text,
+                               "l,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [dst, srcp, nb])
+            return context.get_dummy_value()
+
+        return types.void(tile, e, src, bh, row, col, n_bytes), codegen
+
+    def _void_asm(text: str):
+        @intrinsic
+        def op(typingctx):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return op
+
+    cp_async_commit = _void_asm("cp.async.commit_group;")
+    cp_async_wait_all = _void_asm("cp.async.wait_all;")
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_xor(x, lanes):
+        return cuda.shfl_xor_sync(FULL_MASK, x, lanes)

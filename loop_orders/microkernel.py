@@ -55,9 +55,10 @@ import numpy as np
 from numba import float32, int32, uint32, uint64
 
 from .intrinsics import exp2
+from .microkernel_tc import TensorCores, make_tc_micro_kernel, tc_shared_layout
 from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
 from .schedule import Kernel, Problem, Schedule
-from .tiles import LOG2E, counter_slots
+from .tiles import LN2, LOG2E, counter_slots, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
 
@@ -97,6 +98,7 @@ class Layout(NamedTuple):
 
 
 DATA_REGISTERS = 64  # scores + accumulators that fit beside the loads under a 128 cap
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 
 
 def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
@@ -205,10 +207,11 @@ class MicroKernel(NamedTuple):
     every thread of the CTA.
 
     clear(buf)                        zero the buffer (once per CTA, before any tile lands)
-    online_update(buf, n_keys, key0, row0, m, l, acc)
+    online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2)
                                       fold K_j, V_j (keys key0 .. key0 + n_keys) into the
-                                      thread's rows row0 + tr + a TR; Q_i must be in
-                                      shared memory pre-scaled by scale log2(e)
+                                      thread's rows; here Q_i is in shared memory
+                                      pre-scaled by scale log2(e) (load_q), so scale_log2
+                                      goes unused (the tensor-core one scales S)
     row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
     give_o(buf, acc, factor)          O_i = acc * factor[a] into its stage (kv_outer's O_i
                                       stage, else the Q_i tile, which is done with by then):
@@ -218,7 +221,22 @@ class MicroKernel(NamedTuple):
     take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
-    coords()                          (tr, tc) of this thread
+    coords()                          this thread's place in the layout
+    load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys),
+    load_v(buf, v, bh, key0, n_keys)  HBM -> the tile (rows past n_rows as the micro-kernel
+                                      needs them); each returns the elements this thread
+                                      counted; every thread calls them, then wait_loads(),
+                                      then the caller's barrier
+    wait_loads()                      this thread's loads have landed (tensor cores copy
+                                      asynchronously; a no-op on CUDA cores)
+    load_o(buf, o, bh, row0, n_rows), store_o(buf, o, bh, row0, n_rows)
+                                      O_i between HBM and its stage (kv_outer loads it)
+    store_lse(lse, bh, row0, n_rows, m, l_row)
+                                      lse_i of the thread's rows that hold it; returns how
+                                      many it wrote
+    NT, RM, NACC                      threads per CTA; rows and accumulators per thread
+    ROWS, STATS                       rows of the tiles; float offset of kv_outer's l_i, m_i
+                                      rows (m_i ROWS after l_i)
     """
 
     clear: object
@@ -229,6 +247,18 @@ class MicroKernel(NamedTuple):
     take_o: object
     keep_stats: object
     coords: object
+    load_q: object
+    load_k: object
+    load_v: object
+    wait_loads: object
+    load_o: object
+    store_o: object
+    store_lse: object
+    NT: int
+    RM: int
+    NACC: int
+    ROWS: int
+    STATS: int
 
 
 @cache
@@ -377,7 +407,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return x
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc):  # noqa: E741
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2):  # noqa: E741
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         vis = cuda.local.array(RM, int32)  # keys each row sees
@@ -468,30 +498,97 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
+    load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True)
+    load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
+    load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
+    load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
+    store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
+
+    @cuda.jit(device=True, inline="always")
+    def load_q(buf, q, bh, row0, n_rows, scale_log2):
+        return load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+
+    @cuda.jit(device=True, inline="always")
+    def load_k(buf, k, bh, key0, n_keys):
+        return load_k_tile(buf, k, bh, key0, n_keys, 0, D)
+
+    @cuda.jit(device=True, inline="always")
+    def load_v(buf, v, bh, key0, n_keys):
+        return load_v_tile(buf, v, bh, key0, n_keys, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def wait_loads():
+        return  # the copies are plain loads and stores: done when they return
+
+    @cuda.jit(device=True, inline="always")
+    def load_o(buf, o, bh, row0, n_rows):
+        return load_o_tile(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def store_o(buf, o, bh, row0, n_rows):
+        return store_o_tile(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def store_lse(lse, bh, row0, n_rows, m, l_row):
+        tr, tc = coords()
+        moved = 0
+        if tc == 0:
+            for a in range(RM):
+                local = int(tr) + a * TR  # rows past Br belong to the next block
+                if local < n_rows:
+                    # lse_i: the row statistic the backward pass needs, written once
+                    lse[bh, row0 + local] = (m[a] + math.log2(l_row[a])) * float32(LN2)
+                    moved += 1
+        return moved
+
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
-                       coords)
+                       coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
+                       NT, RM, XN * RM, ROWS, STATS)
+
+
+def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
+                 RELOAD: bool, UNROLL: int) -> MicroKernel:
+    """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
+    `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
+    if isinstance(MK, TensorCores):
+        return make_tc_micro_kernel(BR, BC, D, DV, MK.dtype, CAUSAL, RELOAD)
+    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL)
 
 
 class MicroKernelSchedule(Schedule):
-    """A schedule whose main kernel runs this micro-kernel: its thread layout
-    (`thread_layout`), dynamic shared buffer (`shared_layout`, with kv_outer's O_i stage when
-    RELOAD) and launch, shared by the flash orders. A subclass gives `make_kernel` (tile
-    sizes, layout and flags as compile-time constants) and `launch` (grid and arguments,
-    through `launch_kernel`); a schedule with more kernels adds them to `kernels`."""
+    """A schedule whose main kernel runs a micro-kernel: the CUDA-core one (thread layout
+    `thread_layout`, buffer `shared_layout`) or, for 16-bit inputs where the schedule has
+    TENSOR_CORES, the tensor-core one (`microkernel_tc`); kv_outer's O_i stage is in the
+    buffer when RELOAD. A subclass gives `make_kernel` (tile sizes, micro-kernel and flags as
+    compile-time constants) and `launch` (grid and arguments, through `launch_kernel`); a
+    schedule with more kernels adds them to `kernels`."""
 
     uses_micro_kernel = True
     RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
+    TENSOR_CORES: ClassVar[bool] = False  # 16-bit inputs run the tensor-core micro-kernel
 
     @staticmethod
     @abstractmethod
-    def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
-        """The compiled kernel for these compile-time constants."""
+    def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
+        """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
 
-    def layout(self, p: Problem) -> Layout:
+    def layout(self, p: Problem) -> Layout | TensorCores:
+        """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs where the
+        schedule has them, else the CUDA-core thread layout."""
+        if self.TENSOR_CORES and p.dtype in TENSOR_CORE_DTYPES:
+            return TensorCores(p.dtype)
         return thread_layout(p.block_q, p.block_k, p.dv)
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
+
+    def p_roundings(self, p: Problem) -> int:
+        """1 where the tensor-core micro-kernel rounds P to 16 bits before P V_j (each row's
+        weights sum to 1 over all its K/V blocks: one rounding of max|V| in all), else 0."""
+        return int(isinstance(self.layout(p), TensorCores))
+
+    def output_roundings(self, p: Problem) -> int:
+        return super().output_roundings(p) + self.p_roundings(p)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
     def _launch_plan(self, p: Problem, count: bool, forced: str | None):
@@ -501,16 +598,17 @@ class MicroKernelSchedule(Schedule):
         return (self.micro_kernel(p, count, lay).fn, lay.threads(p.block_q, p.block_k),
                 self.dynamic_shared_bytes(p, lay))
 
-    def dynamic_shared_bytes(self, p: Problem, lay: Layout | None = None) -> int:
+    def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
+        if isinstance(lay, TensorCores):
+            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD).bytes
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
 
     def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic
         buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
         lay = lay or self.layout(p)
-        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay.rm, lay.kn, p.causal,
-                              p.save_lse, count)
+        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay, p.causal, p.save_lse, count)
         shared = self.dynamic_shared_bytes(p, lay) + (8 * counter_slots(True) if count else 0)
         return Kernel(fn.py_func.__name__, fn, shared, dynamic_shared_limit())
 
@@ -519,6 +617,7 @@ class MicroKernelSchedule(Schedule):
 
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
-        in log2 units (the kernels load Q_i pre-scaled by it)."""
+        in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
+        one scales S)."""
         fn, threads, shared = self._launch_plan(p, count, os.environ.get("LOOP_ORDERS_LAYOUT"))
         launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))

@@ -28,17 +28,10 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
+from ..microkernel import MicroKernelSchedule, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import (
-    LN2,
-    counter_slots,
-    counts_flusher,
-    make_tile_loader,
-    make_tile_storer,
-    zero_counts,
-)
+from ..tiles import LN2, counter_slots, counts_flusher, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops: 1. This loop nest keeps more values live
 # across the update than q_outer's (the i loop inside the j loop, the l, m and O pointers),
@@ -54,22 +47,16 @@ UNROLL = 1
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    layout = Layout(RM, KN)
-    NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
-    sm = shared_layout(BR, BC, D, DV, layout, True)
-    ROWS = layout.grid(BR, BC)[0] * RM  # noqa: N806 - rows of the O_i stage and of l_i, m_i
-    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
-    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, True, UNROLL)
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, True, UNROLL)
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
+    ROWS, STATS = mk.ROWS, mk.STATS  # noqa: N806 - rows of the O_i stage and of l_i, m_i
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     reciprocal, give_o, take_o, keep_stats = mk.reciprocal, mk.give_o, mk.take_o, mk.keep_stats
+    load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads  # noqa: N806
+    load_O_i, store_O_i = mk.load_o, mk.store_o  # noqa: N806
     flush_counts = counts_flusher()
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
-    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.qs))  # noqa: N806
-    store_O_i = make_tile_storer(BR, DV, NT, (sm.o, sm.qs))  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
@@ -77,8 +64,8 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
         """l_i, m_i of the block's rows into the stats rows, thread t taking row t."""
         for r in range(cuda.threadIdx.x, n_rows, NT):
             # l_i, m_i: reloaded from HBM for every K/V block
-            buf[sm.stats + r] = l_hbm[bh, row0 + r]
-            buf[sm.stats + ROWS + r] = m_hbm[bh, row0 + r]
+            buf[STATS + r] = l_hbm[bh, row0 + r]
+            buf[STATS + ROWS + r] = m_hbm[bh, row0 + r]
             if COUNT:
                 cnt[L_R] += 1
                 cnt[M_R] += 1
@@ -87,8 +74,8 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
     def store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows, last, cnt):
         """l_i, m_i of the block's rows back to HBM from the stats rows; lse_i once final."""
         for r in range(cuda.threadIdx.x, n_rows, NT):
-            l_r = buf[sm.stats + r]
-            m_r = buf[sm.stats + ROWS + r]
+            l_r = buf[STATS + r]
+            m_r = buf[STATS + ROWS + r]
             # l_i, m_i: written back to HBM after every K/V block
             l_hbm[bh, row0 + r] = l_r
             m_hbm[bh, row0 + r] = m_r
@@ -101,7 +88,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
                 if COUNT:
                     cnt[LSE_W] += 1
 
-    @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
+    @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
         n_q = q.shape[1]
@@ -120,12 +107,12 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
             zero_counts(cnt)
         clear(buf)  # padding stays zero; the O_i stage starts as O = 0, l = 0, m = -inf
         for r in range(cuda.threadIdx.x, ROWS, NT):
-            buf[sm.stats + ROWS + r] = float32(-math.inf)
+            buf[STATS + ROWS + r] = float32(-math.inf)
         cuda.syncthreads()  # the initial O_i, l_i, m_i are in shared memory
         # Algorithm 1 line 2: O = 0, l = 0, m = -inf, initialised in HBM
         for i in range(T_r):
             n_rows = min(BR, n_q - i * BR)
-            moved = store_O_i(buf, o, bh, i * BR, n_rows, 0, DV)
+            moved = store_O_i(buf, o, bh, i * BR, n_rows)
             if COUNT:
                 cnt[O_W] += moved
             store_stats(buf, l_hbm, m_hbm, lse, bh, i * BR, n_rows, False, cnt)
@@ -135,8 +122,8 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, bh, key0, bc)
+            moved_v = load_V_j(buf, v, bh, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
@@ -146,23 +133,24 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
                 n_rows = min(BR, n_q - row0)
                 cuda.syncthreads()  # every thread is done with the last step's Q_i, O_i, l, m
                 # Q_i, O_i, l_i, m_i: reloaded from HBM for every K/V block
-                moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D, scale_log2)
-                moved_o = load_O_i(buf, o, bh, row0, n_rows, 0, DV)
+                moved_q = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
+                moved_o = load_O_i(buf, o, bh, row0, n_rows)
                 load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt)
                 if COUNT:
                     cnt[Q_R] += moved_q
                     cnt[O_R] += moved_o
+                wait_loads()
                 cuda.syncthreads()  # K_j, V_j, Q_i, O_i, l_i and m_i are in shared memory
                 take_o(buf, acc, l_i, l_row, m_i)
                 cuda.syncthreads()  # every thread has taken its O_i: P_ij may overwrite the stage
-                online_update(buf, bc, key0, row0, m_i, l_i, acc)
+                online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
                 row_sums(buf, l_i, l_row)
                 reciprocal(l_row, inv_l)
                 give_o(buf, acc, inv_l)  # normalised, as Algorithm 1 stores O_i
                 keep_stats(buf, l_row, m_i)
                 cuda.syncthreads()  # O_i, l_i, m_i are complete in shared memory
                 # O_i: written back to HBM after every K/V block, normalised
-                moved_o = store_O_i(buf, o, bh, row0, n_rows, 0, DV)
+                moved_o = store_O_i(buf, o, bh, row0, n_rows)
                 if COUNT:
                     cnt[O_W] += moved_o
                 last_j = T_c - 1
@@ -181,6 +169,7 @@ class KVOuter(MicroKernelSchedule):
     name = "kv_outer"
     BACKWARD = "kv_outer"
     RELOAD = True
+    TENSOR_CORES = True
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention Algorithm 1: K/V block resident, Q/O/l/m reloaded; one CTA per head"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
@@ -249,7 +238,7 @@ class KVOuter(MicroKernelSchedule):
 
     def output_roundings(self, p: Problem) -> int:
         # O_i is stored in the input dtype after every K/V block that visits it.
-        return int(p.visible_kv_blocks().max())
+        return int(p.visible_kv_blocks().max()) + self.p_roundings(p)
 
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         # Algorithm 1, line 1: Bc = ceil(M / 4d), Br = min(ceil(M / 4d), d).

@@ -23,17 +23,10 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
+from ..microkernel import MicroKernelSchedule, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import (
-    LN2,
-    counter_slots,
-    counts_flusher,
-    make_tile_loader,
-    make_tile_storer,
-    zero_counts,
-)
+from ..tiles import counter_slots, counts_flusher, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops. Measured on the H200 (B=4, H=16, N=4096,
 # 128 x 64 tiles, launches back to back; results/gpu_logs/ab_variants_2026-11-30.txt): at
@@ -46,33 +39,27 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    layout = Layout(RM, KN)
-    NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
-    TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
-    sm = shared_layout(BR, BC, D, DV, layout, False)
-    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
-    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL)
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
-    reciprocal, give_o, coords = mk.reciprocal, mk.give_o, mk.coords
+    reciprocal, give_o = mk.reciprocal, mk.give_o
+    load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads  # noqa: N806
+    store_O_i, store_lse = mk.store_o, mk.store_lse  # noqa: N806
     flush_counts = counts_flusher()
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
-    store_O_i = make_tile_storer(BR, DV, NT, (sm.q, sm.qs))  # noqa: N806 - staged in Q_i's place
     NCNT = counter_slots(COUNT)  # noqa: N806
 
-    @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
+    @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row0 = i * BR  # this thread's rows: row0 + tr + a TR, a < RM (see microkernel)
+        row0 = i * BR
         n_rows = min(BR, n_q - row0)
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, P_ij
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
         acc = cuda.local.array(NACC, float32)
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
@@ -89,7 +76,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
         clear(buf)  # padding and rows past N_q stay zero
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
         # Q_i: read from HBM once, stays in shared memory for every K/V block
-        moved = load_Q_i(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
         if COUNT:
             cnt[Q_R] += moved
 
@@ -101,31 +88,28 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
             # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, bh, key0, bc)
+            moved_v = load_V_j(buf, v, bh, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
+            wait_loads()
             cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            online_update(buf, bc, key0, row0, m_i, l_i, acc)
+            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
-        give_o(buf, acc, inv_l)  # normalised; Q_i is done with: its tile stages O_i
+        cuda.syncthreads()  # every thread is done with the tiles: O_i may take their place
+        give_o(buf, acc, inv_l)  # normalised, into its stage
         cuda.syncthreads()  # O_i is complete in shared memory
         # O_i: written to HBM once, normalised
-        moved = store_O_i(buf, o, bh, row0, n_rows, 0, DV)
+        moved = store_O_i(buf, o, bh, row0, n_rows)
         if COUNT:
             cnt[O_W] += moved
-        tr, tc = coords()
-        if SAVE_LSE and tc == 0:
-            for a in range(RM):
-                local = int(tr) + a * TR  # rows past Br belong to the next block
-                if local < n_rows:
-                    # lse_i: the row statistic the backward pass needs, written once
-                    lse[bh, row0 + local] = (m_i[a] + math.log2(l_row[a])) * float32(LN2)
-                    if COUNT:
-                        cnt[LSE_W] += 1
+        if SAVE_LSE:
+            moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
+            if COUNT:
+                cnt[LSE_W] += moved
         if COUNT:
             flush_counts(cnt, counts)
 
@@ -137,6 +121,7 @@ class QOuter(MicroKernelSchedule):
     name = "q_outer"
     BACKWARD = "q_outer"
     RELOAD = False
+    TENSOR_CORES = True
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}

@@ -48,7 +48,7 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import Layout, MicroKernelSchedule, make_micro_kernel, shared_layout
+from ..microkernel import MicroKernelSchedule, make_micro_kernel, shared_layout
 from ..runtime import (
     SHARED_ALIGN,
     SHARED_F32,
@@ -82,8 +82,9 @@ FILLED, WITHIN = 0.8, 0.85
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    layout = Layout(RM, KN)
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
+    RM, KN = layout  # noqa: N806
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
     TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
     sm = shared_layout(BR, BC, D, DV, layout, False)
@@ -150,7 +151,7 @@ def make_kernel(BR, BC, D, DV, RM, KN, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 -
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            online_update(buf, bc, key0, row0, m_i, l_i, acc)
+            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
 
         row_sums(buf, l_i, l_row)
         for a in range(RM):  # normalised; a row that saw no key of the split keeps O_is = 0

@@ -1,0 +1,383 @@
+"""The tensor-core micro-kernel for 16-bit inputs, shared by kv_outer and q_outer.
+
+The same device functions as the CUDA-core micro-kernel (`microkernel.MicroKernel`), so the
+two loop nests run either unchanged; this one multiplies on tensor cores, FlashAttention-2
+style (mma.sync m16n8k16, float32 accumulators; `intrinsics`):
+
+    warp w of W = ceil(Br / 16) owns query rows 16 w .. 16 w + 15 of the block;
+    lane 4 g + t holds rows 16 w + g and 16 w + g + 8 (a = 0, 1) of every fragment
+    S = Q_i K_j^T:  per 16 head dims: Q_i's A fragment by ldmatrix, then per 16 keys one
+                    ldmatrix of K_j (B of two 8-key n-tiles) and two mma
+    row max, sum:   the 4 lanes of a row (t = 0..3) by two xor shuffles
+    P:              2^(S scale log2 e - m) rounded to 16 bits in registers, where the S
+                    accumulator fragment already is P's A fragment for P V_j (no shared round)
+    acc += P V_j:   per 16 keys and 16 dims of V: one ldmatrix.trans (B of two n-tiles), two mma
+
+Tiles arrive in shared memory as 16-bit rows through `cp.async` (16 bytes a copy, rows past
+the tile's valid ones zero-filled; a head dim that is not a multiple of 8 takes plain loads),
+padded to whole 16s of head dims and keys (zero, cleared once per CTA) with each row stride
+8 elements over that, so the 8 rows one ldmatrix reads fall in different banks. The 16-bit
+tiles come first in the dynamic buffer; the float32 part after them holds the O_i stage (O_i
+leaves, and for kv_outer comes back, through it with the same row copies as the CUDA-core
+path) and kv_outer's l_i, m_i rows.
+
+Masked keys (past N_k, past Bc, or after the query when causal) get weight exactly 0, and V_j's
+rows past the tile are zero, so 0 x V adds nothing; a NaN or inf in a *visible-but-masked* V row
+would still reach the output through 0 x NaN, unlike the CUDA-core path, which skips masked
+keys (float16 inputs only carry what float16 holds; the NaN tests run in float32).
+
+P is rounded to 16 bits before P V_j (l_i sums the unrounded weights, as FlashAttention-2
+does): one more rounding of 2^-11 (float16) or 2^-8 (bfloat16) of max|V| in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import NamedTuple
+
+import numpy as np
+from numba import float32, uint16, uint32, uint64
+
+from .intrinsics import (
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_all,
+    exp2,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    shfl_xor,
+)
+from .runtime import SIMULATOR, cuda
+from .tiles import LN2, make_tile_loader, make_tile_storer
+
+NEG_INF = float32(-math.inf)
+WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
+
+
+class TensorCores(NamedTuple):
+    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16'); the
+    counterpart of `microkernel.Layout` (which picks the CUDA-core one)."""
+
+    dtype: str
+
+    def warps(self, block_q: int) -> int:
+        return -(-block_q // WARP_ROWS)
+
+    def threads(self, block_q: int, block_k: int) -> int:
+        return 32 * self.warps(block_q)
+
+    def registers(self, block_k: int, dv: int) -> int:
+        """The register cap: S (Bc/2) and O (dv/2) accumulators per thread plus fragments
+        fit 255; ptxas takes what it needs below it (results/kernels_ptxas.json)."""
+        return 255
+
+    def __str__(self) -> str:
+        return f"mma.{'f16' if self.dtype == 'float16' else 'bf16'}"
+
+
+def _up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class TcSharedLayout(NamedTuple):
+    """The dynamic buffer of one CTA: 16-bit tiles at element offsets (q, k, v, row strides
+    qs, ks, vs), then float32 regions at float offsets (o: the O_i stage, stride os; stats:
+    kv_outer's l_i, m_i rows)."""
+
+    q: int
+    qs: int
+    k: int
+    ks: int
+    v: int
+    vs: int
+    o: int
+    os: int
+    stats: int
+    size: int  # floats in all
+
+    @property
+    def bytes(self) -> int:
+        return 4 * self.size
+
+
+@cache
+def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool) -> TcSharedLayout:  # noqa: N803
+    rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
+    qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
+    k = rows * qs
+    v = k + keys * ks
+    halves = v + keys * vs
+    o = _up(-(-halves // 2), 4)  # floats, 16-byte aligned
+    os = _up(DV, 4)
+    stats = o + rows * os
+    size = stats + (2 * rows if reload else 0)
+    return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size)
+
+
+@cache
+def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa: N803
+                         CAUSAL: bool, RELOAD: bool):
+    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`)."""
+    from .microkernel import MicroKernel
+
+    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
+    NT = 32 * W  # noqa: N806
+    ROWS = W * WARP_ROWS  # noqa: N806
+    KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
+    DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T
+    NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
+    NS = 4 * NKT  # noqa: N806 - a thread's scores
+    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
+    VEC = D % 8 == 0 and DV % 8 == 0  # noqa: N806 - rows in whole 16-byte copies
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD)
+    Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
+    O, OS, STATS, SIZE = sm.o, sm.os, sm.stats, sm.size  # noqa: N806, E741
+    BF16 = DTYPE == "bfloat16"  # noqa: N806
+    mma = mma_bf16 if BF16 else mma_f16
+    pack = pack_bf16x2 if BF16 else pack_f16x2
+    HALF = (np.dtype(np.uint16) if BF16 else np.dtype(np.float16)) if SIMULATOR else (  # noqa: N806
+        uint16 if BF16 else _numba_f16())
+    load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
+    store_o_stage = make_tile_storer(BR, DV, NT, (O, OS))
+
+    @cuda.jit(device=True, inline="always")
+    def halves():
+        """The buffer's 16-bit view (dynamic shared arrays alias)."""
+        return cuda.shared.array(0, HALF)
+
+    @cuda.jit(device=True, inline="always")
+    def coords():
+        """(warp, lane) of this thread, unsigned."""
+        t = uint32(cuda.threadIdx.x)
+        return t // uint32(32), t % uint32(32)
+
+    @cuda.jit(device=True, inline="always")
+    def local_row(w, lane, a):
+        return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
+
+    @cuda.jit(device=True)
+    def clear(buf):
+        for e in range(cuda.threadIdx.x, SIZE, NT):
+            buf[e] = float32(0.0)
+
+    def make_loader(R: int, C: int, AT: int, S: int):  # noqa: N803
+        """load(src, bh, row0, n_rows): rows row0 .. row0 + R - 1 of src[bh] (columns < C)
+        into the 16-bit tile at AT, stride S; rows past n_rows become zero. Returns the
+        elements this thread moved (thread 0 counts the tile)."""
+        CH = C // 8  # noqa: N806 - 16-byte copies per row
+        TRIPS = -(-R * CH // NT)  # noqa: N806
+
+        @cuda.jit(device=True, inline="always")
+        def load(src, bh, row0, n_rows):
+            tile = halves()
+            t = uint32(cuda.threadIdx.x)
+            if VEC:
+                for u in range(TRIPS):
+                    e = t + uint32(u * NT)
+                    if e < uint32(R * CH):
+                        r, c = e // uint32(CH), e % uint32(CH)
+                        inside = r < uint32(n_rows)
+                        src_row = row0 + (r if inside else uint32(0))
+                        # HBM -> shared, 16 bytes without passing through registers
+                        cp_async16(tile, uint64(AT) + uint64(r) * uint64(S) + uint64(8 * c),
+                                   src, bh, src_row, 8 * c, 16 if inside else 0)
+                cp_async_commit()
+            else:
+                for e in range(t, R * C, NT):
+                    r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
+                    x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
+                    tile[uint64(AT) + uint64(r) * uint64(S) + uint64(c)] = x
+            return n_rows * C if t == 0 else 0
+
+        return load
+
+    load_q_tile = make_loader(BR, D, Q, QS)
+    load_k_tile = make_loader(BC, D, K, KS)
+    load_v_tile = make_loader(BC, DV, V, VS)
+
+    @cuda.jit(device=True, inline="always")
+    def load_q(buf, q, bh, row0, n_rows, scale_log2):
+        return load_q_tile(q, bh, row0, n_rows)
+
+    @cuda.jit(device=True, inline="always")
+    def load_k(buf, k, bh, key0, n_keys):
+        return load_k_tile(k, bh, key0, n_keys)
+
+    @cuda.jit(device=True, inline="always")
+    def load_v(buf, v, bh, key0, n_keys):
+        return load_v_tile(v, bh, key0, n_keys)
+
+    @cuda.jit(device=True, inline="always")
+    def wait_loads():
+        if VEC:
+            cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
+
+    @cuda.jit(device=True, inline="always")
+    def load_o(buf, o, bh, row0, n_rows):
+        return load_o_stage(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def store_o(buf, o, bh, row0, n_rows):
+        return store_o_stage(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, key0, n_keys):
+        if CAUSAL:
+            return max(0, min(n_keys, row - key0 + 1))
+        return n_keys
+
+    @cuda.jit(device=True, inline="always")
+    def scores(tile, s, w, lane):
+        """s = Q_i K_j^T of the warp's 16 rows: n-tile n of 8 keys in s[4 n .. 4 n + 3]."""
+        for e in range(NS):
+            s[e] = float32(0.0)
+        q_row = uint64(Q) + uint64(w * uint32(WARP_ROWS) + (lane & uint32(15))) * uint64(QS)
+        q_col = uint64(8) * uint64(lane >> uint32(4))
+        k_row = uint64(8 * (lane >> uint32(4)) + (lane & uint32(7)))
+        k_col = uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
+        for kk in range(DK):
+            a0, a1, a2, a3 = ldmatrix_x4(tile, q_row + q_col + uint64(16 * kk))
+            for n2 in range(NKT // 2):
+                b = ldmatrix_x4(tile, uint64(K) + (k_row + uint64(16 * n2)) * uint64(KS)
+                                + k_col + uint64(16 * kk))
+                for h in range(2):
+                    n = 2 * n2 + h
+                    s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma(
+                        a0, a1, a2, a3, b[2 * h], b[2 * h + 1],
+                        s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate(tile, s, acc, lane):
+        """acc += P V_j, P's A fragment packed from the weights in s."""
+        v_row = uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
+        v_col = uint64(8) * uint64(lane >> uint32(4))
+        for kk in range(KP // 16):
+            p0 = pack(s[8 * kk], s[8 * kk + 1])
+            p1 = pack(s[8 * kk + 2], s[8 * kk + 3])
+            p2 = pack(s[8 * kk + 4], s[8 * kk + 5])
+            p3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+            for n2 in range(DVT // 2):
+                b = ldmatrix_x4_trans(tile, uint64(V) + (v_row + uint64(16 * kk)) * uint64(VS)
+                                      + v_col + uint64(16 * n2))
+                for h in range(2):
+                    n = 2 * n2 + h
+                    acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma(
+                        p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
+                        acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+
+    @cuda.jit(device=True, inline="always")
+    def row_max4(x):
+        """Max over the 4 lanes of a row."""
+        x = max(x, shfl_xor(x, 1))
+        return max(x, shfl_xor(x, 2))
+
+    @cuda.jit(device=True)
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2):  # noqa: E741
+        tile = halves()
+        w, lane = coords()
+        t2 = 2 * (lane & uint32(3))
+        s = cuda.local.array(NS, float32)
+        scores(tile, s, w, lane)
+        for a in range(2):
+            vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
+            part = NEG_INF
+            for n in range(NKT):
+                for c in range(2):
+                    x = s[4 * n + 2 * a + c] * scale_log2
+                    # a masked key gets -inf: weight 0 (its score may be garbage)
+                    if int(uint32(8 * n + c) + t2) >= vis:
+                        x = NEG_INF
+                    s[4 * n + 2 * a + c] = x
+                    part = max(part, x)
+            new_max = max(m[a], row_max4(part))
+            shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
+            alpha = exp2(m[a] - shift)
+            m[a] = new_max
+            l[a] *= alpha
+            for n in range(DVT):
+                acc[4 * n + 2 * a] *= alpha
+                acc[4 * n + 2 * a + 1] *= alpha
+            for n in range(NKT):
+                for c in range(2):
+                    p = exp2(s[4 * n + 2 * a + c] - shift)
+                    l[a] += p
+                    s[4 * n + 2 * a + c] = p
+        accumulate(tile, s, acc, lane)
+
+    @cuda.jit(device=True)
+    def row_sums(buf, l, l_row):  # noqa: E741
+        for a in range(2):
+            x = l[a] + shfl_xor(l[a], 1)
+            l_row[a] = x + shfl_xor(x, 2)
+
+    @cuda.jit(device=True, inline="always")
+    def reciprocal(x, out):
+        for a in range(2):
+            out[a] = float32(1.0) / x[a]
+
+    @cuda.jit(device=True, inline="always")
+    def give_o(buf, acc, factor):
+        w, lane = coords()
+        t2 = 2 * (lane & uint32(3))
+        for a in range(2):
+            at = uint64(O) + uint64(local_row(w, lane, a)) * uint64(OS)
+            for n in range(DVT):
+                for c in range(2):
+                    x = uint32(8 * n + c) + t2
+                    if x < uint32(DV):
+                        buf[at + uint64(x)] = acc[4 * n + 2 * a + c] * factor[a]
+
+    @cuda.jit(device=True, inline="always")
+    def take_o(buf, acc, l, l_row, m):  # noqa: E741
+        w, lane = coords()
+        t2 = 2 * (lane & uint32(3))
+        for a in range(2):
+            r = uint64(local_row(w, lane, a))
+            l_row[a] = buf[uint64(STATS) + r]
+            m[a] = buf[uint64(STATS + ROWS) + r]
+            l[a] = l_row[a] if (lane & uint32(3)) == 0 else float32(0.0)  # one partial per row
+            for n in range(DVT):
+                for c in range(2):
+                    x = uint32(8 * n + c) + t2
+                    o = buf[uint64(O) + r * uint64(OS) + uint64(x)] if x < uint32(DV) else \
+                        float32(0.0)
+                    acc[4 * n + 2 * a + c] = o * l_row[a]
+
+    @cuda.jit(device=True, inline="always")
+    def keep_stats(buf, l_row, m):
+        w, lane = coords()
+        if (lane & uint32(3)) == 0:
+            for a in range(2):
+                r = uint64(local_row(w, lane, a))
+                buf[uint64(STATS) + r] = l_row[a]
+                buf[uint64(STATS + ROWS) + r] = m[a]
+
+    @cuda.jit(device=True, inline="always")
+    def store_lse(lse, bh, row0, n_rows, m, l_row):
+        w, lane = coords()
+        moved = 0
+        if (lane & uint32(3)) == 0:
+            for a in range(2):
+                r = int(local_row(w, lane, a))
+                if r < n_rows:
+                    # lse_i: the row statistic the backward pass needs, written once
+                    lse[bh, row0 + r] = (m[a] + math.log2(l_row[a])) * float32(LN2)
+                    moved += 1
+        return moved
+
+    return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
+                       coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
+                       NT, 2, NACC, ROWS, STATS)
+
+
+def _numba_f16():
+    from numba.core import types
+
+    return types.float16
+

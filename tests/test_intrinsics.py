@@ -1,0 +1,144 @@
+"""The inline-PTX layer (loop_orders.intrinsics), one warp per test: on a GPU the instructions
+themselves, on the simulator their emulation, against NumPy in both cases. The fragment
+layouts the tensor-core micro-kernel relies on are exactly what these check."""
+
+import numpy as np
+import pytest
+from numba import float32, uint32
+
+from loop_orders import intrinsics as ptx
+from loop_orders.runtime import cuda, to_device
+
+
+def _bf16_round(x):
+    """float32 -> the nearest bfloat16, as float32 (ties to even)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _fragments_kernel(kind):
+    mma = ptx.mma_f16 if kind == "f16" else ptx.mma_bf16
+    pack = ptx.pack_f16x2 if kind == "f16" else ptx.pack_bf16x2
+
+    @cuda.jit
+    def kernel(a, b, c, d):
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        a0 = pack(a[g, 2 * t], a[g, 2 * t + 1])
+        a1 = pack(a[g + 8, 2 * t], a[g + 8, 2 * t + 1])
+        a2 = pack(a[g, 8 + 2 * t], a[g, 9 + 2 * t])
+        a3 = pack(a[g + 8, 8 + 2 * t], a[g + 8, 9 + 2 * t])
+        b0 = pack(b[2 * t, g], b[2 * t + 1, g])
+        b1 = pack(b[8 + 2 * t, g], b[9 + 2 * t, g])
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1],
+                             c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d0, d1, d2, d3
+
+    return kernel
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+def test_mma_m16n8k16_and_packing(kind, rng):
+    """D = A B + C for 16-bit A, B packed in-kernel from float32 (exactly representable, so
+    the only error is the float32 accumulation)."""
+    rnd = (lambda x: x.astype(np.float16).astype(np.float32)) if kind == "f16" else _bf16_round
+    a = rnd(rng.standard_normal((16, 16)).astype(np.float32))
+    b = rnd(rng.standard_normal((16, 8)).astype(np.float32))
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = to_device(np.zeros((16, 8), np.float32))
+    _fragments_kernel(kind)[1, 32](to_device(a), to_device(b), to_device(c), d)
+    expect = a.astype(np.float64) @ b + c
+    np.testing.assert_allclose(d.copy_to_host(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_mma_m16n8k8_tf32(rng):
+    """TF32 keeps 10 mantissa bits of each input: error about 2^-11 relative per product."""
+
+    @cuda.jit
+    def kernel(a, b, c, d):
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        d0, d1, d2, d3 = ptx.mma_tf32(a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4],
+                                      b[t, g], b[t + 4, g], c[g, 2 * t], c[g, 2 * t + 1],
+                                      c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d0, d1, d2, d3
+
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = to_device(np.zeros((16, 8), np.float32))
+    kernel[1, 32](to_device(a.view(np.uint32)), to_device(b.view(np.uint32)), to_device(c), d)
+    expect = a.astype(np.float64) @ b + c
+    err = np.abs(d.copy_to_host() - expect).max() / np.abs(expect).max()
+    assert 0 < err <= 8 * 2.0**-11  # TF32, not float32 (which would give about 1e-7)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4(trans, rng):
+    """Four 8x8 float16 matrices (rows 8 apart in a padded tile): lane 4g + t gets row g,
+    columns 2t, 2t+1 of each (transposed: rows 2t, 2t+1 of column g)."""
+    stride = 24  # 16 columns + 8 of padding, as the micro-kernel's tiles
+    tile = rng.standard_normal((16, stride)).astype(np.float16)
+    load = ptx.ldmatrix_x4_trans if trans else ptx.ldmatrix_x4
+
+    @cuda.jit
+    def kernel(src, out):
+        lane = cuda.threadIdx.x
+        sh = cuda.shared.array((16 * 24,), np.float16)
+        for e in range(lane, 16 * 24, 32):
+            sh[e] = src[e // 24, e % 24]
+        cuda.syncthreads()  # the tile is in shared memory
+        mat, r = lane // 8, lane % 8  # matrix `mat` = rows 8 (mat % 2) .., columns 8 (mat // 2) ..
+        w0, w1, w2, w3 = load(sh, (8 * (mat % 2) + r) * 24 + 8 * (mat // 2))
+        out[lane, 0], out[lane, 1], out[lane, 2], out[lane, 3] = w0, w1, w2, w3
+
+    out = to_device(np.zeros((32, 4), np.uint32))
+    kernel[1, 32](to_device(tile), out)
+    words = out.copy_to_host()
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for mat in range(4):
+            block = tile[8 * (mat % 2):8 * (mat % 2) + 8, 8 * (mat // 2):8 * (mat // 2) + 8]
+            pair = block[g, 2 * t:2 * t + 2] if not trans else block[2 * t:2 * t + 2, g]
+            assert words[lane, mat] == np.ascontiguousarray(pair).view(np.uint32)[0]
+
+
+def test_cp_async16_copies_and_zero_fills(rng):
+    """Rows of 8 float16 (16 bytes) into shared memory; n_bytes = 0 zero-fills the row."""
+    src = rng.standard_normal((1, 32, 8)).astype(np.float16)
+
+    @cuda.jit
+    def kernel(src, out):
+        lane = cuda.threadIdx.x
+        sh = cuda.shared.array((32 * 8,), np.float16)
+        ptx.cp_async16(sh, lane * 8, src, 0, lane, 0, 16 if lane % 3 else 0)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait_all()
+        cuda.syncthreads()  # every lane's copy has landed
+        for u in range(8):
+            out[lane, u] = sh[lane * 8 + u]
+
+    out = to_device(np.full((32, 8), 7, np.float16))
+    kernel[1, 32](to_device(src), out)
+    expect = src[0].copy()
+    expect[::3] = 0
+    np.testing.assert_array_equal(out.copy_to_host(), expect)
+
+
+def test_shfl_xor_and_exp2():
+    @cuda.jit
+    def kernel(out):
+        lane = cuda.threadIdx.x
+        x = float32(lane)
+        out[lane, 0] = ptx.shfl_xor(x, uint32(1))
+        out[lane, 1] = ptx.shfl_xor(x, uint32(2))
+        out[lane, 2] = ptx.exp2(float32(lane % 4) - float32(2.0))
+
+    out = to_device(np.zeros((32, 3), np.float32))
+    kernel[1, 32](out)
+    got = out.copy_to_host()
+    lanes = np.arange(32)
+    np.testing.assert_array_equal(got[:, 0], lanes ^ 1)
+    np.testing.assert_array_equal(got[:, 1], lanes ^ 2)
+    np.testing.assert_allclose(got[:, 2], 2.0 ** (lanes % 4 - 2.0), rtol=2**-22)
