@@ -53,16 +53,32 @@ FULL_MASK = 0xFFFFFFFF
 if SIMULATOR:
     exp2 = math.exp2
 
+    _CREATING = threading.Lock()
+    _GATHER_TIMEOUT_S = 300  # a lane that never arrives (its kernel raised): fail, not hang
+
     def _warp_gather(value):
-        """The values of `value` from the 32 lanes of the calling thread's warp."""
+        """The values of `value` from the 32 lanes of the calling thread's warp.
+
+        One barrier per warp and call (a `threading.Barrier` of its lanes, cheaper than the
+        simulator's CTA-wide syncthreads), with two slots used in turn: a lane can only
+        write a slot again once every lane has passed the next call's barrier, so after
+        every lane has read it."""
         thread = threading.current_thread()
-        store = thread._manager.__dict__.setdefault("_warp_exchange", {})
-        store[thread.thread_id] = value
-        thread.syncthreads()  # every lane's value is in the block's exchange
-        base = thread.thread_id - thread.thread_id % 32
-        got = [store[base + lane] for lane in range(32)]
-        thread.syncthreads()  # every lane has read before the next exchange overwrites
-        return got
+        block = thread._manager.__dict__
+        warp = thread.thread_id // 32
+        state = block.get(("warp", warp))
+        if state is None:
+            with _CREATING:
+                lanes = min(32, int(np.prod(thread._manager._block_dim)) - 32 * warp)
+                state = block.setdefault(("warp", warp), (
+                    threading.Barrier(lanes, timeout=_GATHER_TIMEOUT_S), [{}, {}], {}))
+        barrier, slots, calls = state
+        turn = calls.get(thread.thread_id, 0)
+        calls[thread.thread_id] = turn + 1
+        slot = slots[turn % 2]
+        slot[thread.thread_id % 32] = value
+        barrier.wait()  # every lane's value is in this call's slot
+        return [slot[lane] for lane in range(len(slot))]
 
     def _lane():
         return threading.current_thread().thread_id % 32
@@ -75,20 +91,37 @@ if SIMULATOR:
         lo, hi = (w << 16).view(np.float32), (w & 0xFFFF0000).view(np.float32)
         return np.stack([lo, hi], axis=-1).astype(np.float64)
 
+    def _fragment_index(regs: int, row, col, halves: int = 2):
+        """(rows, cols) of every lane's registers' elements: row(g, t, r, h), col(...)."""
+        g, t, r, h = np.meshgrid(np.arange(8), np.arange(4), np.arange(regs),
+                                 np.arange(halves), indexing="ij")
+        return row(g, t, r, h).ravel(), col(g, t, r, h).ravel()
+
+    # m16n8k16: A (16 x 16) in 4 registers of 2 halves, B (16 x 8) in 2, C (16 x 8) 4 floats
+    _A16 = _fragment_index(4, lambda g, t, r, h: g + 8 * (r % 2),
+                           lambda g, t, r, h: 2 * t + h + 8 * (r // 2))
+    _B16 = _fragment_index(2, lambda g, t, r, h: 2 * t + h + 8 * r, lambda g, t, r, h: g)
+    _C = _fragment_index(2, lambda g, t, r, h: g + 8 * r, lambda g, t, r, h: 2 * t + h)
+    # m16n8k8 TF32: A (16 x 8) in 4 registers of one value, B (8 x 8) in 2
+    _A8 = _fragment_index(4, lambda g, t, r, h: g + 8 * (r % 2),
+                          lambda g, t, r, h: t + 4 * (r // 2), halves=1)
+    _B8 = _fragment_index(2, lambda g, t, r, h: t + 4 * r, lambda g, t, r, h: g, halves=1)
+
+    def _mma(values_a, values_b, lanes, a_index, b_index, shape_a, shape_b):
+        A, B, C = np.zeros(shape_a), np.zeros(shape_b), np.zeros((16, 8))  # noqa: N806
+        A[a_index] = values_a.ravel()
+        B[b_index] = values_b.ravel()
+        C[_C] = np.array([x[2] for x in lanes], dtype=np.float64).ravel()
+        g, t = divmod(_lane(), 4)
+        D = (A[[g, g + 8]] @ B[:, [2 * t, 2 * t + 1]] + C[[g, g + 8]][:, [2 * t, 2 * t + 1]])  # noqa: N806
+        D = D.astype(np.float32)  # noqa: N806
+        return D[0, 0], D[0, 1], D[1, 0], D[1, 1]
+
     def _mma_m16n8k16(kind, a, b, c):
         lanes = _warp_gather((a, b, c))
-        A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))  # noqa: N806
-        for lane, (la, lb, lc) in enumerate(lanes):
-            g, t = divmod(lane, 4)
-            h = _halves(la, kind)
-            A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2] = h[0], h[1]
-            A[g, 8 + 2 * t:10 + 2 * t], A[g + 8, 8 + 2 * t:10 + 2 * t] = h[2], h[3]
-            hb = _halves(lb, kind)
-            B[2 * t:2 * t + 2, g], B[8 + 2 * t:10 + 2 * t, g] = hb[0], hb[1]
-            C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = lc[:2], lc[2:]
-        D = (A @ B + C).astype(np.float32)  # noqa: N806
-        g, t = divmod(_lane(), 4)
-        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+        values_a = _halves([x[0] for x in lanes], kind)  # (lane, register, half)
+        values_b = _halves([x[1] for x in lanes], kind)
+        return _mma(values_a, values_b, lanes, _A16, _B16, (16, 16), (16, 8))
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return _mma_m16n8k16("f16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
@@ -98,17 +131,13 @@ if SIMULATOR:
 
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         lanes = _warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
-        A, B, C = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))  # noqa: N806
-        for lane, (la, lb, lc) in enumerate(lanes):
-            g, t = divmod(lane, 4)
-            # TF32 keeps float32's top 19 bits (the hardware ignores the low 13)
-            x = (np.asarray(la + lb, dtype=np.uint32) & 0xFFFFE000).view(np.float32)
-            A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = x[:4]
-            B[t, g], B[t + 4, g] = x[4:]
-            C[g, 2 * t:2 * t + 2], C[g + 8, 2 * t:2 * t + 2] = lc[:2], lc[2:]
-        D = (A @ B + C).astype(np.float32)  # noqa: N806
-        g, t = divmod(_lane(), 4)
-        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+
+        def tf32(words):  # TF32 keeps float32's top 19 bits (the hardware ignores the rest)
+            return (np.asarray(words, dtype=np.uint32) & 0xFFFFE000).view(np.float32)
+
+        values_a = tf32([x[0] for x in lanes]).astype(np.float64)
+        values_b = tf32([x[1] for x in lanes]).astype(np.float64)
+        return _mma(values_a, values_b, lanes, _A8, _B8, (16, 8), (8, 8))
 
     def pack_f16x2(lo, hi):
         return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])

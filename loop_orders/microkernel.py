@@ -55,7 +55,13 @@ import numpy as np
 from numba import float32, int32, uint32, uint64
 
 from .intrinsics import exp2
-from .microkernel_tc import TensorCores, make_tc_micro_kernel, tc_shared_layout
+from .microkernel_tc import (
+    TensorCores,
+    make_tc_micro_kernel,
+    tc_shared_layout,
+    tc_warp_rows,
+    warp_exchanges_per_tile,
+)
 from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
 from .schedule import Kernel, Problem, Schedule
 from .tiles import LN2, LOG2E, counter_slots, make_tile_loader, make_tile_storer
@@ -207,11 +213,12 @@ class MicroKernel(NamedTuple):
     every thread of the CTA.
 
     clear(buf)                        zero the buffer (once per CTA, before any tile lands)
-    online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2)
+    online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage)
                                       fold K_j, V_j (keys key0 .. key0 + n_keys) into the
                                       thread's rows; here Q_i is in shared memory
                                       pre-scaled by scale log2(e) (load_q), so scale_log2
-                                      goes unused (the tensor-core one scales S)
+                                      goes unused (the tensor-core one scales S);
+                                      `stage` too (one K/V buffer here)
     row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
     give_o(buf, acc, factor)          O_i = acc * factor[a] into its stage (kv_outer's O_i
                                       stage, else the Q_i tile, which is done with by then):
@@ -222,8 +229,9 @@ class MicroKernel(NamedTuple):
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
     coords()                          this thread's place in the layout
-    load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys),
-    load_v(buf, v, bh, key0, n_keys)  HBM -> the tile (rows past n_rows as the micro-kernel
+    load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys, stage),
+    load_v(buf, v, bh, key0, n_keys, stage)
+                                      HBM -> the tile (rows past n_rows as the micro-kernel
                                       needs them); each returns the elements this thread
                                       counted; every thread calls them, then wait_loads(),
                                       then the caller's barrier
@@ -237,6 +245,8 @@ class MicroKernel(NamedTuple):
     NT, RM, NACC                      threads per CTA; rows and accumulators per thread
     ROWS, STATS                       rows of the tiles; float offset of kv_outer's l_i, m_i
                                       rows (m_i ROWS after l_i)
+    STAGES                            K/V buffers: with 2, the loop nest loads K_j+1, V_j+1
+                                      (`stage` (j + 1) % 2) while it folds in K_j, V_j
     """
 
     clear: object
@@ -259,6 +269,7 @@ class MicroKernel(NamedTuple):
     NACC: int
     ROWS: int
     STATS: int
+    STAGES: int
 
 
 @cache
@@ -407,7 +418,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return x
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2):  # noqa: E741
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         vis = cuda.local.array(RM, int32)  # keys each row sees
@@ -509,11 +520,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
 
     @cuda.jit(device=True, inline="always")
-    def load_k(buf, k, bh, key0, n_keys):
+    def load_k(buf, k, bh, key0, n_keys, stage):
         return load_k_tile(buf, k, bh, key0, n_keys, 0, D)
 
     @cuda.jit(device=True, inline="always")
-    def load_v(buf, v, bh, key0, n_keys):
+    def load_v(buf, v, bh, key0, n_keys, stage):
         return load_v_tile(buf, v, bh, key0, n_keys, 0, DV)
 
     @cuda.jit(device=True, inline="always")
@@ -543,7 +554,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS)
+                       NT, RM, XN * RM, ROWS, STATS, 1)
 
 
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
@@ -551,7 +562,7 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
-        return make_tc_micro_kernel(BR, BC, D, DV, MK.dtype, CAUSAL, RELOAD)
+        return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL)
 
 
@@ -566,6 +577,7 @@ class MicroKernelSchedule(Schedule):
     uses_micro_kernel = True
     RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
     TENSOR_CORES: ClassVar[bool] = False  # 16-bit inputs run the tensor-core micro-kernel
+    KV_STAGES: ClassVar[int] = 1  # K/V buffers the tensor-core micro-kernel keeps
 
     @staticmethod
     @abstractmethod
@@ -576,11 +588,24 @@ class MicroKernelSchedule(Schedule):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs where the
         schedule has them, else the CUDA-core thread layout."""
         if self.TENSOR_CORES and p.dtype in TENSOR_CORE_DTYPES:
-            return TensorCores(p.dtype)
+            # tuning: LOOP_ORDERS_WARP_ROWS forces the rows per warp, LOOP_ORDERS_KV_STAGES=1
+            # turns off the double buffering of a loop nest that has it
+            rows = int(os.environ.get("LOOP_ORDERS_WARP_ROWS") or tc_warp_rows(p.block_q))
+            stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
+            return TensorCores(p.dtype, rows, stages)
         return thread_layout(p.block_q, p.block_k, p.dv)
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
+
+    def warp_exchanges(self, p: Problem) -> int:
+        """Warp-collective calls of the forward pass, summed over warps: the tensor-core
+        micro-kernel's, per visited tile (0 on CUDA cores)."""
+        lay = self.layout(p)
+        if not isinstance(lay, TensorCores):
+            return 0
+        per_tile = warp_exchanges_per_tile(lay, p.block_k, p.d, p.dv)
+        return p.bh * p.visited_pairs() * lay.warps(p.block_q) * per_tile
 
     def p_roundings(self, p: Problem) -> int:
         """1 where the tensor-core micro-kernel rounds P to 16 bits before P V_j (each row's
@@ -601,7 +626,7 @@ class MicroKernelSchedule(Schedule):
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
-            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD).bytes
+            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
 
     def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:

@@ -56,28 +56,49 @@ from .runtime import SIMULATOR, cuda
 from .tiles import LN2, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
-WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
+MMA_ROWS = 16  # the m of m16n8k16: rows of one m-tile
 
 
 class TensorCores(NamedTuple):
-    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16'); the
-    counterpart of `microkernel.Layout` (which picks the CUDA-core one)."""
+    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16'): the
+    counterpart of `microkernel.Layout` (which picks the CUDA-core one). A warp owns
+    `warp_rows` query rows (whole m-tiles: each K_j, V_j fragment it loads from shared memory
+    feeds warp_rows / 16 mma); `stages` K/V buffers (2: the next tile's copies run under this
+    tile's arithmetic)."""
 
     dtype: str
+    warp_rows: int = 16
+    stages: int = 1
 
     def warps(self, block_q: int) -> int:
-        return -(-block_q // WARP_ROWS)
+        return -(-block_q // self.warp_rows)
 
     def threads(self, block_q: int, block_k: int) -> int:
         return 32 * self.warps(block_q)
 
     def registers(self, block_k: int, dv: int) -> int:
-        """The register cap: S (Bc/2) and O (dv/2) accumulators per thread plus fragments
-        fit 255; ptxas takes what it needs below it (results/kernels_ptxas.json)."""
+        """The register cap: 255 (S and O accumulators, warp_rows / 32 (Bc + dv) floats per
+        thread, plus fragments); ptxas takes what it needs below it
+        (results/kernels_ptxas.json)."""
         return 255
 
     def __str__(self) -> str:
-        return f"mma.{'f16' if self.dtype == 'float16' else 'bf16'}"
+        kind = "f16" if self.dtype == "float16" else "bf16"
+        return f"mma.{kind}:{self.warp_rows}x{self.stages}"
+
+
+def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
+    """Warp-collective calls (ldmatrix, mma, shuffles) one warp makes per K/V tile: what the
+    simulator's emulation costs (`api.simulated_seconds`)."""
+    mt, kp = spec.warp_rows // MMA_ROWS, _up(block_k, 16)
+    dk, nkt, dvt = _up(d, 16) // 16, kp // 8, _up(dv, 16) // 8
+    return dk * mt + dk * nkt // 2 * (1 + 2 * mt) + 4 * mt + kp // 16 * dvt // 2 * (1 + 2 * mt)
+
+
+def tc_warp_rows(block_q: int) -> int:
+    """Query rows per warp: 32 (two m-tiles, as FlashAttention-2's forward) where the block
+    has at least 64 rows, else 16. `LOOP_ORDERS_WARP_ROWS` forces it (tuning)."""
+    return 32 if block_q >= 64 else MMA_ROWS
 
 
 def _up(n: int, to: int) -> int:
@@ -106,12 +127,13 @@ class TcSharedLayout(NamedTuple):
 
 
 @cache
-def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool) -> TcSharedLayout:  # noqa: N803
-    rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
+def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,  # noqa: N803
+                     spec: TensorCores) -> TcSharedLayout:
+    rows, keys = spec.warps(BR) * spec.warp_rows, _up(BC, 16)
     qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
     k = rows * qs
-    v = k + keys * ks
-    halves = v + keys * vs
+    v = k + spec.stages * keys * ks
+    halves = v + spec.stages * keys * vs
     o = _up(-(-halves // 2), 4)  # floats, 16-byte aligned
     os = _up(DV, 4)
     stats = o + rows * os
@@ -120,25 +142,32 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool) -> TcShare
 
 
 @cache
-def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa: N803
+def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
                          CAUSAL: bool, RELOAD: bool):
-    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`)."""
+    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
+    arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
     from .microkernel import MicroKernel
 
-    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
+    WR = SPEC.warp_rows  # noqa: N806 - query rows of a warp
+    MT = WR // MMA_ROWS  # noqa: N806 - its m-tiles
+    RM = 2 * MT  # noqa: N806 - rows of a thread: g and g + 8 of each m-tile
+    W = SPEC.warps(BR)  # noqa: N806
     NT = 32 * W  # noqa: N806
-    ROWS = W * WARP_ROWS  # noqa: N806
+    ROWS = W * WR  # noqa: N806
     KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
     DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
-    NS = 4 * NKT  # noqa: N806 - a thread's scores
-    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
+    NS = 4 * NKT  # noqa: N806 - a thread's scores per m-tile
+    NA = 4 * DVT  # noqa: N806 - a thread's accumulators per m-tile
+    NSM = MT * NS  # noqa: N806 - a thread's scores (a local array's size must be a name)
+    NF = 4 * MT  # noqa: N806 - registers of a thread's A fragments (Q_i or P)
     VEC = D % 8 == 0 and DV % 8 == 0  # noqa: N806 - rows in whole 16-byte copies
-    sm = tc_shared_layout(BR, BC, D, DV, RELOAD)
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     O, OS, STATS, SIZE = sm.o, sm.os, sm.stats, sm.size  # noqa: N806, E741
-    BF16 = DTYPE == "bfloat16"  # noqa: N806
+    K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
+    BF16 = SPEC.dtype == "bfloat16"  # noqa: N806
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
     HALF = (np.dtype(np.uint16) if BF16 else np.dtype(np.float16)) if SIMULATOR else (  # noqa: N806
@@ -159,24 +188,26 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
 
     @cuda.jit(device=True, inline="always")
     def local_row(w, lane, a):
-        return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
+        """Row of the block that the thread's row a (m-tile a // 2, half a % 2) is."""
+        return w * uint32(WR) + (lane >> uint32(2)) + uint32(16 * (a // 2) + 8 * (a % 2))
 
     @cuda.jit(device=True)
     def clear(buf):
         for e in range(cuda.threadIdx.x, SIZE, NT):
             buf[e] = float32(0.0)
 
-    def make_loader(R: int, C: int, AT: int, S: int):  # noqa: N803
-        """load(src, bh, row0, n_rows): rows row0 .. row0 + R - 1 of src[bh] (columns < C)
-        into the 16-bit tile at AT, stride S; rows past n_rows become zero. Returns the
-        elements this thread moved (thread 0 counts the tile)."""
+    def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):  # noqa: N803
+        """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
+        < C) into the 16-bit tile at AT + stage STAGE, stride S; rows past n_rows become
+        zero. Returns the elements this thread counts (thread 0 counts the tile)."""
         CH = C // 8  # noqa: N806 - 16-byte copies per row
         TRIPS = -(-R * CH // NT)  # noqa: N806
 
         @cuda.jit(device=True, inline="always")
-        def load(src, bh, row0, n_rows):
+        def load(src, bh, row0, n_rows, stage):
             tile = halves()
             t = uint32(cuda.threadIdx.x)
+            at = uint64(AT) + uint64(stage) * uint64(STAGE)
             if VEC:
                 for u in range(TRIPS):
                     e = t + uint32(u * NT)
@@ -185,33 +216,33 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
                         inside = r < uint32(n_rows)
                         src_row = row0 + (r if inside else uint32(0))
                         # HBM -> shared, 16 bytes without passing through registers
-                        cp_async16(tile, uint64(AT) + uint64(r) * uint64(S) + uint64(8 * c),
+                        cp_async16(tile, at + uint64(r) * uint64(S) + uint64(8 * c),
                                    src, bh, src_row, 8 * c, 16 if inside else 0)
                 cp_async_commit()
             else:
                 for e in range(t, R * C, NT):
                     r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
                     x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
-                    tile[uint64(AT) + uint64(r) * uint64(S) + uint64(c)] = x
+                    tile[at + uint64(r) * uint64(S) + uint64(c)] = x
             return n_rows * C if t == 0 else 0
 
         return load
 
-    load_q_tile = make_loader(BR, D, Q, QS)
-    load_k_tile = make_loader(BC, D, K, KS)
-    load_v_tile = make_loader(BC, DV, V, VS)
+    load_q_tile = make_loader(BR, D, Q, QS, 0)
+    load_k_tile = make_loader(BC, D, K, KS, K_STAGE)
+    load_v_tile = make_loader(BC, DV, V, VS, V_STAGE)
 
     @cuda.jit(device=True, inline="always")
     def load_q(buf, q, bh, row0, n_rows, scale_log2):
-        return load_q_tile(q, bh, row0, n_rows)
+        return load_q_tile(q, bh, row0, n_rows, 0)
 
     @cuda.jit(device=True, inline="always")
-    def load_k(buf, k, bh, key0, n_keys):
-        return load_k_tile(k, bh, key0, n_keys)
+    def load_k(buf, k, bh, key0, n_keys, stage):
+        return load_k_tile(k, bh, key0, n_keys, stage)
 
     @cuda.jit(device=True, inline="always")
-    def load_v(buf, v, bh, key0, n_keys):
-        return load_v_tile(v, bh, key0, n_keys)
+    def load_v(buf, v, bh, key0, n_keys, stage):
+        return load_v_tile(v, bh, key0, n_keys, stage)
 
     @cuda.jit(device=True, inline="always")
     def wait_loads():
@@ -233,43 +264,54 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
         return n_keys
 
     @cuda.jit(device=True, inline="always")
-    def scores(tile, s, w, lane):
-        """s = Q_i K_j^T of the warp's 16 rows: n-tile n of 8 keys in s[4 n .. 4 n + 3]."""
-        for e in range(NS):
+    def scores(tile, s, w, lane, k_at):
+        """s = Q_i K_j^T of the warp's rows: m-tile mt, n-tile n of 8 keys in
+        s[mt NS + 4 n .. + 3]. Each K_j fragment feeds the MT m-tiles."""
+        qa = cuda.local.array(NF, uint32)
+        for e in range(NSM):
             s[e] = float32(0.0)
-        q_row = uint64(Q) + uint64(w * uint32(WARP_ROWS) + (lane & uint32(15))) * uint64(QS)
+        q_row = uint64(Q) + uint64(w * uint32(WR) + (lane & uint32(15))) * uint64(QS)
         q_col = uint64(8) * uint64(lane >> uint32(4))
         k_row = uint64(8 * (lane >> uint32(4)) + (lane & uint32(7)))
         k_col = uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
         for kk in range(DK):
-            a0, a1, a2, a3 = ldmatrix_x4(tile, q_row + q_col + uint64(16 * kk))
+            for mt in range(MT):
+                qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3] = ldmatrix_x4(
+                    tile, q_row + uint64(16 * mt * QS) + q_col + uint64(16 * kk))
             for n2 in range(NKT // 2):
-                b = ldmatrix_x4(tile, uint64(K) + (k_row + uint64(16 * n2)) * uint64(KS)
+                b = ldmatrix_x4(tile, k_at + (k_row + uint64(16 * n2)) * uint64(KS)
                                 + k_col + uint64(16 * kk))
-                for h in range(2):
-                    n = 2 * n2 + h
-                    s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma(
-                        a0, a1, a2, a3, b[2 * h], b[2 * h + 1],
-                        s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+                for mt in range(MT):
+                    for h in range(2):
+                        e = mt * NS + 4 * (2 * n2 + h)
+                        s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
+                            qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3],
+                            b[2 * h], b[2 * h + 1], s[e], s[e + 1], s[e + 2], s[e + 3])
 
     @cuda.jit(device=True, inline="always")
-    def accumulate(tile, s, acc, lane):
-        """acc += P V_j, P's A fragment packed from the weights in s."""
+    def accumulate(tile, s, acc, lane, v_at):
+        """acc += P V_j, P's A fragments packed from the weights in s; each V_j fragment
+        feeds the MT m-tiles."""
+        pa = cuda.local.array(NF, uint32)
         v_row = uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
         v_col = uint64(8) * uint64(lane >> uint32(4))
         for kk in range(KP // 16):
-            p0 = pack(s[8 * kk], s[8 * kk + 1])
-            p1 = pack(s[8 * kk + 2], s[8 * kk + 3])
-            p2 = pack(s[8 * kk + 4], s[8 * kk + 5])
-            p3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+            for mt in range(MT):
+                e = mt * NS + 8 * kk
+                pa[4 * mt] = pack(s[e], s[e + 1])
+                pa[4 * mt + 1] = pack(s[e + 2], s[e + 3])
+                pa[4 * mt + 2] = pack(s[e + 4], s[e + 5])
+                pa[4 * mt + 3] = pack(s[e + 6], s[e + 7])
             for n2 in range(DVT // 2):
-                b = ldmatrix_x4_trans(tile, uint64(V) + (v_row + uint64(16 * kk)) * uint64(VS)
+                b = ldmatrix_x4_trans(tile, v_at + (v_row + uint64(16 * kk)) * uint64(VS)
                                       + v_col + uint64(16 * n2))
-                for h in range(2):
-                    n = 2 * n2 + h
-                    acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma(
-                        p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
-                        acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+                for mt in range(MT):
+                    for h in range(2):
+                        e = mt * NA + 4 * (2 * n2 + h)
+                        acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma(
+                            pa[4 * mt], pa[4 * mt + 1], pa[4 * mt + 2], pa[4 * mt + 3],
+                            b[2 * h], b[2 * h + 1], acc[e], acc[e + 1], acc[e + 2],
+                            acc[e + 3])
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):
@@ -278,22 +320,26 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
         return max(x, shfl_xor(x, 2))
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2):  # noqa: E741
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
         tile = halves()
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
-        s = cuda.local.array(NS, float32)
-        scores(tile, s, w, lane)
-        for a in range(2):
+        s = cuda.local.array(NSM, float32)
+        scores(tile, s, w, lane, uint64(K) + uint64(stage) * uint64(K_STAGE))
+        # every key is visible to every row of the warp (its first row sees the fewest)
+        full = visible(row0 + int(w * uint32(WR)), key0, n_keys) == KP
+        for a in range(RM):
+            mt, half = a // 2, a % 2
             vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
             part = NEG_INF
             for n in range(NKT):
                 for c in range(2):
-                    x = s[4 * n + 2 * a + c] * scale_log2
+                    e = mt * NS + 4 * n + 2 * half + c
+                    x = s[e] * scale_log2
                     # a masked key gets -inf: weight 0 (its score may be garbage)
-                    if int(uint32(8 * n + c) + t2) >= vis:
+                    if not full and int(uint32(8 * n + c) + t2) >= vis:
                         x = NEG_INF
-                    s[4 * n + 2 * a + c] = x
+                    s[e] = x
                     part = max(part, x)
             new_max = max(m[a], row_max4(part))
             shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
@@ -301,43 +347,49 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
             m[a] = new_max
             l[a] *= alpha
             for n in range(DVT):
-                acc[4 * n + 2 * a] *= alpha
-                acc[4 * n + 2 * a + 1] *= alpha
+                acc[mt * NA + 4 * n + 2 * half] *= alpha
+                acc[mt * NA + 4 * n + 2 * half + 1] *= alpha
             for n in range(NKT):
                 for c in range(2):
-                    p = exp2(s[4 * n + 2 * a + c] - shift)
+                    e = mt * NS + 4 * n + 2 * half + c
+                    p = exp2(s[e] - shift)
                     l[a] += p
-                    s[4 * n + 2 * a + c] = p
-        accumulate(tile, s, acc, lane)
+                    s[e] = p
+        accumulate(tile, s, acc, lane, uint64(V) + uint64(stage) * uint64(V_STAGE))
 
     @cuda.jit(device=True)
     def row_sums(buf, l, l_row):  # noqa: E741
-        for a in range(2):
+        for a in range(RM):
             x = l[a] + shfl_xor(l[a], 1)
             l_row[a] = x + shfl_xor(x, 2)
 
     @cuda.jit(device=True, inline="always")
     def reciprocal(x, out):
-        for a in range(2):
+        for a in range(RM):
             out[a] = float32(1.0) / x[a]
+
+    @cuda.jit(device=True, inline="always")
+    def acc_at(a, n, c):
+        """Index of the accumulator of the thread's row a, n-tile n, column c (0, 1)."""
+        return (a // 2) * NA + 4 * n + 2 * (a % 2) + c
 
     @cuda.jit(device=True, inline="always")
     def give_o(buf, acc, factor):
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
-        for a in range(2):
+        for a in range(RM):
             at = uint64(O) + uint64(local_row(w, lane, a)) * uint64(OS)
             for n in range(DVT):
                 for c in range(2):
                     x = uint32(8 * n + c) + t2
                     if x < uint32(DV):
-                        buf[at + uint64(x)] = acc[4 * n + 2 * a + c] * factor[a]
+                        buf[at + uint64(x)] = acc[acc_at(a, n, c)] * factor[a]
 
     @cuda.jit(device=True, inline="always")
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
-        for a in range(2):
+        for a in range(RM):
             r = uint64(local_row(w, lane, a))
             l_row[a] = buf[uint64(STATS) + r]
             m[a] = buf[uint64(STATS + ROWS) + r]
@@ -347,13 +399,13 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
                     x = uint32(8 * n + c) + t2
                     o = buf[uint64(O) + r * uint64(OS) + uint64(x)] if x < uint32(DV) else \
                         float32(0.0)
-                    acc[4 * n + 2 * a + c] = o * l_row[a]
+                    acc[acc_at(a, n, c)] = o * l_row[a]
 
     @cuda.jit(device=True, inline="always")
     def keep_stats(buf, l_row, m):
         w, lane = coords()
         if (lane & uint32(3)) == 0:
-            for a in range(2):
+            for a in range(RM):
                 r = uint64(local_row(w, lane, a))
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
@@ -363,7 +415,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
         w, lane = coords()
         moved = 0
         if (lane & uint32(3)) == 0:
-            for a in range(2):
+            for a in range(RM):
                 r = int(local_row(w, lane, a))
                 if r < n_rows:
                     # lse_i: the row statistic the backward pass needs, written once
@@ -373,7 +425,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, DTYPE: str,  # noqa:
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, 2, NACC, ROWS, STATS)
+                       NT, RM, MT * NA, ROWS, STATS, SPEC.stages)
 
 
 def _numba_f16():

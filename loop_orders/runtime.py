@@ -81,8 +81,29 @@ def _fix_simulator_shared_race() -> None:
     FakeCUDAShared.array = array
 
 
+def _yield_while_polling() -> None:
+    """Let the simulator's block manager hand over the GIL while it polls.
+
+    The manager waits for a CTA's threads in a busy loop (`is_alive` and the barrier flags of
+    every thread, over and over) that holds the GIL for whole switch intervals, so each
+    barrier and each warp exchange (`intrinsics`) waits on it. Yielding at each `is_alive`
+    halves the time of a simulated kernel (0.69 s against 1.36 s for a small kv_outer).
+    """
+    import threading
+    import time
+
+    from numba.cuda.simulator.kernel import BlockThread
+
+    def is_alive(self):
+        time.sleep(0)  # give the GIL to the CTA's threads
+        return threading.Thread.is_alive(self)
+
+    BlockThread.is_alive = is_alive
+
+
 if SIMULATOR:
     _fix_simulator_shared_race()
+    _yield_while_polling()
 
 # Static shared memory a CTA may declare without opting in to more (bytes).
 SHARED_BYTES_LIMIT = 48 * 1024

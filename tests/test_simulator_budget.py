@@ -43,3 +43,17 @@ def test_over_budget_is_refused_before_launch_with_the_estimate(rng, monkeypatch
         monkeypatch.setenv("LOOP_ORDERS_ALLOW_SLOW", "1")
         out = lo.attention(q, k, v, block_q=8, block_k=8).out
     assert np.isfinite(out).all()
+
+
+def test_estimate_covers_the_tensor_core_emulation(rng):
+    """float16 runs the tensor-core micro-kernel, whose warp-collective calls the simulator
+    emulates (intrinsics._warp_gather): the estimate counts them."""
+    q, k, v = random_qkv(rng, 1, 2, 40, 16, 16, "float16")
+    lo.attention(q, k, v, schedule="q_outer", block_q=32, block_k=16)  # warm
+    t0 = time.perf_counter()
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=32, block_k=16)
+    took = time.perf_counter() - t0
+    sched = lo.get_schedule("q_outer")
+    assert sched.warp_exchanges(res.problem) > 0
+    estimate = simulated_seconds(sched, res.problem)
+    assert estimate / 5 <= took <= estimate * 5, (took, estimate)

@@ -122,8 +122,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_K_j(buf, k, bh, key0, bc)
-            moved_v = load_V_j(buf, v, bh, key0, bc)
+            moved_k = load_K_j(buf, k, bh, key0, bc, 0)
+            moved_v = load_V_j(buf, v, bh, key0, bc, 0)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
@@ -143,7 +143,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
                 cuda.syncthreads()  # K_j, V_j, Q_i, O_i, l_i and m_i are in shared memory
                 take_o(buf, acc, l_i, l_row, m_i)
                 cuda.syncthreads()  # every thread has taken its O_i: P_ij may overwrite the stage
-                online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
+                online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, 0)
                 row_sums(buf, l_i, l_row)
                 reciprocal(l_row, inv_l)
                 give_o(buf, acc, inv_l)  # normalised, as Algorithm 1 stores O_i

@@ -42,6 +42,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
+    STAGES = mk.STAGES  # noqa: N806 - K/V buffers
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     reciprocal, give_o = mk.reciprocal, mk.give_o
@@ -83,19 +84,38 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
             c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        for j in range(c_i):
-            key0 = j * BC
-            bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
-            # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_K_j(buf, k, bh, key0, bc)
-            moved_v = load_V_j(buf, v, bh, key0, bc)
+        if STAGES > 1 and c_i > 0:
+            # K_0, V_0: from HBM, ahead of the loop (each later pair lands under the previous
+            # pair's arithmetic)
+            moved_k = load_K_j(buf, k, bh, 0, min(BC, n_k), 0)
+            moved_v = load_V_j(buf, v, bh, 0, min(BC, n_k), 0)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
+        for j in range(c_i):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            if STAGES == 1:
+                cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
+                # K_j, V_j: reloaded from HBM by every query block
+                moved_k = load_K_j(buf, k, bh, key0, bc, 0)
+                moved_v = load_V_j(buf, v, bh, key0, bc, 0)
+                if COUNT:
+                    cnt[K_R] += moved_k
+                    cnt[V_R] += moved_v
             wait_loads()
-            cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
+            # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
+            # thread is also done with the other buffer (K_j-1, V_j-1)
+            cuda.syncthreads()
+            if STAGES > 1 and j + 1 < c_i:
+                nxt = key0 + BC
+                # K_j+1, V_j+1: reloaded from HBM by every query block, into the other buffer
+                moved_k = load_K_j(buf, k, bh, nxt, min(BC, n_k - nxt), (j + 1) % STAGES)
+                moved_v = load_V_j(buf, v, bh, nxt, min(BC, n_k - nxt), (j + 1) % STAGES)
+                if COUNT:
+                    cnt[K_R] += moved_k
+                    cnt[V_R] += moved_v
+            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, j % STAGES)
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
@@ -122,6 +142,7 @@ class QOuter(MicroKernelSchedule):
     BACKWARD = "q_outer"
     RELOAD = False
     TENSOR_CORES = True
+    KV_STAGES = 2  # on tensor cores, K_j+1 and V_j+1 arrive while K_j, V_j are folded in
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}

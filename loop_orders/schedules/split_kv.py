@@ -151,7 +151,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2)
+            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, 0)
 
         row_sums(buf, l_i, l_row)
         for a in range(RM):  # normalised; a row that saw no key of the split keeps O_is = 0
