@@ -590,7 +590,7 @@ class MicroKernelSchedule(Schedule):
         if self.TENSOR_CORES and p.dtype in TENSOR_CORE_DTYPES:
             # tuning: LOOP_ORDERS_WARP_ROWS forces the rows per warp, LOOP_ORDERS_KV_STAGES=1
             # turns off the double buffering of a loop nest that has it
-            rows = int(os.environ.get("LOOP_ORDERS_WARP_ROWS") or tc_warp_rows(p.block_q))
+            rows = int(os.environ.get("LOOP_ORDERS_WARP_ROWS") or tc_warp_rows(p.block_q, p.dv))
             stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
             return TensorCores(p.dtype, rows, stages)
         return thread_layout(p.block_q, p.block_k, p.dv)

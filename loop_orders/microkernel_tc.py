@@ -95,10 +95,12 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
     return dk * mt + dk * nkt // 2 * (1 + 2 * mt) + 4 * mt + kp // 16 * dvt // 2 * (1 + 2 * mt)
 
 
-def tc_warp_rows(block_q: int) -> int:
+def tc_warp_rows(block_q: int, dv: int) -> int:
     """Query rows per warp: 32 (two m-tiles, as FlashAttention-2's forward) where the block
-    has at least 64 rows, else 16. `LOOP_ORDERS_WARP_ROWS` forces it (tuning)."""
-    return 32 if block_q >= 64 else MMA_ROWS
+    has at least 64 rows and dv <= 64, else 16: at dv = 128 two m-tiles' accumulators and
+    scores take more than 255 registers (ptxas spills; results/kernels_ptxas.json).
+    `LOOP_ORDERS_WARP_ROWS` forces it (tuning)."""
+    return 32 if block_q >= 64 and dv <= 64 else MMA_ROWS
 
 
 def _up(n: int, to: int) -> int:
@@ -146,7 +148,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                          CAUSAL: bool, RELOAD: bool):
     """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
-    from .microkernel import MicroKernel
+    from .microkernel import MicroKernel, unrolled
 
     WR = SPEC.warp_rows  # noqa: N806 - query rows of a warp
     MT = WR // MMA_ROWS  # noqa: N806 - its m-tiles
@@ -263,6 +265,32 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
             return max(0, min(n_keys, row - key0 + 1))
         return n_keys
 
+    # The hot loops go through `unrolled` (straight-line calls with constant indices): left
+    # to LLVM, the nest of k-steps, n-tiles and m-tiles stays a loop at two m-tiles per warp,
+    # and the scores and accumulators it indexes move to local memory.
+    @cuda.jit(device=True, inline="always")
+    def k_pair(n2, tile, s, qa, k_base):
+        """S's n-tiles 2 n2, 2 n2 + 1 (16 keys) at the k-step k_base points into K_j at."""
+        b = ldmatrix_x4(tile, k_base + uint64(16 * KS) * uint64(n2))
+        for mt in range(MT):
+            for h in range(2):
+                e = mt * NS + 4 * (2 * int(n2) + h)
+                s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
+                    qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3],
+                    b[2 * h], b[2 * h + 1], s[e], s[e + 1], s[e + 2], s[e + 3])
+
+    k_pairs = unrolled(k_pair, NKT // 2, 4, NKT // 2)
+
+    @cuda.jit(device=True, inline="always")
+    def k_step(kk, tile, s, qa, q_base, k_base):
+        """Head dims 16 kk .. 16 kk + 15 of S = Q_i K_j^T: Q_i's A fragments, then K_j's."""
+        for mt in range(MT):
+            qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3] = ldmatrix_x4(
+                tile, q_base + uint64(16 * mt * QS) + uint64(16) * uint64(kk))
+        k_pairs(tile, s, qa, k_base + uint64(16) * uint64(kk))
+
+    k_steps = unrolled(k_step, DK, 5, DK)
+
     @cuda.jit(device=True, inline="always")
     def scores(tile, s, w, lane, k_at):
         """s = Q_i K_j^T of the warp's rows: m-tile mt, n-tile n of 8 keys in
@@ -270,48 +298,46 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         qa = cuda.local.array(NF, uint32)
         for e in range(NSM):
             s[e] = float32(0.0)
-        q_row = uint64(Q) + uint64(w * uint32(WR) + (lane & uint32(15))) * uint64(QS)
-        q_col = uint64(8) * uint64(lane >> uint32(4))
-        k_row = uint64(8 * (lane >> uint32(4)) + (lane & uint32(7)))
-        k_col = uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
-        for kk in range(DK):
-            for mt in range(MT):
-                qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3] = ldmatrix_x4(
-                    tile, q_row + uint64(16 * mt * QS) + q_col + uint64(16 * kk))
-            for n2 in range(NKT // 2):
-                b = ldmatrix_x4(tile, k_at + (k_row + uint64(16 * n2)) * uint64(KS)
-                                + k_col + uint64(16 * kk))
-                for mt in range(MT):
-                    for h in range(2):
-                        e = mt * NS + 4 * (2 * n2 + h)
-                        s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
-                            qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3],
-                            b[2 * h], b[2 * h + 1], s[e], s[e + 1], s[e + 2], s[e + 3])
+        q_base = (uint64(Q) + uint64(w * uint32(WR) + (lane & uint32(15))) * uint64(QS)
+                  + uint64(8) * uint64(lane >> uint32(4)))
+        k_base = (k_at + uint64(8 * (lane >> uint32(4)) + (lane & uint32(7))) * uint64(KS)
+                  + uint64(8) * uint64((lane >> uint32(3)) & uint32(1)))
+        k_steps(tile, s, qa, q_base, k_base)
+
+    @cuda.jit(device=True, inline="always")
+    def v_pair(n2, tile, acc, pa, v_base):
+        """O's n-tiles 2 n2, 2 n2 + 1 (16 dims) += P V_j at the 16 keys v_base points at."""
+        b = ldmatrix_x4_trans(tile, v_base + uint64(16) * uint64(n2))
+        for mt in range(MT):
+            for h in range(2):
+                e = mt * NA + 4 * (2 * int(n2) + h)
+                acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma(
+                    pa[4 * mt], pa[4 * mt + 1], pa[4 * mt + 2], pa[4 * mt + 3],
+                    b[2 * h], b[2 * h + 1], acc[e], acc[e + 1], acc[e + 2], acc[e + 3])
+
+    v_pairs = unrolled(v_pair, DVT // 2, 4, DVT // 2)
+
+    @cuda.jit(device=True, inline="always")
+    def p_step(kk, tile, s, acc, pa, v_base):
+        """Keys 16 kk .. 16 kk + 15 of acc += P V_j: P's A fragments from s, then V_j's."""
+        for mt in range(MT):
+            e = mt * NS + 8 * int(kk)
+            pa[4 * mt] = pack(s[e], s[e + 1])
+            pa[4 * mt + 1] = pack(s[e + 2], s[e + 3])
+            pa[4 * mt + 2] = pack(s[e + 4], s[e + 5])
+            pa[4 * mt + 3] = pack(s[e + 6], s[e + 7])
+        v_pairs(tile, acc, pa, v_base + uint64(16 * VS) * uint64(kk))
+
+    p_steps = unrolled(p_step, KP // 16, 5, KP // 16)
 
     @cuda.jit(device=True, inline="always")
     def accumulate(tile, s, acc, lane, v_at):
         """acc += P V_j, P's A fragments packed from the weights in s; each V_j fragment
         feeds the MT m-tiles."""
         pa = cuda.local.array(NF, uint32)
-        v_row = uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
-        v_col = uint64(8) * uint64(lane >> uint32(4))
-        for kk in range(KP // 16):
-            for mt in range(MT):
-                e = mt * NS + 8 * kk
-                pa[4 * mt] = pack(s[e], s[e + 1])
-                pa[4 * mt + 1] = pack(s[e + 2], s[e + 3])
-                pa[4 * mt + 2] = pack(s[e + 4], s[e + 5])
-                pa[4 * mt + 3] = pack(s[e + 6], s[e + 7])
-            for n2 in range(DVT // 2):
-                b = ldmatrix_x4_trans(tile, v_at + (v_row + uint64(16 * kk)) * uint64(VS)
-                                      + v_col + uint64(16 * n2))
-                for mt in range(MT):
-                    for h in range(2):
-                        e = mt * NA + 4 * (2 * n2 + h)
-                        acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma(
-                            pa[4 * mt], pa[4 * mt + 1], pa[4 * mt + 2], pa[4 * mt + 3],
-                            b[2 * h], b[2 * h + 1], acc[e], acc[e + 1], acc[e + 2],
-                            acc[e + 3])
+        v_base = (v_at + uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
+                  * uint64(VS) + uint64(8) * uint64(lane >> uint32(4)))
+        p_steps(tile, s, acc, pa, v_base)
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):
@@ -319,42 +345,49 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         x = max(x, shfl_xor(x, 1))
         return max(x, shfl_xor(x, 2))
 
+    @cuda.jit(device=True, inline="always")
+    def row_step(a, s, m, l, acc, w, lane, row0, key0, n_keys, scale_log2, full):  # noqa: E741
+        """The online-softmax update of the thread's row a: scale and mask its scores, the
+        row max over the row's 4 lanes, rescale l and acc, the weights into s."""
+        mt, half = int(a) // 2, int(a) % 2
+        t2 = 2 * (lane & uint32(3))
+        vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
+        part = NEG_INF
+        for n in range(NKT):
+            for c in range(2):
+                e = mt * NS + 4 * n + 2 * half + c
+                x = s[e] * scale_log2
+                # a masked key gets -inf: weight 0 (its score may be garbage)
+                if not full and int(uint32(8 * n + c) + t2) >= vis:
+                    x = NEG_INF
+                s[e] = x
+                part = max(part, x)
+        new_max = max(m[a], row_max4(part))
+        shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
+        alpha = exp2(m[a] - shift)
+        m[a] = new_max
+        l[a] *= alpha
+        for n in range(DVT):
+            acc[mt * NA + 4 * n + 2 * half] *= alpha
+            acc[mt * NA + 4 * n + 2 * half + 1] *= alpha
+        for n in range(NKT):
+            for c in range(2):
+                e = mt * NS + 4 * n + 2 * half + c
+                p = exp2(s[e] - shift)
+                l[a] += p
+                s[e] = p
+
+    row_steps = unrolled(row_step, RM, 11, RM)
+
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
         tile = halves()
         w, lane = coords()
-        t2 = 2 * (lane & uint32(3))
         s = cuda.local.array(NSM, float32)
         scores(tile, s, w, lane, uint64(K) + uint64(stage) * uint64(K_STAGE))
         # every key is visible to every row of the warp (its first row sees the fewest)
         full = visible(row0 + int(w * uint32(WR)), key0, n_keys) == KP
-        for a in range(RM):
-            mt, half = a // 2, a % 2
-            vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
-            part = NEG_INF
-            for n in range(NKT):
-                for c in range(2):
-                    e = mt * NS + 4 * n + 2 * half + c
-                    x = s[e] * scale_log2
-                    # a masked key gets -inf: weight 0 (its score may be garbage)
-                    if not full and int(uint32(8 * n + c) + t2) >= vis:
-                        x = NEG_INF
-                    s[e] = x
-                    part = max(part, x)
-            new_max = max(m[a], row_max4(part))
-            shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
-            alpha = exp2(m[a] - shift)
-            m[a] = new_max
-            l[a] *= alpha
-            for n in range(DVT):
-                acc[mt * NA + 4 * n + 2 * half] *= alpha
-                acc[mt * NA + 4 * n + 2 * half + 1] *= alpha
-            for n in range(NKT):
-                for c in range(2):
-                    e = mt * NS + 4 * n + 2 * half + c
-                    p = exp2(s[e] - shift)
-                    l[a] += p
-                    s[e] = p
+        row_steps(s, m, l, acc, w, lane, row0, key0, n_keys, scale_log2, full)
         accumulate(tile, s, acc, lane, uint64(V) + uint64(stage) * uint64(V_STAGE))
 
     @cuda.jit(device=True)
