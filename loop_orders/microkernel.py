@@ -59,7 +59,6 @@ from .microkernel_tc import (
     TensorCores,
     make_tc_micro_kernel,
     tc_shared_layout,
-    tc_warp_rows,
     warp_exchanges_per_tile,
 )
 from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
@@ -588,11 +587,10 @@ class MicroKernelSchedule(Schedule):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs where the
         schedule has them, else the CUDA-core thread layout."""
         if self.TENSOR_CORES and p.dtype in TENSOR_CORE_DTYPES:
-            # tuning: LOOP_ORDERS_WARP_ROWS forces the rows per warp, LOOP_ORDERS_KV_STAGES=1
-            # turns off the double buffering of a loop nest that has it
-            rows = int(os.environ.get("LOOP_ORDERS_WARP_ROWS") or tc_warp_rows(p.block_q, p.dv))
+            # tuning: LOOP_ORDERS_KV_STAGES=1 turns off the double buffering of a loop nest
+            # that has it
             stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
-            return TensorCores(p.dtype, rows, stages)
+            return TensorCores(p.dtype, stages)
         return thread_layout(p.block_q, p.block_k, p.dv)
 
     def threads(self, p: Problem) -> int:
@@ -626,7 +624,8 @@ class MicroKernelSchedule(Schedule):
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
-            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
+            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD,
+                                    lay.stages).bytes
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
 
     def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:

@@ -13,7 +13,9 @@ style (mma.sync m16n8k16, float32 accumulators; `intrinsics`):
                     accumulator fragment already is P's A fragment for P V_j (no shared round)
     acc += P V_j:   per 16 keys and 16 dims of V: one ldmatrix.trans (B of two n-tiles), two mma
 
-Tiles arrive in shared memory as 16-bit rows through `cp.async` (16 bytes a copy, rows past
+K_j, V_j can be double-buffered (`TensorCores.stages` = 2, q_outer's loop nest): the copies
+of the next pair land under this pair's arithmetic. Tiles arrive in shared memory as 16-bit
+rows through `cp.async` (16 bytes a copy, rows past
 the tile's valid ones zero-filled; a head dim that is not a multiple of 8 takes plain loads),
 padded to whole 16s of head dims and keys (zero, cleared once per CTA) with each row stride
 8 elements over that, so the 8 rows one ldmatrix reads fall in different banks. The 16-bit
@@ -56,51 +58,39 @@ from .runtime import SIMULATOR, cuda
 from .tiles import LN2, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
-MMA_ROWS = 16  # the m of m16n8k16: rows of one m-tile
+WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
 
 
 class TensorCores(NamedTuple):
-    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16'): the
-    counterpart of `microkernel.Layout` (which picks the CUDA-core one). A warp owns
-    `warp_rows` query rows (whole m-tiles: each K_j, V_j fragment it loads from shared memory
-    feeds warp_rows / 16 mma); `stages` K/V buffers (2: the next tile's copies run under this
-    tile's arithmetic)."""
+    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16') with
+    `stages` K/V buffers: the counterpart of `microkernel.Layout` (which picks the CUDA-core
+    one)."""
 
     dtype: str
-    warp_rows: int = 16
     stages: int = 1
 
     def warps(self, block_q: int) -> int:
-        return -(-block_q // self.warp_rows)
+        return -(-block_q // WARP_ROWS)
 
     def threads(self, block_q: int, block_k: int) -> int:
         return 32 * self.warps(block_q)
 
     def registers(self, block_k: int, dv: int) -> int:
-        """The register cap: 255 (S and O accumulators, warp_rows / 32 (Bc + dv) floats per
-        thread, plus fragments); ptxas takes what it needs below it
-        (results/kernels_ptxas.json)."""
+        """The register cap: S (Bc/2) and O (dv/2) accumulators per thread plus fragments
+        fit 255; ptxas takes what it needs below it (results/kernels_ptxas.json)."""
         return 255
 
     def __str__(self) -> str:
         kind = "f16" if self.dtype == "float16" else "bf16"
-        return f"mma.{kind}:{self.warp_rows}x{self.stages}"
+        return f"mma.{kind}" + ("" if self.stages == 1 else f"x{self.stages}")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
     """Warp-collective calls (ldmatrix, mma, shuffles) one warp makes per K/V tile: what the
     simulator's emulation costs (`api.simulated_seconds`)."""
-    mt, kp = spec.warp_rows // MMA_ROWS, _up(block_k, 16)
+    kp = _up(block_k, 16)
     dk, nkt, dvt = _up(d, 16) // 16, kp // 8, _up(dv, 16) // 8
-    return dk * mt + dk * nkt // 2 * (1 + 2 * mt) + 4 * mt + kp // 16 * dvt // 2 * (1 + 2 * mt)
-
-
-def tc_warp_rows(block_q: int, dv: int) -> int:
-    """Query rows per warp: 32 (two m-tiles, as FlashAttention-2's forward) where the block
-    has at least 64 rows and dv <= 64, else 16: at dv = 128 two m-tiles' accumulators and
-    scores take more than 255 registers (ptxas spills; results/kernels_ptxas.json).
-    `LOOP_ORDERS_WARP_ROWS` forces it (tuning)."""
-    return 32 if block_q >= 64 and dv <= 64 else MMA_ROWS
+    return dk + dk * nkt // 2 * 3 + 4 + kp // 16 * dvt // 2 * 3
 
 
 def _up(n: int, to: int) -> int:
@@ -130,12 +120,12 @@ class TcSharedLayout(NamedTuple):
 
 @cache
 def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,  # noqa: N803
-                     spec: TensorCores) -> TcSharedLayout:
-    rows, keys = spec.warps(BR) * spec.warp_rows, _up(BC, 16)
+                     stages: int = 1) -> TcSharedLayout:
+    rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
     qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
     k = rows * qs
-    v = k + spec.stages * keys * ks
-    halves = v + spec.stages * keys * vs
+    v = k + stages * keys * ks
+    halves = v + stages * keys * vs
     o = _up(-(-halves // 2), 4)  # floats, 16-byte aligned
     os = _up(DV, 4)
     stats = o + rows * os
@@ -148,24 +138,19 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                          CAUSAL: bool, RELOAD: bool):
     """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
-    from .microkernel import MicroKernel, unrolled
+    from .microkernel import MicroKernel
 
-    WR = SPEC.warp_rows  # noqa: N806 - query rows of a warp
-    MT = WR // MMA_ROWS  # noqa: N806 - its m-tiles
-    RM = 2 * MT  # noqa: N806 - rows of a thread: g and g + 8 of each m-tile
-    W = SPEC.warps(BR)  # noqa: N806
+    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
     NT = 32 * W  # noqa: N806
-    ROWS = W * WR  # noqa: N806
+    ROWS = W * WARP_ROWS  # noqa: N806
     KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
     DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
-    NS = 4 * NKT  # noqa: N806 - a thread's scores per m-tile
-    NA = 4 * DVT  # noqa: N806 - a thread's accumulators per m-tile
-    NSM = MT * NS  # noqa: N806 - a thread's scores (a local array's size must be a name)
-    NF = 4 * MT  # noqa: N806 - registers of a thread's A fragments (Q_i or P)
+    NS = 4 * NKT  # noqa: N806 - a thread's scores
+    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
     VEC = D % 8 == 0 and DV % 8 == 0  # noqa: N806 - rows in whole 16-byte copies
-    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     O, OS, STATS, SIZE = sm.o, sm.os, sm.stats, sm.size  # noqa: N806, E741
     K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
@@ -190,8 +175,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
 
     @cuda.jit(device=True, inline="always")
     def local_row(w, lane, a):
-        """Row of the block that the thread's row a (m-tile a // 2, half a % 2) is."""
-        return w * uint32(WR) + (lane >> uint32(2)) + uint32(16 * (a // 2) + 8 * (a % 2))
+        return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -265,79 +249,44 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
             return max(0, min(n_keys, row - key0 + 1))
         return n_keys
 
-    # The hot loops go through `unrolled` (straight-line calls with constant indices): left
-    # to LLVM, the nest of k-steps, n-tiles and m-tiles stays a loop at two m-tiles per warp,
-    # and the scores and accumulators it indexes move to local memory.
-    @cuda.jit(device=True, inline="always")
-    def k_pair(n2, tile, s, qa, k_base):
-        """S's n-tiles 2 n2, 2 n2 + 1 (16 keys) at the k-step k_base points into K_j at."""
-        b = ldmatrix_x4(tile, k_base + uint64(16 * KS) * uint64(n2))
-        for mt in range(MT):
-            for h in range(2):
-                e = mt * NS + 4 * (2 * int(n2) + h)
-                s[e], s[e + 1], s[e + 2], s[e + 3] = mma(
-                    qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3],
-                    b[2 * h], b[2 * h + 1], s[e], s[e + 1], s[e + 2], s[e + 3])
-
-    k_pairs = unrolled(k_pair, NKT // 2, 4, NKT // 2)
-
-    @cuda.jit(device=True, inline="always")
-    def k_step(kk, tile, s, qa, q_base, k_base):
-        """Head dims 16 kk .. 16 kk + 15 of S = Q_i K_j^T: Q_i's A fragments, then K_j's."""
-        for mt in range(MT):
-            qa[4 * mt], qa[4 * mt + 1], qa[4 * mt + 2], qa[4 * mt + 3] = ldmatrix_x4(
-                tile, q_base + uint64(16 * mt * QS) + uint64(16) * uint64(kk))
-        k_pairs(tile, s, qa, k_base + uint64(16) * uint64(kk))
-
-    k_steps = unrolled(k_step, DK, 5, DK)
-
     @cuda.jit(device=True, inline="always")
     def scores(tile, s, w, lane, k_at):
-        """s = Q_i K_j^T of the warp's rows: m-tile mt, n-tile n of 8 keys in
-        s[mt NS + 4 n .. + 3]. Each K_j fragment feeds the MT m-tiles."""
-        qa = cuda.local.array(NF, uint32)
-        for e in range(NSM):
+        """s = Q_i K_j^T of the warp's 16 rows: n-tile n of 8 keys in s[4 n .. 4 n + 3]."""
+        for e in range(NS):
             s[e] = float32(0.0)
-        q_base = (uint64(Q) + uint64(w * uint32(WR) + (lane & uint32(15))) * uint64(QS)
-                  + uint64(8) * uint64(lane >> uint32(4)))
-        k_base = (k_at + uint64(8 * (lane >> uint32(4)) + (lane & uint32(7))) * uint64(KS)
-                  + uint64(8) * uint64((lane >> uint32(3)) & uint32(1)))
-        k_steps(tile, s, qa, q_base, k_base)
-
-    @cuda.jit(device=True, inline="always")
-    def v_pair(n2, tile, acc, pa, v_base):
-        """O's n-tiles 2 n2, 2 n2 + 1 (16 dims) += P V_j at the 16 keys v_base points at."""
-        b = ldmatrix_x4_trans(tile, v_base + uint64(16) * uint64(n2))
-        for mt in range(MT):
-            for h in range(2):
-                e = mt * NA + 4 * (2 * int(n2) + h)
-                acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma(
-                    pa[4 * mt], pa[4 * mt + 1], pa[4 * mt + 2], pa[4 * mt + 3],
-                    b[2 * h], b[2 * h + 1], acc[e], acc[e + 1], acc[e + 2], acc[e + 3])
-
-    v_pairs = unrolled(v_pair, DVT // 2, 4, DVT // 2)
-
-    @cuda.jit(device=True, inline="always")
-    def p_step(kk, tile, s, acc, pa, v_base):
-        """Keys 16 kk .. 16 kk + 15 of acc += P V_j: P's A fragments from s, then V_j's."""
-        for mt in range(MT):
-            e = mt * NS + 8 * int(kk)
-            pa[4 * mt] = pack(s[e], s[e + 1])
-            pa[4 * mt + 1] = pack(s[e + 2], s[e + 3])
-            pa[4 * mt + 2] = pack(s[e + 4], s[e + 5])
-            pa[4 * mt + 3] = pack(s[e + 6], s[e + 7])
-        v_pairs(tile, acc, pa, v_base + uint64(16 * VS) * uint64(kk))
-
-    p_steps = unrolled(p_step, KP // 16, 5, KP // 16)
+        q_row = uint64(Q) + uint64(w * uint32(WARP_ROWS) + (lane & uint32(15))) * uint64(QS)
+        q_col = uint64(8) * uint64(lane >> uint32(4))
+        k_row = uint64(8 * (lane >> uint32(4)) + (lane & uint32(7)))
+        k_col = uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
+        for kk in range(DK):
+            a0, a1, a2, a3 = ldmatrix_x4(tile, q_row + q_col + uint64(16 * kk))
+            for n2 in range(NKT // 2):
+                b = ldmatrix_x4(tile, k_at + (k_row + uint64(16 * n2)) * uint64(KS)
+                                + k_col + uint64(16 * kk))
+                for h in range(2):
+                    n = 2 * n2 + h
+                    s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma(
+                        a0, a1, a2, a3, b[2 * h], b[2 * h + 1],
+                        s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
 
     @cuda.jit(device=True, inline="always")
     def accumulate(tile, s, acc, lane, v_at):
-        """acc += P V_j, P's A fragments packed from the weights in s; each V_j fragment
-        feeds the MT m-tiles."""
-        pa = cuda.local.array(NF, uint32)
-        v_base = (v_at + uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
-                  * uint64(VS) + uint64(8) * uint64(lane >> uint32(4)))
-        p_steps(tile, s, acc, pa, v_base)
+        """acc += P V_j, P's A fragment packed from the weights in s."""
+        v_row = uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
+        v_col = uint64(8) * uint64(lane >> uint32(4))
+        for kk in range(KP // 16):
+            p0 = pack(s[8 * kk], s[8 * kk + 1])
+            p1 = pack(s[8 * kk + 2], s[8 * kk + 3])
+            p2 = pack(s[8 * kk + 4], s[8 * kk + 5])
+            p3 = pack(s[8 * kk + 6], s[8 * kk + 7])
+            for n2 in range(DVT // 2):
+                b = ldmatrix_x4_trans(tile, v_at + (v_row + uint64(16 * kk)) * uint64(VS)
+                                      + v_col + uint64(16 * n2))
+                for h in range(2):
+                    n = 2 * n2 + h
+                    acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma(
+                        p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
+                        acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):
@@ -345,84 +294,67 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         x = max(x, shfl_xor(x, 1))
         return max(x, shfl_xor(x, 2))
 
-    @cuda.jit(device=True, inline="always")
-    def row_step(a, s, m, l, acc, w, lane, row0, key0, n_keys, scale_log2, full):  # noqa: E741
-        """The online-softmax update of the thread's row a: scale and mask its scores, the
-        row max over the row's 4 lanes, rescale l and acc, the weights into s."""
-        mt, half = int(a) // 2, int(a) % 2
-        t2 = 2 * (lane & uint32(3))
-        vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
-        part = NEG_INF
-        for n in range(NKT):
-            for c in range(2):
-                e = mt * NS + 4 * n + 2 * half + c
-                x = s[e] * scale_log2
-                # a masked key gets -inf: weight 0 (its score may be garbage)
-                if not full and int(uint32(8 * n + c) + t2) >= vis:
-                    x = NEG_INF
-                s[e] = x
-                part = max(part, x)
-        new_max = max(m[a], row_max4(part))
-        shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
-        alpha = exp2(m[a] - shift)
-        m[a] = new_max
-        l[a] *= alpha
-        for n in range(DVT):
-            acc[mt * NA + 4 * n + 2 * half] *= alpha
-            acc[mt * NA + 4 * n + 2 * half + 1] *= alpha
-        for n in range(NKT):
-            for c in range(2):
-                e = mt * NS + 4 * n + 2 * half + c
-                p = exp2(s[e] - shift)
-                l[a] += p
-                s[e] = p
-
-    row_steps = unrolled(row_step, RM, 11, RM)
-
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
         tile = halves()
         w, lane = coords()
-        s = cuda.local.array(NSM, float32)
+        t2 = 2 * (lane & uint32(3))
+        s = cuda.local.array(NS, float32)
         scores(tile, s, w, lane, uint64(K) + uint64(stage) * uint64(K_STAGE))
-        # every key is visible to every row of the warp (its first row sees the fewest)
-        full = visible(row0 + int(w * uint32(WR)), key0, n_keys) == KP
-        row_steps(s, m, l, acc, w, lane, row0, key0, n_keys, scale_log2, full)
+        for a in range(2):
+            vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
+            part = NEG_INF
+            for n in range(NKT):
+                for c in range(2):
+                    x = s[4 * n + 2 * a + c] * scale_log2
+                    # a masked key gets -inf: weight 0 (its score may be garbage)
+                    if int(uint32(8 * n + c) + t2) >= vis:
+                        x = NEG_INF
+                    s[4 * n + 2 * a + c] = x
+                    part = max(part, x)
+            new_max = max(m[a], row_max4(part))
+            shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
+            alpha = exp2(m[a] - shift)
+            m[a] = new_max
+            l[a] *= alpha
+            for n in range(DVT):
+                acc[4 * n + 2 * a] *= alpha
+                acc[4 * n + 2 * a + 1] *= alpha
+            for n in range(NKT):
+                for c in range(2):
+                    p = exp2(s[4 * n + 2 * a + c] - shift)
+                    l[a] += p
+                    s[4 * n + 2 * a + c] = p
         accumulate(tile, s, acc, lane, uint64(V) + uint64(stage) * uint64(V_STAGE))
 
     @cuda.jit(device=True)
     def row_sums(buf, l, l_row):  # noqa: E741
-        for a in range(RM):
+        for a in range(2):
             x = l[a] + shfl_xor(l[a], 1)
             l_row[a] = x + shfl_xor(x, 2)
 
     @cuda.jit(device=True, inline="always")
     def reciprocal(x, out):
-        for a in range(RM):
+        for a in range(2):
             out[a] = float32(1.0) / x[a]
-
-    @cuda.jit(device=True, inline="always")
-    def acc_at(a, n, c):
-        """Index of the accumulator of the thread's row a, n-tile n, column c (0, 1)."""
-        return (a // 2) * NA + 4 * n + 2 * (a % 2) + c
 
     @cuda.jit(device=True, inline="always")
     def give_o(buf, acc, factor):
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
-        for a in range(RM):
+        for a in range(2):
             at = uint64(O) + uint64(local_row(w, lane, a)) * uint64(OS)
             for n in range(DVT):
                 for c in range(2):
                     x = uint32(8 * n + c) + t2
                     if x < uint32(DV):
-                        buf[at + uint64(x)] = acc[acc_at(a, n, c)] * factor[a]
+                        buf[at + uint64(x)] = acc[4 * n + 2 * a + c] * factor[a]
 
     @cuda.jit(device=True, inline="always")
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
-        for a in range(RM):
+        for a in range(2):
             r = uint64(local_row(w, lane, a))
             l_row[a] = buf[uint64(STATS) + r]
             m[a] = buf[uint64(STATS + ROWS) + r]
@@ -432,13 +364,13 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                     x = uint32(8 * n + c) + t2
                     o = buf[uint64(O) + r * uint64(OS) + uint64(x)] if x < uint32(DV) else \
                         float32(0.0)
-                    acc[acc_at(a, n, c)] = o * l_row[a]
+                    acc[4 * n + 2 * a + c] = o * l_row[a]
 
     @cuda.jit(device=True, inline="always")
     def keep_stats(buf, l_row, m):
         w, lane = coords()
         if (lane & uint32(3)) == 0:
-            for a in range(RM):
+            for a in range(2):
                 r = uint64(local_row(w, lane, a))
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
@@ -448,7 +380,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         w, lane = coords()
         moved = 0
         if (lane & uint32(3)) == 0:
-            for a in range(RM):
+            for a in range(2):
                 r = int(local_row(w, lane, a))
                 if r < n_rows:
                     # lse_i: the row statistic the backward pass needs, written once
@@ -458,7 +390,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, MT * NA, ROWS, STATS, SPEC.stages)
+                       NT, 2, NACC, ROWS, STATS, SPEC.stages)
 
 
 def _numba_f16():
