@@ -94,6 +94,34 @@ def bench_summary(results_dir: Path) -> str:
             + "\n".join(lines))
 
 
+def tensor_cores(results_dir: Path) -> str:
+    """float16 on the tensor-core micro-kernel against SDPA's FlashAttention-2 kernel."""
+    path = results_dir / "bench_tensor_cores.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    ok = [r for r in rows if r["status"] == "ok"]
+    at = {(r["provider"], r["n"], r["d"], r["causal"]): r for r in ok}
+    providers = list(dict.fromkeys(r["provider"] for r in ok))
+    lines = ["| N | d | causal | " + " | ".join(providers) + " | q_outer / SDPA flash |",
+             "|---|---|---|" + "---|" * (len(providers) + 1)]
+    for n, d, causal in sorted({(r["n"], r["d"], r["causal"]) for r in ok},
+                               key=lambda x: (int(x[1]), x[2], int(x[0]))):
+        cells = []
+        for p in providers:
+            r = at.get((p, n, d, causal))
+            cells.append(f"{float(r['ms_median']):.3f} ms ({float(r['tflops']):.0f})" if r
+                         else "—")
+        q, f = at.get(("q_outer", n, d, causal)), at.get(("torch_sdpa_flash", n, d, causal))
+        ratio = f"{float(f['ms_median']) / float(q['ms_median']):.3f}×" if q and f else "—"
+        lines.append(f"| {n} | {d} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
+    r0 = ok[0]
+    layouts = ", ".join(dict.fromkeys(f"{r['provider']} {r['layout']}" for r in ok if r["layout"]))
+    return (f"float16, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
+            f"{r0['block_q']}×{r0['block_k']} ({layouts}); median ms (TFLOP/s), kernels alone, "
+            "each checked against float64 first:\n\n" + "\n".join(lines))
+
+
 def bench_tuning(results_dir: Path) -> str:
     path = results_dir / "bench_layouts.csv"
     rows = _rows(path)
@@ -391,7 +419,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     out = []
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
-                 "fig2_setting.csv", "train_tiny.csv"):
+                 "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
@@ -416,4 +444,5 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "backward-bench": backward_bench(results_dir),
             "train-summary": train_summary(results_dir), "fig2-setting": fig2_table(results_dir),
             "host-overhead": host_overhead(results_dir),
-            "ptxas-kernels": ptxas_kernels(results_dir)}
+            "ptxas-kernels": ptxas_kernels(results_dir),
+            "tensor-cores": tensor_cores(results_dir)}
