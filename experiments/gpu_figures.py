@@ -87,6 +87,41 @@ def plot_blocksize(rows: list[dict], out: Path) -> list[Path]:
     return plot_bench.save_with_provenance(fig, rows[0], out, "bench_blocksize")
 
 
+def plot_tensor_cores(rows: list[dict], out: Path) -> list[Path]:
+    """float16 on tensor cores: runtime of each schedule beside SDPA's FlashAttention-2 kernel
+    at N = 4096 per (d, causal), and q_outer's throughput against SDPA's over N."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    providers = list(dict.fromkeys(r["provider"] for r in ok))
+    fig, (left, right) = common.pyplot().subplots(1, 2, figsize=(11, 4))
+    shapes = sorted({(r["d"], r["causal"]) for r in ok if r["n"] == "4096"},
+                    key=lambda x: (int(x[0]), x[1]))
+    width = 0.8 / len(providers)
+    for k, name in enumerate(providers):
+        at = {(r["d"], r["causal"]): float(r["ms_median"]) for r in ok
+              if r["provider"] == name and r["n"] == "4096"}
+        left.bar([i + k * width for i in range(len(shapes))], [at.get(s, 0) for s in shapes],
+                 width, label=name, color=f"C{k}")  # one colour per provider in both panels
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))],
+                    [f"d={d}{' causal' if c == 'True' else ''}" for d, c in shapes])
+    left.set_yscale("log")
+    left.set_ylabel("runtime (ms, median, log scale)")
+    left.set_title("float16, N = 4096, B·H·N = 262144", fontsize=9)
+    left.legend(fontsize=8)
+    for name in ("q_outer", "torch_sdpa_flash"):
+        pts = sorted((int(r["n"]), float(r["tflops"])) for r in ok
+                     if r["provider"] == name and r["d"] == "64" and r["causal"] == "False")
+        if pts:
+            right.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name,
+                       color=f"C{providers.index(name)}")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("N")
+    right.set_ylabel("TFLOP/s")
+    right.set_ylim(bottom=0)
+    right.set_title("float16, d = 64, not causal", fontsize=9)
+    right.legend(fontsize=8)
+    return plot_bench.save_with_provenance(fig, ok[0], out, "bench_tensor_cores")
+
+
 def _f(x) -> float:
     return float(x) if x not in ("", None) else float("nan")
 
@@ -241,7 +276,8 @@ def plot(ctx: common.Context) -> list:
                                  ("bench_decode.csv", "n_k", plot_decode),
                                  ("bench_backward.csv", "ms_backward", plot_backward),
                                  ("train_tiny.csv", "loss", plot_train),
-                                 ("fig2_setting.csv", "counted_bytes", plot_fig2)):
+                                 ("fig2_setting.csv", "counted_bytes", plot_fig2),
+                                 ("bench_tensor_cores.csv", "layout", plot_tensor_cores)):
         path = ctx.results_dir / name
         if path.exists():
             written += draw(plot_bench.read_rows(path, required), ctx.figures_dir)

@@ -83,3 +83,26 @@ def test_unrolled_calls_every_step_once_in_order(n, by):
     out, pos = np.full(n + 1, -1, np.int64), np.zeros(1, np.int64)
     kernel[1, 1](out, pos)
     assert out.tolist() == [*range(n), -1] and pos[0] == n
+
+
+def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it():
+    """float16 runs kv_outer and q_outer on tensor cores (q_outer double-buffers K/V); float32,
+    and schedules without TENSOR_CORES, keep the CUDA-core layout."""
+    import loop_orders as lo
+    from loop_orders.microkernel_tc import TensorCores, tc_shared_layout
+    from loop_orders.runtime import dynamic_shared_limit
+
+    for name, stages in (("q_outer", 2), ("kv_outer", 1)):
+        sched = lo.get_schedule(name)
+        p16 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64, dtype="float16")
+        assert sched.layout(p16) == TensorCores("float16", stages)
+        assert sched.threads(p16) == 32 * 128 // 16  # a warp per 16 query rows
+        assert sched.p_roundings(p16) == 1  # P rounded to float16 before P V_j
+        p32 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64)
+        assert isinstance(sched.layout(p32), Layout) and sched.p_roundings(p32) == 0
+        for d in (64, 128):  # the benchmark's tiles fit the opt-in shared memory
+            assert tc_shared_layout(128, 64, d, d, name == "kv_outer", stages).bytes < \
+                dynamic_shared_limit()
+    split = lo.get_schedule("split_kv")
+    p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")
+    assert isinstance(split.layout(p), Layout)
