@@ -61,7 +61,14 @@ from .microkernel_tc import (
     tc_shared_layout,
     warp_exchanges_per_tile,
 )
-from .runtime import MAX_THREADS_PER_BLOCK, SIMULATOR, cuda, dynamic_shared_limit, launch
+from .runtime import (
+    MAX_THREADS_PER_BLOCK,
+    SIMULATOR,
+    cuda,
+    data_pointer,
+    dynamic_shared_limit,
+    launch,
+)
 from .schedule import Kernel, Problem, Schedule
 from .tiles import LN2, LOG2E, counter_slots, make_tile_loader, make_tile_storer
 
@@ -615,11 +622,13 @@ class MicroKernelSchedule(Schedule):
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
     def _launch_plan(self, p: Problem, count: bool, forced: str | None):
-        """(kernel, threads, dynamic shared bytes) of p: worked out once per problem (and
-        forced layout), as a call's host time counts."""
+        """(kernel, threads, dynamic shared bytes, whether q, k, v must be 16-byte aligned)
+        of p: worked out once per problem (and forced layout), as a call's host time counts.
+        The tensor-core kernels copy whole 16-byte rows when d and dv are multiples of 8."""
         lay = self.layout(p)
+        aligned = not SIMULATOR and isinstance(lay, TensorCores) and p.d % 8 == p.dv % 8 == 0
         return (self.micro_kernel(p, count, lay).fn, lay.threads(p.block_q, p.block_k),
-                self.dynamic_shared_bytes(p, lay))
+                self.dynamic_shared_bytes(p, lay), aligned)
 
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
@@ -643,5 +652,11 @@ class MicroKernelSchedule(Schedule):
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
         one scales S)."""
-        fn, threads, shared = self._launch_plan(p, count, os.environ.get("LOOP_ORDERS_LAYOUT"))
+        fn, threads, shared, aligned = self._launch_plan(p, count,
+                                                         os.environ.get("LOOP_ORDERS_LAYOUT"))
+        if aligned:
+            for name, a in zip("qkv", args[:3], strict=True):
+                if data_pointer(a) % 16:  # cp.async copies 16-byte rows from 16-byte addresses
+                    raise ValueError(f"{name}: the tensor-core kernels need its data 16-byte "
+                                     f"aligned, it starts at {data_pointer(a):#x}; copy it")
         launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))

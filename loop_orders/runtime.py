@@ -278,7 +278,7 @@ class _Launcher:
 
     def __call__(self, grid, block, shared_bytes: int, stream: int, args) -> None:
         for i, cell in self.pointers:
-            cell.value = _data_pointer(args[i])
+            cell.value = data_pointer(args[i])
         for i, cell in self.scalars:
             cell.value = args[i]
         gx, gy, gz = grid
@@ -288,7 +288,8 @@ class _Launcher:
             raise RuntimeError(f"cuLaunchKernel of {self.compiled.entry_name} failed: {err}")
 
 
-def _data_pointer(a) -> int:
+def data_pointer(a) -> int:
+    """Device address of a kernel's array argument (a DeviceView or a Numba array)."""
     ptr = getattr(a, "ptr", None)
     if ptr is not None:
         return ptr  # arrays.DeviceView

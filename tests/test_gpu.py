@@ -44,6 +44,20 @@ def test_tail_blocks_and_odd_dims_at_scale(schedule, rng):
     assert res.counts == lo.get_schedule(schedule).model(res.problem)
 
 
+@gpu
+def test_tensor_cores_refuse_inputs_that_are_not_16_byte_aligned(rng):
+    """cp.async copies 16-byte rows: a contiguous float16 view that starts 2 bytes into its
+    buffer is refused before launch with the reason; the aligned copy runs."""
+    torch = pytest.importorskip("torch")
+    n, d = 64, 64
+    base = torch.randn(n * d + 1, device="cuda", dtype=torch.float16)
+    q = base[1:].view(1, 1, n, d)
+    with pytest.raises(ValueError, match="q: the tensor-core kernels need its data 16-byte"):
+        lo.attention(q, q, q, schedule="q_outer")
+    out = lo.attention(q.clone(), q.clone(), q.clone(), schedule="q_outer").out
+    assert torch.isfinite(out).all()
+
+
 def _backward_variants():
     return [(v.schedule, v.options) for v in grad_variants()]
 
