@@ -137,13 +137,16 @@ def _largest_block_k(sched: Schedule, p: Problem, count: bool) -> int:
 # What the Numba CUDA simulator manages (one Python thread per CUDA thread), measured on a
 # 2-core machine like CI's: SIM_OPS_PER_S multiply-adds and element moves a second, plus
 # SIM_CTA_S per CTA, slowed by the square root of a CTA's threads (its Python threads
-# contend for the interpreter), SIM_LAUNCH_S per kernel launched, and on tensor cores
-# SIM_WARP_EXCHANGE_S per warp and warp-collective call (emulated: intrinsics._warp_gather).
+# contend for the interpreter), SIM_LAUNCH_S per kernel launched; on tensor cores, where
+# the products are NumPy's, SIM_TC_VISIT_S per visited tile (its barriers and loads, slowed
+# by the square root of the CTA's warps) and SIM_WARP_EXCHANGE_S per warp and
+# warp-collective call (emulated: intrinsics._warp_gather) instead of the multiply-adds.
 # tests/test_simulator_budget.py times a few calls against it.
 SIM_OPS_PER_S = 2.0e5
 SIM_CTA_S = 2e-3
 SIM_LAUNCH_S = 0.05
-SIM_WARP_EXCHANGE_S = 1.5e-3
+SIM_TC_VISIT_S = 0.03
+SIM_WARP_EXCHANGE_S = 3.3e-3
 SIMULATOR_BUDGET_S = 60.0
 
 
@@ -161,6 +164,10 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc))
     launches = len(sched.kernels(p, False)) + (3 if backward else 0)
     exchanges = sched.warp_exchanges(p) if sched.uses_micro_kernel else 0
+    if exchanges and not backward:  # tensor cores: the products are NumPy's, per warp
+        visits = p.bh * p.visited_pairs() * math.sqrt(threads / 32)
+        return visits * SIM_TC_VISIT_S + exchanges * SIM_WARP_EXCHANGE_S \
+            + ctas * SIM_CTA_S * math.sqrt(threads) + launches * SIM_LAUNCH_S
     return ((flops + moved) / SIM_OPS_PER_S + ctas * SIM_CTA_S) * math.sqrt(threads) \
         + launches * SIM_LAUNCH_S + exchanges * SIM_WARP_EXCHANGE_S
 

@@ -54,31 +54,53 @@ if SIMULATOR:
     exp2 = math.exp2
 
     _CREATING = threading.Lock()
+
+    class _WarpExchange:
+        """The lanes of one warp swapping values, call after call: each lane writes its value
+        into the call's slot; the last to arrive takes the slot's values and opens every other
+        lane's own gate (a lock per lane, so the lanes wake independently; a Condition wakes
+        them one after another). Two slots in turn: a lane can only reach a slot again two
+        calls later, once every lane has left the call that used it before."""
+
+        def __init__(self, lanes: int):
+            self.lanes, self.lock = lanes, threading.Lock()
+            self.slots = [{"values": [None] * lanes, "arrived": 0, "result": None}
+                          for _ in range(2)]
+            self.gates = [threading.Lock() for _ in range(lanes)]
+            for gate in self.gates:
+                gate.acquire()  # closed
+            self.turns = [0] * lanes
+
+        def gather(self, lane: int, value, combine):
+            slot = self.slots[self.turns[lane] % 2]
+            self.turns[lane] += 1
+            slot["values"][lane] = value
+            with self.lock:
+                slot["arrived"] += 1
+                last = slot["arrived"] == self.lanes
+            if last:
+                slot["arrived"], slot["result"] = 0, combine(list(slot["values"]))
+                for other, gate in enumerate(self.gates):
+                    if other != lane:
+                        gate.release()  # open
+            elif not self.gates[lane].acquire(timeout=_GATHER_TIMEOUT_S):
+                raise RuntimeError("warp exchange: a lane never arrived (its kernel raised?)")
+            return slot["result"]
+
     _GATHER_TIMEOUT_S = 300  # a lane that never arrives (its kernel raised): fail, not hang
 
-    def _warp_gather(value):
-        """The values of `value` from the 32 lanes of the calling thread's warp.
-
-        One barrier per warp and call (a `threading.Barrier` of its lanes, cheaper than the
-        simulator's CTA-wide syncthreads), with two slots used in turn: a lane can only
-        write a slot again once every lane has passed the next call's barrier, so after
-        every lane has read it."""
+    def _warp_gather(value, combine=list):
+        """combine(the values of `value` from the lanes of the calling thread's warp), worked
+        out once per warp and call (by its last lane) and returned to every lane."""
         thread = threading.current_thread()
         block = thread._manager.__dict__
-        warp = thread.thread_id // 32
-        state = block.get(("warp", warp))
-        if state is None:
+        warp, lane = divmod(thread.thread_id, 32)
+        exchange = block.get(("warp", warp))
+        if exchange is None:
             with _CREATING:
                 lanes = min(32, int(np.prod(thread._manager._block_dim)) - 32 * warp)
-                state = block.setdefault(("warp", warp), (
-                    threading.Barrier(lanes, timeout=_GATHER_TIMEOUT_S), [{}, {}], {}))
-        barrier, slots, calls = state
-        turn = calls.get(thread.thread_id, 0)
-        calls[thread.thread_id] = turn + 1
-        slot = slots[turn % 2]
-        slot[thread.thread_id % 32] = value
-        barrier.wait()  # every lane's value is in this call's slot
-        return [slot[lane] for lane in range(len(slot))]
+                exchange = block.setdefault(("warp", warp), _WarpExchange(lanes))
+        return exchange.gather(lane, value, combine)
 
     def _lane():
         return threading.current_thread().thread_id % 32
@@ -107,21 +129,25 @@ if SIMULATOR:
                           lambda g, t, r, h: t + 4 * (r // 2), halves=1)
     _B8 = _fragment_index(2, lambda g, t, r, h: t + 4 * r, lambda g, t, r, h: g, halves=1)
 
-    def _mma(values_a, values_b, lanes, a_index, b_index, shape_a, shape_b):
+    def _product(lanes, values_a, values_b, a_index, b_index, shape_a, shape_b):
+        """D = A B + C of the warp, from every lane's fragments."""
         A, B, C = np.zeros(shape_a), np.zeros(shape_b), np.zeros((16, 8))  # noqa: N806
-        A[a_index] = values_a.ravel()
-        B[b_index] = values_b.ravel()
+        A[a_index] = values_a(lanes).ravel()
+        B[b_index] = values_b(lanes).ravel()
         C[_C] = np.array([x[2] for x in lanes], dtype=np.float64).ravel()
+        return (A @ B + C).astype(np.float32)
+
+    def _lane_of(D):  # noqa: N803
         g, t = divmod(_lane(), 4)
-        D = (A[[g, g + 8]] @ B[:, [2 * t, 2 * t + 1]] + C[[g, g + 8]][:, [2 * t, 2 * t + 1]])  # noqa: N806
-        D = D.astype(np.float32)  # noqa: N806
-        return D[0, 0], D[0, 1], D[1, 0], D[1, 1]
+        return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
 
     def _mma_m16n8k16(kind, a, b, c):
-        lanes = _warp_gather((a, b, c))
-        values_a = _halves([x[0] for x in lanes], kind)  # (lane, register, half)
-        values_b = _halves([x[1] for x in lanes], kind)
-        return _mma(values_a, values_b, lanes, _A16, _B16, (16, 16), (16, 8))
+        def product(lanes):
+            return _product(lanes, lambda ls: _halves([x[0] for x in ls], kind),
+                            lambda ls: _halves([x[1] for x in ls], kind), _A16, _B16,
+                            (16, 16), (16, 8))
+
+        return _lane_of(_warp_gather((a, b, c), product))
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return _mma_m16n8k16("f16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
@@ -129,15 +155,17 @@ if SIMULATOR:
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return _mma_m16n8k16("bf16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
+    def _tf32(words):
+        """TF32 keeps float32's top 19 bits (the hardware ignores the rest)."""
+        return (np.asarray(words, dtype=np.uint32) & 0xFFFFE000).view(np.float32).astype(
+            np.float64)
+
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        lanes = _warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        def product(lanes):
+            return _product(lanes, lambda ls: _tf32([x[0] for x in ls]),
+                            lambda ls: _tf32([x[1] for x in ls]), _A8, _B8, (16, 8), (8, 8))
 
-        def tf32(words):  # TF32 keeps float32's top 19 bits (the hardware ignores the rest)
-            return (np.asarray(words, dtype=np.uint32) & 0xFFFFE000).view(np.float32)
-
-        values_a = tf32([x[0] for x in lanes]).astype(np.float64)
-        values_b = tf32([x[1] for x in lanes]).astype(np.float64)
-        return _mma(values_a, values_b, lanes, _A8, _B8, (16, 8), (8, 8))
+        return _lane_of(_warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), product))
 
     def pack_f16x2(lo, hi):
         return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])

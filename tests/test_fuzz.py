@@ -21,6 +21,21 @@ from loop_orders.reference import relative_error, tolerance
 
 CI_EXAMPLES = 100
 EXAMPLES = int(os.environ.get("LOOP_ORDERS_FUZZ_EXAMPLES", CI_EXAMPLES))
+# A drawn case the simulator's estimate puts above this many seconds is refused up front
+# (allowed, as any refusal): tiny blocks on tensor cores (float16 kv_outer at 1 x 1 tiles)
+# would take minutes each, and CI's time stays bounded.
+CASE_BUDGET_S = "10"
+
+
+@pytest.fixture(autouse=True)
+def case_budget():
+    """LOOP_ORDERS_SIMULATOR_BUDGET_S for this module's tests (set and restored around each
+    test, since hypothesis runs every example inside one test call)."""
+    before = os.environ.get("LOOP_ORDERS_SIMULATOR_BUDGET_S")
+    os.environ["LOOP_ORDERS_SIMULATOR_BUDGET_S"] = before or CASE_BUDGET_S
+    yield
+    if before is None:
+        del os.environ["LOOP_ORDERS_SIMULATOR_BUDGET_S"]
 
 # Tiny enough for the simulator (one Python thread per CUDA thread).
 MAX_N, MAX_D, MAX_BLOCK = 24, 9, 16
