@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +29,7 @@ from experiments.gpu_common import (
     warm,
     write_csv,
 )
-from experiments.hw_traffic import METRICS, logical_bytes, parse_ncu_csv
+from experiments.hw_traffic import profile_rows
 from loop_orders import runtime
 from loop_orders.backward_schedule import backward_of, grad_variants
 from loop_orders.results import provenance
@@ -126,27 +124,11 @@ def main(argv=None) -> int:
         runtime.release_memory()
     ncu = shutil.which("ncu")
     if ncu and not args.no_ncu:
-        config_file = args.out / "fig2_configs.json"
-        config_file.write_text(json.dumps(cfgs))
         names = {k.name for cfg in cfgs for order in (lo.get_schedule(cfg["schedule"]),
                                                       backward_of(lo.get_schedule(cfg["schedule"])))
                  for k in order.kernels(problem(cfg, cfg["dtype"]), False)}
-        cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
-               "--metrics", ",".join(METRICS.values()), "-k", "regex:" + "|".join(sorted(names)),
-               sys.executable, "-m", "experiments.fig2_setting", "--launch", str(config_file)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        (args.out / "fig2_ncu.log").write_text(proc.stdout[-100000:] + proc.stderr[-20000:])
-        got = parse_ncu_csv(proc.stdout)
-        expected = sum(r["kernels"] for r in rows)
-        if len(got) != expected:
-            print(f"fig2_setting: ncu reported {len(got)} kernel launches, expected {expected}")
-        else:
-            it = iter(got)
-            for row in rows:
-                mine = [next(it) for _ in range(row["kernels"])]
-                for column, metric in METRICS.items():
-                    row[column] = int(sum(k.get(metric, 0) for k in mine))
-                row["ncu_vs_counted"] = round(logical_bytes(row) / row["counted_bytes"] - 1, 5)
+        profile_rows(ncu, rows, cfgs, "regex:" + "|".join(sorted(names)),
+                     "experiments.fig2_setting", args.out / "fig2_ncu.log", 100000)
     import torch
 
     write_csv(args.out / "fig2_setting.csv", rows, provenance(torch=torch.__version__))

@@ -100,6 +100,39 @@ def parse_ncu_csv(text: str) -> list[dict]:
     return [launches[k] for k in sorted(launches, key=int)]
 
 
+def profile_rows(ncu: str, rows: list[dict], cfgs: list[dict], regex: str, module: str,
+                 log: Path, log_chars: int) -> bool:
+    """Run `python -m module --launch CONFIGS` (one launch per configuration; CONFIGS is
+    `cfgs` written beside `log` as <name>_configs.json for <name>_ncu.log) under ncu with
+    METRICS on the kernels `regex` names, keep the tail of its output in `log`, and give each
+    row the metrics summed over its `kernels` launches and `ncu_vs_counted`. False, rows as
+    they were, if ncu reported another number of launches than the rows expect."""
+    config_file = log.with_name(log.stem.removesuffix("_ncu") + "_configs.json")
+    config_file.write_text(json.dumps(cfgs))
+    cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
+           "--metrics", ",".join(METRICS.values()), "-k", regex, sys.executable, "-m",
+           module, "--launch", str(config_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log.write_text(proc.stdout[-log_chars:] + proc.stderr[-20000:])
+    return fill_from_launches(rows, parse_ncu_csv(proc.stdout), module.rsplit(".", 1)[-1])
+
+
+def fill_from_launches(rows: list[dict], launches: list[dict], name: str) -> bool:
+    """Each row's METRICS columns: the sum over its `kernels` launches, in row order, and
+    `ncu_vs_counted`. False (rows untouched) if the launches do not add up to the rows'."""
+    expected = sum(r["kernels"] for r in rows)
+    if len(launches) != expected:
+        print(f"{name}: ncu reported {len(launches)} kernel launches, expected {expected}")
+        return False
+    it = iter(launches)
+    for row in rows:
+        mine = [next(it) for _ in range(row["kernels"])]
+        for column, metric in METRICS.items():
+            row[column] = int(sum(k.get(metric, 0) for k in mine))
+        row["ncu_vs_counted"] = round(logical_bytes(row) / row["counted_bytes"] - 1, 5)
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -131,25 +164,10 @@ def main(argv=None) -> int:
                      "model_bytes": model.bytes(p.itemsize),
                      "counted_bytes": counted.bytes(p.itemsize),
                      "kernels": len(sched.kernels(p, False))})
-    config_file = args.out / "hw_traffic_configs.json"
-    config_file.write_text(json.dumps(cfgs))
-    cmd = [ncu, "--csv", "--print-units", "base", "--clock-control", "none",
-           "--metrics", ",".join(METRICS.values()),
-           "-k", kernel_regex(cfgs), sys.executable, "-m", "experiments.hw_traffic",
-           "--launch", str(config_file)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (args.out / "hw_traffic_ncu.log").write_text(proc.stdout[-200000:] + proc.stderr[-20000:])
-    launches = parse_ncu_csv(proc.stdout)
-    expected = sum(r["kernels"] for r in rows)
-    if len(launches) != expected:
-        print(f"hw_traffic: ncu reported {len(launches)} kernel launches, expected {expected}")
+    if not profile_rows(ncu, rows, cfgs, kernel_regex(cfgs), "experiments.hw_traffic",
+                        args.out / "hw_traffic_ncu.log", 200000):
         return 1
-    it = iter(launches)
     for row in rows:
-        mine = [next(it) for _ in range(row["kernels"])]
-        for column, metric in METRICS.items():
-            row[column] = int(sum(k.get(metric, 0) for k in mine))
-        row["ncu_vs_counted"] = round(logical_bytes(row) / row["counted_bytes"] - 1, 5)
         print(f"{row['schedule']:9s} N={row['n']:5d} causal={row['causal']!s:5} "
               f"{row['dtype']}: counted {row['counted_bytes']:>12,} ncu "
               f"{row['ncu_ld_bytes'] + row['ncu_st_bytes']:>12,} dram "

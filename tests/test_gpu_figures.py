@@ -34,6 +34,24 @@ def test_parse_ncu_csv_groups_metrics_by_launch_and_scales_units():
     assert launches[1]["dram__bytes_read.sum"] == 2048
 
 
+def test_ncu_launches_are_summed_per_row_in_launch_order(capsys):
+    """Each row takes its `kernels` launches in order; a launch count that does not add up
+    leaves the rows alone and says so."""
+    launches = [{"name": "a", "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum": 100.0},
+                {"name": "b", "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum": 20.0,
+                 "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": 5.0},
+                {"name": "c", "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": 40.0}]
+    rows = [{"kernels": 2, "counted_bytes": 125}, {"kernels": 1, "counted_bytes": 50}]
+    assert not hw_traffic.fill_from_launches(rows, launches[:2], "demo")
+    assert "demo: ncu reported 2 kernel launches, expected 3" in capsys.readouterr().out
+    assert "ncu_ld_bytes" not in rows[0]
+    assert hw_traffic.fill_from_launches(rows, launches, "demo")
+    assert (rows[0]["ncu_ld_bytes"], rows[0]["ncu_st_bytes"]) == (120, 5)
+    assert rows[0]["ncu_vs_counted"] == 0.0
+    assert (rows[1]["ncu_ld_bytes"], rows[1]["ncu_st_bytes"]) == (0, 40)
+    assert rows[1]["ncu_vs_counted"] == -0.2
+
+
 def _write(path, rows):
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
