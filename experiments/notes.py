@@ -100,6 +100,19 @@ def slope_table(ctx: common.Context, study: theorem2.Study = theorem2.FORWARD) -
     return "\n".join(lines)
 
 
+def _per_tensor_table(ledgers: dict, cell, total_label: str, total) -> list[str]:
+    """Markdown rows: a column per ledger (keyed by its header), a row per tensor any of
+    them moves (`cell(ledger, tensor)`), then a total row (`total(ledger)`)."""
+    tensors = list(dict.fromkeys(t for lg in ledgers.values() for t in lg.tensors
+                                 if lg.tensor_total(t)))
+    lines = ["| tensor | " + " | ".join(ledgers) + " |", "|---|" + "---|" * len(ledgers)]
+    for t in tensors:
+        lines.append(f"| {t} | " + " | ".join(cell(lg, t) for lg in ledgers.values()) + " |")
+    lines.append(f"| {total_label} | " + " | ".join(total(lg) for lg in ledgers.values())
+                 + " |")
+    return lines
+
+
 def split_kv_traffic() -> str:
     """split_kv's and q_outer's models at the decode target shape, per tensor."""
     shape = {"n": 1, "n_k": 65536, "d": 64, "heads": 16, "block_q": 64, "block_k": 64}
@@ -109,15 +122,9 @@ def split_kv_traffic() -> str:
                    lo.predict_traffic("split_kv", **shape),
                "split_kv (S = 128)": lo.predict_traffic("split_kv", **shape,
                                                         options={"splits": 128})}
-    tensors = list(dict.fromkeys(t for lg in ledgers.values() for t in lg.tensors
-                                 if lg.tensor_total(t)))
-    lines = ["| tensor | " + " | ".join(f"{n} (read / write)" for n in ledgers) + " |",
-             "|---|" + "---|" * len(ledgers)]
-    for t in tensors:
-        lines.append(f"| {t} | " + " | ".join(f"{lg.read(t):,} / {lg.write(t):,}"
-                                             for lg in ledgers.values()) + " |")
-    lines.append("| **bytes (float32)** | " + " | ".join(f"**{lg.bytes(4):,}**"
-                                                       for lg in ledgers.values()) + " |")
+    lines = _per_tensor_table({f"{n} (read / write)": lg for n, lg in ledgers.items()},
+                              lambda lg, t: f"{lg.read(t):,} / {lg.write(t):,}",
+                              "**bytes (float32)**", lambda lg: f"**{lg.bytes(4):,}**")
     return ("N_q = 1, N_k = 65536, B·H = 16, d = dv = 64, Br = Bc = 64 (the model, "
             "`lo.predict_traffic`):\n\n" + "\n".join(lines))
 
@@ -133,15 +140,9 @@ def backward_traffic() -> str:
                    "q_outer", **shape, options={"dq": "atomic"}),
                "q_outer dq=separate (Q-outer dQ kernel)": lo.predict_traffic(
                    "q_outer", **shape, options={"dq": "separate"})}
-    tensors = list(dict.fromkeys(t for lg in ledgers.values() for t in lg.tensors
-                                 if lg.tensor_total(t)))
-    lines = ["| tensor | " + " | ".join(f"{n}" for n in ledgers) + " |",
-             "|---|" + "---|" * len(ledgers)]
-    for t in tensors:
-        lines.append(f"| {t} | " + " | ".join(f"{lg.tensor_total(t) / 1e6:,.1f} M"
-                                             for lg in ledgers.values()) + " |")
-    lines.append("| **total, float16 bytes** | " + " | ".join(
-        f"**{lg.bytes(2) / 1e9:.2f} GB**" for lg in ledgers.values()) + " |")
+    lines = _per_tensor_table(ledgers, lambda lg, t: f"{lg.tensor_total(t) / 1e6:,.1f} M",
+                              "**total, float16 bytes**",
+                              lambda lg: f"**{lg.bytes(2) / 1e9:.2f} GB**")
     return ("The backward pass alone, B = 64, H = 16, N = 1024, d = 64, causal, Br = Bc = 64 "
             "(elements read + written, from the models):\n\n" + "\n".join(lines))
 
