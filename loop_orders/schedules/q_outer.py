@@ -51,6 +51,18 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     flush_counts = counts_flusher()
     NCNT = counter_slots(COUNT)  # noqa: N806
 
+    @cuda.jit(device=True, inline="always")
+    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+        """K_j, V_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K/V buffer `stage`,
+        counted; every thread calls it."""
+        bc = min(BC, n_k - key0)
+        # K_j, V_j: reloaded from HBM by every query block
+        moved_k = load_K_j(buf, k, bh, key0, bc, stage)
+        moved_v = load_V_j(buf, v, bh, key0, bc, stage)
+        if COUNT:
+            cnt[K_R] += moved_k
+            cnt[V_R] += moved_v
+
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         i = cuda.blockIdx.x
@@ -85,36 +97,21 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         if CAUSAL:
             c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
         if STAGES > 1 and c_i > 0:
-            # K_0, V_0: from HBM, ahead of the loop (each later pair lands under the previous
-            # pair's arithmetic)
-            moved_k = load_K_j(buf, k, bh, 0, min(BC, n_k), 0)
-            moved_v = load_V_j(buf, v, bh, 0, min(BC, n_k), 0)
-            if COUNT:
-                cnt[K_R] += moved_k
-                cnt[V_R] += moved_v
+            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
+            # arithmetic
+            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             if STAGES == 1:
                 cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
-                # K_j, V_j: reloaded from HBM by every query block
-                moved_k = load_K_j(buf, k, bh, key0, bc, 0)
-                moved_v = load_V_j(buf, v, bh, key0, bc, 0)
-                if COUNT:
-                    cnt[K_R] += moved_k
-                    cnt[V_R] += moved_v
+                load_KV_j(buf, k, v, bh, key0, n_k, 0, cnt)
             wait_loads()
             # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
             # thread is also done with the other buffer (K_j-1, V_j-1)
             cuda.syncthreads()
             if STAGES > 1 and j + 1 < c_i:
-                nxt = key0 + BC
-                # K_j+1, V_j+1: reloaded from HBM by every query block, into the other buffer
-                moved_k = load_K_j(buf, k, bh, nxt, min(BC, n_k - nxt), (j + 1) % STAGES)
-                moved_v = load_V_j(buf, v, bh, nxt, min(BC, n_k - nxt), (j + 1) % STAGES)
-                if COUNT:
-                    cnt[K_R] += moved_k
-                    cnt[V_R] += moved_v
+                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j + 1) % STAGES, cnt)  # other buffer
             online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, j % STAGES)
 
         row_sums(buf, l_i, l_row)
