@@ -123,7 +123,8 @@ class _TorchRef:
 
 
 PROVIDERS = [("torch_sdpa_efficient", "float32", "efficient"),
-             ("torch_sdpa_math", "float32", "math"), ("torch_sdpa_flash", "float16", "flash")]
+             ("torch_sdpa_math", "float32", "math"), ("torch_sdpa_flash", "float16", "flash"),
+             ("torch_sdpa_flash", "bfloat16", "flash")]
 
 
 def finished_rows(path: Path) -> dict:
@@ -480,6 +481,57 @@ def _closure(kernel) -> dict:
             if isinstance(c.cell_contents, (int, bool))}
 
 
+MMA_FLOPS = 2 * 16 * 8 * 16  # one m16n8k16 mma.sync of one warp
+CEILING_CHAINS = 8  # independent accumulators per warp: enough in flight to fill the pipe
+
+
+CEILING_ITERS, CEILING_THREADS = 2048, 128
+
+
+def ceiling_kernel(dtype: str):
+    """A register-only loop of mma.sync m16n8k16 (`dtype` in, float32 accumulators),
+    CEILING_CHAINS independent products per warp; it writes one sum per thread so the
+    compiler keeps the loop."""
+    from numba import float32
+
+    from loop_orders.intrinsics import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2
+
+    mma, pack = (mma_bf16, pack_bf16x2) if dtype == "bfloat16" else (mma_f16, pack_f16x2)
+    iters, chains, threads = CEILING_ITERS, CEILING_CHAINS, CEILING_THREADS
+    n_acc = 4 * chains
+
+    @runtime.cuda.jit
+    def mma_ceiling(out):
+        t = runtime.cuda.threadIdx.x
+        a = pack(float32(t) * float32(1e-3), float32(1e-3))
+        acc = runtime.cuda.local.array(n_acc, float32)
+        for e in range(n_acc):
+            acc[e] = float32(0.0)
+        for _ in range(iters):
+            for c in range(chains):
+                acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3] = mma(
+                    a, a, a, a, a, a, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3])
+        total = float32(0.0)
+        for e in range(n_acc):
+            total += acc[e]
+        out[runtime.cuda.blockIdx.x * threads + t] = total
+
+    return mma_ceiling
+
+
+def mma_ceiling(dtype: str) -> dict:
+    """What the tensor cores give code from this toolchain: TFLOP/s of `ceiling_kernel`
+    with 4 warps a CTA and 8 CTAs an SM, timed as the schedules are."""
+    kernel = ceiling_kernel(dtype)
+    ctas = 8 * runtime.multiprocessor_count()
+    out = runtime.device_empty(ctas * CEILING_THREADS, np.float32)
+    ms = time_launches(lambda i: kernel[ctas, CEILING_THREADS](out))
+    flops = ctas * CEILING_THREADS // 32 * CEILING_ITERS * CEILING_CHAINS * MMA_FLOPS
+    return {"dtype": dtype, "ms_median": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+            "ctas": ctas, "threads": CEILING_THREADS, "iterations": CEILING_ITERS,
+            "chains": CEILING_CHAINS}
+
+
 PROV: dict = {}
 
 
@@ -549,7 +601,13 @@ def main(argv=None) -> int:
         print(json.dumps(report["counting"], indent=1), flush=True)
     if not args.no_extras:
         run_blocksize(args.out, rng)
-    run_sweep(args.out, sweep, only, rng, tuple(args.dtypes.split(",")))
+    dtypes = tuple(args.dtypes.split(","))
+    ceilings = [mma_ceiling(dt) for dt in dtypes if dt in ("float16", "bfloat16")]
+    if ceilings:  # the tensor cores' ceiling, in the same run as the schedules
+        print(f"tensor-core ceiling: {ceilings}", flush=True)
+        atomic_write_text(args.out / "tensor_core_ceiling.json",
+                          json.dumps({"provenance": PROV, "ceilings": ceilings}, indent=1))
+    run_sweep(args.out, sweep, only, rng, dtypes)
     print(f"bench_runtime: done in {time.time() - t0:.0f} s")
     return 0
 

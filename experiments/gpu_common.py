@@ -16,6 +16,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import runtime
+from loop_orders.arrays import bfloat16_bits, host_values
 from loop_orders.backward_schedule import backward_of
 from loop_orders.reference import (
     attention_grad_reference,
@@ -36,14 +37,18 @@ def flops(p: lo.Problem) -> float:
 
 def random_inputs(p: lo.Problem, rng):
     """Host q, k, v of shape (bh, n, d) with unit-variance entries (never zeros)."""
-    q = rng.standard_normal((p.bh, p.n_q, p.d), dtype=np.float32).astype(p.dtype)
-    k = rng.standard_normal((p.bh, p.n_k, p.d), dtype=np.float32).astype(p.dtype)
-    v = rng.standard_normal((p.bh, p.n_k, p.dv), dtype=np.float32).astype(p.dtype)
-    return q, k, v
+    return tuple(host_array(rng.standard_normal((p.bh, n, w), dtype=np.float32), p)
+                 for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv)))
+
+
+def host_array(x, p: lo.Problem) -> np.ndarray:
+    """float32 values in p's kernel dtype (bfloat16 as its uint16 bits)."""
+    return bfloat16_bits(x) if p.dtype == "bfloat16" else x.astype(p.dtype)
 
 
 def reference_rows(q, k, v, heads, rows, causal):
     """Float64 reference output for the given (head, rows): rows are independent."""
+    q, k, v = (host_values(x) for x in (q, k, v))
     out = []
     for h in heads:
         qh = q[h, rows].astype(np.float64)
@@ -58,6 +63,7 @@ def reference_rows(q, k, v, heads, rows, causal):
 def check_output(sched, p, q, k, v, out_host, rng) -> float:
     """Relative error on sampled rows of the first and last head; raises if out of tolerance
     or if any output element (all heads) is not finite."""
+    out_host = host_values(out_host)
     if not np.isfinite(out_host).all():
         raise AssertionError(f"{sched.name}: non-finite output for {p.describe()}")
     rows = np.sort(rng.choice(p.n_q, size=min(CHECK_ROWS, p.n_q), replace=False))
@@ -65,7 +71,7 @@ def check_output(sched, p, q, k, v, out_host, rng) -> float:
     ref = reference_rows(q, k, v, heads, rows, p.causal)
     got = np.stack([out_host[h, rows] for h in heads])
     err = relative_error(got, ref)
-    tol = tolerance(p.dtype, sched.output_roundings(p), v, ref)
+    tol = tolerance(p.dtype, sched.output_roundings(p), host_values(v), ref)
     if not err <= tol:
         raise AssertionError(f"{sched.name}: error {err:.2e} > {tol:.2e} for {p.describe()}")
     return err
@@ -77,7 +83,7 @@ class Buffers:
     def __init__(self, sched, p, rng, sets=1):
         self.host = [random_inputs(p, rng) for _ in range(sets)]
         self.dev = [tuple(runtime.to_device(x) for x in s) for s in self.host]
-        self.out = runtime.device_empty((p.bh, p.n_q, p.dv), np.dtype(p.dtype))
+        self.out = runtime.device_empty((p.bh, p.n_q, p.dv), p.kernel_dtype)
         self.lse = runtime.device_empty((p.bh, p.n_q) if p.save_lse else (1, 1), np.float32)
         self.counts = runtime.device_zeros(lo.ledger.n_slots(), np.int64)
         self.workspace = sched.allocate_workspace(p)
@@ -97,10 +103,9 @@ class GradBuffers(Buffers):
     def __init__(self, sched, p, rng, sets=1):
         super().__init__(sched, p, rng, sets)
         self.bwd = backward_of(sched)
-        self.do_host = rng.standard_normal((p.bh, p.n_q, p.dv), dtype=np.float32).astype(
-            p.dtype)
+        self.do_host = host_array(rng.standard_normal((p.bh, p.n_q, p.dv), dtype=np.float32), p)
         self.do = runtime.to_device(self.do_host)
-        self.grads = [runtime.device_empty((p.bh, n, w), np.dtype(p.dtype))
+        self.grads = [runtime.device_empty((p.bh, n, w), p.kernel_dtype)
                       for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv))]
         self.bwd_workspace = self.bwd.allocate_workspace(p)
 
@@ -120,6 +125,8 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
     (whole heads: a gradient row depends on every row); raises if out of tolerance."""
     heads = sorted({0, p.bh - 1})
     sub = (slice(None),) if p.bh == 1 else (heads,)
+    q, k, v, do = (host_values(x) for x in (q, k, v, do))
+    grads_host = [host_values(g) for g in grads_host]
     refs = attention_grad_reference(q[sub], k[sub], v[sub], do[sub], causal=p.causal)
     bwd = backward_of(sched)
     tol = grad_tolerance(p.dtype, bwd.output_roundings(p))
@@ -141,16 +148,17 @@ def view(shape, dtype):
 def recorded_launches(sched, p, count: bool, backward: bool) -> list:
     """The launches (kernel, grid, block, shared bytes, args) a forward (and backward) call
     of p makes, recorded with `view` arrays instead of run."""
-    q, k = view((p.bh, p.n_q, p.d), p.dtype), view((p.bh, p.n_k, p.d), p.dtype)
-    v, o = view((p.bh, p.n_k, p.dv), p.dtype), view((p.bh, p.n_q, p.dv), p.dtype)
+    dt = p.kernel_dtype
+    q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh, p.n_k, p.d), dt)
+    v, o = view((p.bh, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
     lse, counts = view((p.bh, p.n_q), np.float32), view((lo.ledger.n_slots(),), np.int64)
     with runtime.recording_launches() as launches:
         workspace = sched.allocate_workspace(p, view)
         sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
         if backward:
             bwd = backward_of(sched)
-            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, p.dtype), view(k.shape, p.dtype),
-                       view(v.shape, p.dtype), counts, scale=0.125, count=count,
+            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view(k.shape, dt),
+                       view(v.shape, dt), counts, scale=0.125, count=count,
                        forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
     return launches
 

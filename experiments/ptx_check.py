@@ -5,7 +5,7 @@
 Needs the CUDA toolkit's libNVVM and ptxas (CUDA_HOME) and the nvidia-cuda-nvrtc wheel, but
 no driver: Numba's compile_ptx builds the PTX, `ptxas -arch=sm_90a -v` reports registers,
 spills and stack. Every registered schedule's forward and backward kernels are built for a
-few problems (the benchmark's tiles at d = 64 and 128, tails, causal, float16, counted and
+few problems (the benchmark's tiles at d = 64 and 128, tails, causal, 16-bit, counted and
 not), so a typing or lowering error on the GPU path (the shuffle row max, inline PTX, atomics)
 shows up before any device time is spent. The launches are recorded, not run
 (`runtime.recording_launches`), with zero-pointer array views standing in for device arrays.
@@ -44,8 +44,11 @@ PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float16"),
     (4096, 128, 128, 128, 64, True, "float16"),
     (77, 40, 24, 48, 40, True, "float32"),
+    (4096, 64, 64, 128, 64, False, "bfloat16"),
+    (77, 40, 24, 48, 40, True, "bfloat16"),
+    (77, 36, 20, 48, 40, True, "float16"),  # d, dv not multiples of 8: plain tile loads
 ]
-GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32)}
+GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32), 36: (32, 32)}
 
 
 def backward_variants(sched) -> list:

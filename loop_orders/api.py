@@ -163,7 +163,7 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     moved = sched.model(p).total
     ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc))
     launches = len(sched.kernels(p, False)) + (3 if backward else 0)
-    exchanges = sched.warp_exchanges(p) if sched.uses_micro_kernel else 0
+    exchanges = sched.warp_exchanges(p)
     if exchanges and not backward:  # tensor cores: the products are NumPy's, per warp
         visits = p.bh * p.visited_pairs() * math.sqrt(threads / 32)
         return visits * SIM_TC_VISIT_S + exchanges * SIM_WARP_EXCHANGE_S \
@@ -304,6 +304,11 @@ def check_inputs(q, k, v, **extra) -> Inputs:
                             f"{list(SUPPORTED_DTYPES)}")
     if len(set(dtypes.values())) != 1:
         raise TypeError(f"q, k, v: dtypes must match, got {dtypes}")
+    if dtypes["q"] == "bfloat16":
+        for name, kind in kinds.items():
+            if not kind.name.startswith(arrays.BFLOAT16_FRAMEWORKS):
+                raise TypeError(f"{name}: bfloat16 arrays are taken as torch tensors only "
+                                f"(NumPy has no bfloat16), got {kind.name}")
     out_shape = qs[:-1] + (vs[-1],)
     for name, x in extra.items():
         kinds[name] = _kind(name, x)
@@ -330,7 +335,7 @@ class _Call:
         self.sched, self.p, self.inputs, self.count, self.timed = sched, p, inputs, count, timed
         self.scale, self.clamped = scale, clamped or None
         self.out_shape = inputs.q_shape[:-1] + (p.dv,)
-        self.dtype = np.dtype(p.dtype)
+        self.dtype = p.kernel_dtype
         self.need = sum(memory_need(sched, p, count, inputs.host).values())
         self.recheck = self.need > runtime.memory_limit()[0] // 4  # a big call: check each time
         self._scratch: dict = {}  # stream -> (workspace, placeholder lse, placeholder counts)
@@ -417,7 +422,8 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
-    float32 or float16 (accumulation is float32). Outputs are the same kind of array as q
+    float32, float16 or bfloat16 (torch tensors: NumPy has no bfloat16); accumulation is
+    float32, 16-bit inputs run on tensor cores. Outputs are the same kind of array as q
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
     kernels run on the framework's current stream. With `count`, the counted build of the
     kernels runs and `Result.counts` holds the measured Ledger. `options` are the schedule's

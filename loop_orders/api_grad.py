@@ -113,7 +113,7 @@ class GradCall:
         self.sched, self.bwd, self.p, self.inputs = sched, bwd, p, inputs
         self.scale, self.count, self.timed, self.clamped = scale, count, timed, clamped or None
         self.out_shape = inputs.q_shape[:-1] + (p.dv,)
-        self.dtype = np.dtype(p.dtype)
+        self.dtype = p.kernel_dtype
 
     def _empty(self, like):
         kind = self.inputs.kind

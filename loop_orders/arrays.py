@@ -25,8 +25,6 @@ import numpy as np
 
 from . import runtime
 
-SUPPORTED = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
-
 
 class DeviceView:
     """A C-contiguous (or strided) GPU array as the kernels see it: data pointer, shape,
@@ -123,12 +121,13 @@ class TorchHostKind(NumpyKind):
         return (type(x), tuple(x.shape), x.dtype, "cpu")
 
     def view(self, x):
-        return super().view(x.detach().numpy())
+        return super().view(_torch_host_bits(x.detach()))
 
     def finish(self, out):
         import torch
 
-        return torch.from_numpy(runtime.to_host(out))
+        host = torch.from_numpy(runtime.to_host(out))
+        return host.view(torch.bfloat16) if host.dtype == torch.uint16 else host
 
 
 class TorchCudaKind(Kind):
@@ -253,11 +252,40 @@ def is_c_contiguous(x) -> bool:
         iface["strides"])
 
 
+def bfloat16_bits(x) -> np.ndarray:
+    """float32 values -> the nearest bfloat16 (ties to even) as uint16 bits: how host code
+    (benchmarks, the PTX check) makes bfloat16 inputs without torch."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def host_values(x) -> np.ndarray:
+    """A host array as the numbers it holds: uint16 arrays carry bfloat16 (widened to float32)."""
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x
+
+
+BFLOAT16_FRAMEWORKS = ("torch",)  # the kinds whose arrays can hold bfloat16 (NumPy cannot)
+
+
 @functools.cache
 def _torch_dtypes() -> dict:
+    """torch dtype -> the NumPy dtype the kernels see (bfloat16: its bits as uint16)."""
     import torch
 
-    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
+    return {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+            torch.bfloat16: np.dtype(np.uint16)}
+
+
+def _torch_host_bits(x):
+    """A CPU tensor as a NumPy array without a copy (bfloat16 as its uint16 bits)."""
+    import torch
+
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(np.uint16)
+    return x.numpy()
 
 
 def torch_to_numpy_dtype(dtype):

@@ -18,6 +18,8 @@ import sys
 
 import numpy as np
 
+from .schedule import SUPPORTED_DTYPES
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, status 2 (argparse prints usage too otherwise)
@@ -47,7 +49,8 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-k", type=int, default=64, help="Bc, keys per block")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--save-lse", action="store_true")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=list(SUPPORTED_DTYPES),
+                        help="input dtype (bfloat16 inputs are torch tensors: needs torch)")
     parser.add_argument("--option", type=_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a schedule option (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
@@ -110,14 +113,37 @@ def cmd_figures(args) -> int:
     return 0
 
 
-def _random_inputs(args, rng):
+def _random_array(args, rng, shape, device: bool = False):
+    """Unit normal entries in args.dtype: a NumPy array (on the device with `device`), or for
+    bfloat16, which NumPy lacks, a torch tensor (on the GPU with `device` when there is one)."""
+    from . import runtime
+
+    x = rng.standard_normal(shape).astype(np.float32)
+    if args.dtype != "bfloat16":
+        x = x.astype(args.dtype)
+        return runtime.to_device(x) if device else x
+    import torch
+
+    t = torch.from_numpy(x).bfloat16()
+    return t.cuda() if device and not runtime.SIMULATOR else t
+
+
+def _random_inputs(args, rng, device: bool = False):
     dv = args.d if args.dv is None else args.dv
     n_k = args.n if args.n_k is None else args.n_k
     lead = (args.batch, args.heads)
-    q = rng.standard_normal((*lead, args.n, args.d)).astype(args.dtype)
-    k = rng.standard_normal((*lead, n_k, args.d)).astype(args.dtype)
-    v = rng.standard_normal((*lead, n_k, dv)).astype(args.dtype)
-    return q, k, v
+    return tuple(_random_array(args, rng, (*lead, n, width), device)
+                 for n, width in ((args.n, args.d), (n_k, args.d), (n_k, dv)))
+
+
+def _host(x) -> np.ndarray:
+    """Any array the CLI made or got back, as a NumPy array of its values (bfloat16 widened
+    to float32)."""
+    from . import runtime
+
+    if type(x).__module__.startswith("torch"):
+        return x.detach().float().cpu().numpy()
+    return runtime.to_host(x) if runtime.is_device_array(x) else np.asarray(x)
 
 
 def _options(args) -> dict:
@@ -161,8 +187,8 @@ def _measure(args, p):
     if args.backward:
         from .api_grad import attention_grad
 
-        do = np.random.default_rng(args.seed).standard_normal(
-            q.shape[:-1] + (v.shape[-1],)).astype(args.dtype)
+        do = _random_array(args, np.random.default_rng(args.seed),
+                           tuple(q.shape[:-1]) + (v.shape[-1],))
         return attention_grad(q, k, v, do, **kwargs).counts_backward
     return attention(q, k, v, save_lse=p.save_lse, **kwargs).counts
 
@@ -216,15 +242,15 @@ def cmd_run(args) -> int:
     p = _problem(args)
     if args.repeat < 1:
         raise ValueError(f"repeat: got {args.repeat}, allowed repeat >= 1")
-    q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
-    dq, dk, dv = (runtime.to_device(x) for x in (q, k, v))
+    dq, dk, dv = _random_inputs(args, np.random.default_rng(args.seed), device=True)
+    q, k, v = (_host(x) for x in (dq, dk, dv))
     times, res = [], None
     for _ in range(args.repeat):
         res = attention(dq, dk, dv, schedule=args.schedule, block_q=args.block_q,
                         block_k=args.block_k, causal=p.causal, save_lse=p.save_lse,
                         options=_options(args), timed=True)
         times.append(res.ms)
-    out = runtime.to_host(res.out)
+    out = _host(res.out)
     ref, ref_lse = attention_reference(q, k, v, causal=p.causal)
     err = relative_error(out, ref)
     tol = tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref)
@@ -235,7 +261,7 @@ def cmd_run(args) -> int:
     print(f"max relative error vs float64 reference: {err:.3e} "
           f"({'ok' if ok else 'FAILED'}, tolerance {tol:.1e})")
     if p.save_lse:
-        lse_err = float(np.abs(runtime.to_host(res.lse) - ref_lse).max())
+        lse_err = float(np.abs(_host(res.lse) - ref_lse).max())
         lse_ok = lse_err <= 1e-5 * max(1.0, float(np.abs(ref_lse).max()))
         print(f"max |lse - reference|: {lse_err:.3e} ({'ok' if lse_ok else 'FAILED'})")
         ok = ok and lse_ok

@@ -32,6 +32,15 @@ column (or key) in the low half; lane = 4 g + t.
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
 
+bfloat16 has no NumPy dtype, so its arrays reach the kernels as uint16 arrays of its bits
+(`schedule.KERNEL_DTYPES`); every conversion between an HBM element and float32 goes through
+
+    widen(x)                                      float32 of x: a float cast, or uint16 taken
+                                                  as bfloat16 bits (exact: a 16-bit shift)
+    narrow(x, dst)                                float32 x as dst's element type: a float
+                                                  cast, or for uint16 the nearest bfloat16
+                                                  (cvt.rn.bf16.f32, ties to even)
+
 On the simulator, which has no warps, each is emulated in Python: the lanes of a warp swap
 their operands through the block (`_warp_gather`, two barriers), so the kernels' fragment
 logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The emulation needs
@@ -177,6 +186,14 @@ if SIMULATOR:
     def pack_bf16x2(lo, hi):
         return _bf16_bits(lo) | _bf16_bits(hi) << 16
 
+    def widen(x):
+        if isinstance(x, np.uint16):
+            return np.uint32(int(x) << 16).view(np.float32)
+        return np.float32(x)
+
+    def narrow(x, dst):
+        return np.uint16(_bf16_bits(x)) if dst.dtype == np.uint16 else x
+
     def _ldmatrix(tile, e, trans):
         rows = _warp_gather(int(e))
         bits = tile.view(np.uint16)
@@ -284,6 +301,35 @@ else:
 
     pack_f16x2 = _pack_intrinsic("f16")
     pack_bf16x2 = _pack_intrinsic("bf16")
+
+    @intrinsic
+    def widen(typingctx, x):
+        if x == types.uint16:
+            def codegen(context, builder, sig, args):
+                bits = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+                return builder.bitcast(bits, _F32)
+        elif isinstance(x, (types.Float, types.Integer)):
+            def codegen(context, builder, sig, args):
+                return context.cast(builder, args[0], sig.args[0], types.float32)
+        else:
+            return None
+        return types.float32(x), codegen
+
+    @intrinsic
+    def narrow(typingctx, x, dst):
+        if not isinstance(dst, types.Array):
+            return None
+        to = dst.dtype
+        if to == types.uint16:
+            def codegen(context, builder, sig, args):
+                value = context.cast(builder, args[0], sig.args[0], types.float32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [_F32]),
+                                   "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+                return builder.call(asm, [value])
+        else:
+            def codegen(context, builder, sig, args):
+                return context.cast(builder, args[0], sig.args[0], to)
+        return to(x, dst), codegen
 
     def _element_pointer(context, builder, aryty, ary, indices, index_types):
         """Generic address of ary[indices] as a 64-bit integer."""

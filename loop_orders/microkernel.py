@@ -57,6 +57,7 @@ from numba import float32, int32, uint32, uint64
 from .intrinsics import exp2
 from .microkernel_tc import (
     TensorCores,
+    check_aligned,
     make_tc_micro_kernel,
     tc_shared_layout,
     warp_exchanges_per_tile,
@@ -65,7 +66,6 @@ from .runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
     cuda,
-    data_pointer,
     dynamic_shared_limit,
     launch,
 )
@@ -655,8 +655,5 @@ class MicroKernelSchedule(Schedule):
         fn, threads, shared, aligned = self._launch_plan(p, count,
                                                          os.environ.get("LOOP_ORDERS_LAYOUT"))
         if aligned:
-            for name, a in zip("qkv", args[:3], strict=True):
-                if data_pointer(a) % 16:  # cp.async copies 16-byte rows from 16-byte addresses
-                    raise ValueError(f"{name}: the tensor-core kernels need its data 16-byte "
-                                     f"aligned, it starts at {data_pointer(a):#x}; copy it")
+            check_aligned(q=args[0], k=args[1], v=args[2])
         launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))

@@ -54,7 +54,7 @@ from .intrinsics import (
     pack_f16x2,
     shfl_xor,
 )
-from .runtime import SIMULATOR, cuda
+from .runtime import SIMULATOR, cuda, data_pointer
 from .tiles import LN2, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
@@ -91,6 +91,15 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
     kp = _up(block_k, 16)
     dk, nkt, dvt = _up(d, 16) // 16, kp // 8, _up(dv, 16) // 8
     return dk + dk * nkt // 2 * 3 + 4 + kp // 16 * dvt // 2 * 3
+
+
+def check_aligned(**arrays) -> None:
+    """Refuse an array the tensor-core kernels cannot copy with cp.async, which moves
+    16-byte rows from 16-byte aligned addresses (when d and dv are multiples of 8)."""
+    for name, a in arrays.items():
+        if data_pointer(a) % 16:
+            raise ValueError(f"{name}: the tensor-core kernels need its data 16-byte aligned, "
+                             f"it starts at {data_pointer(a):#x}; copy it")
 
 
 def _up(n: int, to: int) -> int:
@@ -133,34 +142,50 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,  # noqa: N
     return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size)
 
 
-@cache
-def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
-                         CAUSAL: bool, RELOAD: bool):
-    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
-    arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
-    from .microkernel import MicroKernel
+class TcOperands(NamedTuple):
+    """The matmul half of the tensor-core micro-kernel, which dense's kernels use too: the
+    dynamic buffer's 16-bit view, a thread's coordinates, the tile loads into shared memory
+    and the two products on fragments (see `make_tc_operands`)."""
 
+    clear: object  # clear(buf): the whole buffer zero (the tiles' padding stays so)
+    halves: object  # halves() -> the buffer's 16-bit view
+    coords: object  # coords() -> (warp, lane), unsigned
+    local_row: object  # local_row(w, lane, a) -> the block row of a lane's half a
+    load_q: object  # load_q(src, bh, row0, n_rows): Q_i, or with rows past n_rows zero
+    load_k: object  # load_k(src, bh, key0, n_keys, stage)
+    load_v: object  # load_v(src, bh, key0, n_keys, stage)
+    wait_loads: object  # wait_loads(): this thread's cp.async copies have landed
+    scores: object  # scores(tile, s, w, lane, k_at): s = Q_i K_j^T of the warp's rows
+    accumulate: object  # accumulate(tile, s, acc, lane, v_at): acc += P V_j, P from s
+
+
+@cache
+def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+                     RELOAD: bool = False) -> TcOperands:
+    """`TcOperands` for a CTA of W = ceil(Br / 16) warps over the buffer
+    `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)`. A kernel that multiplies only one
+    pair of operands (dense's scores, its P V) builds with the other head dim 0."""
     W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
     NT = 32 * W  # noqa: N806
-    ROWS = W * WARP_ROWS  # noqa: N806
     KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
     DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
     NS = 4 * NKT  # noqa: N806 - a thread's scores
-    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
     VEC = D % 8 == 0 and DV % 8 == 0  # noqa: N806 - rows in whole 16-byte copies
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
-    O, OS, STATS, SIZE = sm.o, sm.os, sm.stats, sm.size  # noqa: N806, E741
     K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
     BF16 = SPEC.dtype == "bfloat16"  # noqa: N806
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
     HALF = (np.dtype(np.uint16) if BF16 else np.dtype(np.float16)) if SIMULATOR else (  # noqa: N806
         uint16 if BF16 else _numba_f16())
-    load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
-    store_o_stage = make_tile_storer(BR, DV, NT, (O, OS))
+
+    @cuda.jit(device=True)
+    def clear(buf):
+        for e in range(cuda.threadIdx.x, sm.size, NT):
+            buf[e] = float32(0.0)
 
     @cuda.jit(device=True, inline="always")
     def halves():
@@ -176,11 +201,6 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
     @cuda.jit(device=True, inline="always")
     def local_row(w, lane, a):
         return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
-
-    @cuda.jit(device=True)
-    def clear(buf):
-        for e in range(cuda.threadIdx.x, SIZE, NT):
-            buf[e] = float32(0.0)
 
     def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):  # noqa: N803
         """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
@@ -215,39 +235,15 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         return load
 
     load_q_tile = make_loader(BR, D, Q, QS, 0)
-    load_k_tile = make_loader(BC, D, K, KS, K_STAGE)
-    load_v_tile = make_loader(BC, DV, V, VS, V_STAGE)
 
     @cuda.jit(device=True, inline="always")
-    def load_q(buf, q, bh, row0, n_rows, scale_log2):
-        return load_q_tile(q, bh, row0, n_rows, 0)
-
-    @cuda.jit(device=True, inline="always")
-    def load_k(buf, k, bh, key0, n_keys, stage):
-        return load_k_tile(k, bh, key0, n_keys, stage)
-
-    @cuda.jit(device=True, inline="always")
-    def load_v(buf, v, bh, key0, n_keys, stage):
-        return load_v_tile(v, bh, key0, n_keys, stage)
+    def load_q(src, bh, row0, n_rows):
+        return load_q_tile(src, bh, row0, n_rows, 0)
 
     @cuda.jit(device=True, inline="always")
     def wait_loads():
         if VEC:
             cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
-
-    @cuda.jit(device=True, inline="always")
-    def load_o(buf, o, bh, row0, n_rows):
-        return load_o_stage(buf, o, bh, row0, n_rows, 0, DV)
-
-    @cuda.jit(device=True, inline="always")
-    def store_o(buf, o, bh, row0, n_rows):
-        return store_o_stage(buf, o, bh, row0, n_rows, 0, DV)
-
-    @cuda.jit(device=True, inline="always")
-    def visible(row, key0, n_keys):
-        if CAUSAL:
-            return max(0, min(n_keys, row - key0 + 1))
-        return n_keys
 
     @cuda.jit(device=True, inline="always")
     def scores(tile, s, w, lane, k_at):
@@ -287,6 +283,61 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                     acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma(
                         p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+
+    return TcOperands(clear, halves, coords, local_row, load_q, make_loader(BC, D, K, KS, K_STAGE),
+                      make_loader(BC, DV, V, VS, V_STAGE), wait_loads, scores, accumulate)
+
+
+@cache
+def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+                         CAUSAL: bool, RELOAD: bool):
+    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
+    arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
+    from .microkernel import MicroKernel
+
+    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
+    NT = 32 * W  # noqa: N806
+    ROWS = W * WARP_ROWS  # noqa: N806
+    KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
+    NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
+    NS = 4 * NKT  # noqa: N806 - a thread's scores
+    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)
+    K, V, O, OS, STATS = sm.k, sm.v, sm.o, sm.os, sm.stats  # noqa: N806, E741
+    K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # noqa: N806 - elements between K/V buffers
+    ops = make_tc_operands(BR, BC, D, DV, SPEC, RELOAD)
+    clear, halves, coords, local_row = ops.clear, ops.halves, ops.coords, ops.local_row
+    scores, accumulate, wait_loads = ops.scores, ops.accumulate, ops.wait_loads
+    load_q_tile, load_k_tile, load_v_tile = ops.load_q, ops.load_k, ops.load_v
+    load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
+    store_o_stage = make_tile_storer(BR, DV, NT, (O, OS))
+
+    @cuda.jit(device=True, inline="always")
+    def load_q(buf, q, bh, row0, n_rows, scale_log2):
+        return load_q_tile(q, bh, row0, n_rows)
+
+    @cuda.jit(device=True, inline="always")
+    def load_k(buf, k, bh, key0, n_keys, stage):
+        return load_k_tile(k, bh, key0, n_keys, stage)
+
+    @cuda.jit(device=True, inline="always")
+    def load_v(buf, v, bh, key0, n_keys, stage):
+        return load_v_tile(v, bh, key0, n_keys, stage)
+
+    @cuda.jit(device=True, inline="always")
+    def load_o(buf, o, bh, row0, n_rows):
+        return load_o_stage(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def store_o(buf, o, bh, row0, n_rows):
+        return store_o_stage(buf, o, bh, row0, n_rows, 0, DV)
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, key0, n_keys):
+        if CAUSAL:
+            return max(0, min(n_keys, row - key0 + 1))
+        return n_keys
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):

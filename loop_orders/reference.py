@@ -73,6 +73,15 @@ def _visible_matmul(w, visible, v):
 
 
 FLOAT32_TOLERANCE = 1e-5
+# Half a unit in the last place of each 16-bit input type: its relative rounding error
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def unit_roundoff(dtype) -> float:
+    """The relative rounding error of one rounding to `dtype` (a name, or a NumPy dtype; uint16
+    arrays carry bfloat16), 0 for float32, which the tolerances treat apart."""
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    return UNIT_ROUNDOFF.get({"uint16": "bfloat16"}.get(name, name), 0.0)
 
 
 def relative_error(out, ref) -> float:
@@ -89,31 +98,35 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
     float32 inputs: 1e-5, grown as sqrt(N_k / 4096) past 4096 keys (the key sum accumulates
     float32 rounding like a random walk: about sqrt(N_k) 2^-24; measured 1.06e-5 at
     N_k = 131072 on the H200, results/bench_decode.csv).
-    float16 inputs: the reference sees the same float16-rounded inputs, so the only extra error
-    is rounding the output to float16, at most 2^-11 of an element's magnitude each time. Every
-    intermediate output row is a convex combination of V's rows, so one rounding costs at most
-    2^-11 max|V|; a schedule that rounds O `roundings` times (kv_outer stores O after every K/V
-    block) may lose `roundings` times that, relative to max|ref|.
+    16-bit inputs: the reference sees the same rounded inputs, so the only extra error is
+    rounding the output (or P) to 16 bits, at most u = 2^-11 (float16) or 2^-8 (bfloat16) of
+    an element's magnitude each time. Every intermediate output row is a convex combination
+    of V's rows, so one rounding costs at most u max|V|; a schedule that rounds O `roundings`
+    times (kv_outer stores O after every K/V block) may lose `roundings` times that, relative
+    to max|ref|.
     """
     base = FLOAT32_TOLERANCE * max(1.0, np.sqrt(np.shape(v)[-2] / 4096))
-    if np.dtype(dtype) == np.float32:
+    u = unit_roundoff(dtype)
+    if u == 0:
         return base
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
     ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
-    return base + roundings * 2.0**-11 * v_max / ref_max
+    return base + roundings * u * v_max / ref_max
 
 
 def grad_tolerance(dtype, roundings: int) -> float:
     """Largest acceptable `relative_error` of a gradient (dQ, dK or dV).
 
-    float32: 1e-5. float16: the reference sees the same float16 inputs; the gradients lose
-    2^-11 of their largest magnitude at each rounding to float16 (`roundings`: once, or
-    Tc times for kv_outer's dQ, stored after every visit), and the backward reads O rounded
-    to float16, so delta = rowsum(dO o O) carries about one more 2^-11: (roundings + 2) 2^-11.
+    float32: 1e-5. 16-bit: the reference sees the same rounded inputs; the gradients lose u
+    (`unit_roundoff`) of their largest magnitude at each rounding to the input type
+    (`roundings`: once, or Tc times for kv_outer's dQ, stored after every visit), and the
+    backward reads O rounded so, so delta = rowsum(dO o O) carries about one more u:
+    (roundings + 2) u.
     """
-    if np.dtype(dtype) == np.float32:
+    u = unit_roundoff(dtype)
+    if u == 0:
         return FLOAT32_TOLERANCE
-    return FLOAT32_TOLERANCE + (roundings + 2) * 2.0**-11
+    return FLOAT32_TOLERANCE + (roundings + 2) * u
 
 
 @dataclass(frozen=True)

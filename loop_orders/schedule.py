@@ -30,7 +30,11 @@ from .ledger import Ledger, declare_tensor
 MAX_HEAD_DIM = 256
 MAX_BLOCK_Q = 512
 MAX_BLOCK_K = 512
-SUPPORTED_DTYPES = ("float32", "float16")
+# The element type the kernels see for each input dtype: bfloat16 has no NumPy dtype, so its
+# arrays arrive as their bits, uint16 (converted by `intrinsics.widen` and `narrow`).
+KERNEL_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+                 "bfloat16": np.dtype(np.uint16)}
+SUPPORTED_DTYPES = tuple(KERNEL_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -111,8 +115,13 @@ class Problem:
         return math.ceil(self.n_k / self.block_k)
 
     @property
+    def kernel_dtype(self) -> np.dtype:
+        """The element type of q, k, v and o as the kernels see them (`KERNEL_DTYPES`)."""
+        return KERNEL_DTYPES[self.dtype]
+
+    @property
     def itemsize(self) -> int:
-        return np.dtype(self.dtype).itemsize
+        return self.kernel_dtype.itemsize
 
     def option(self, name: str):
         for key, value in self.options:
@@ -269,6 +278,11 @@ class Schedule(ABC):
 
     def check(self, p: Problem) -> None:  # noqa: B027 - optional hook
         """Refuse what this schedule's kernels cannot run (beyond the common checks)."""
+
+    def warp_exchanges(self, p: Problem) -> int:
+        """Warp-collective calls (ldmatrix, mma, shuffles) of the forward pass, summed over
+        warps: what the simulator's emulation of tensor cores costs (0 on CUDA cores)."""
+        return 0
 
     def output_roundings(self, p: Problem) -> int:
         """How many times an output row is rounded to the input dtype before it is final.

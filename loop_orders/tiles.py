@@ -20,6 +20,7 @@ from functools import cache
 
 from numba import float32, int64, uint32, uint64
 
+from .intrinsics import narrow, widen
 from .ledger import n_slots
 from .runtime import cuda
 
@@ -30,7 +31,8 @@ LN2 = math.log(2.0)
 def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
     """Device function copying between a shared tile and rows [row0, row0 + n_rows),
     columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
-    tile as float32 times `factor`, or out of it in hbm's dtype. Returns the elements this
+    tile as float32 times `factor`, or out of it in hbm's dtype (`intrinsics.widen`, `narrow`:
+    bfloat16 arrives as uint16 bits). Returns the elements this
     thread moved. The tile is a 2-D shared array, or with AT = (offset, stride) the rows of a
     1-D shared buffer from `offset` on, `stride` floats apart.
 
@@ -53,13 +55,13 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
         if FLAT:
             at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c)
             if TO_HBM:
-                hbm[h] = tile[at]
+                hbm[h] = narrow(tile[at], hbm)
             else:
-                tile[at] = float32(hbm[h]) * factor
+                tile[at] = widen(hbm[h]) * factor
         elif TO_HBM:
-            hbm[h] = tile[r, c]
+            hbm[h] = narrow(tile[r, c], hbm)
         else:
-            tile[r, c] = float32(hbm[h]) * factor
+            tile[r, c] = widen(hbm[h]) * factor
 
     @cuda.jit(device=True)
     def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols, factor):

@@ -7,8 +7,8 @@
         loss = model(x); loss.backward()
     calls[0].ledger, calls[0].pass_                                 # per forward / backward
 
-q, k, v: (batch, heads, n, d) or (n, d) torch tensors, float32 or float16, on a CUDA device
-(the kernels run on the tensors' memory, on torch's current stream, no host copies) or, under
+q, k, v: (batch, heads, n, d) or (n, d) torch tensors, float32, float16 or bfloat16, on a CUDA
+device (the kernels run on the tensors' memory, on torch's current stream, no host copies) or, under
 the Numba CUDA simulator, on the CPU (through NumPy; tiny sizes). The forward runs the
 schedule's forward kernels and keeps what its backward reads (lse; dense's P, kv_outer's l
 and m) in torch-allocated memory until the backward runs the schedule's backward kernels.

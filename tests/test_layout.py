@@ -106,3 +106,22 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
     split = lo.get_schedule("split_kv")
     p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")
     assert isinstance(split.layout(p), Layout)
+
+
+def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
+    """dense: kernels 1 and 3 on mma.sync for float16 and bfloat16 (a warp per 16 query rows,
+    P rounded to 16 bits: one more output rounding), the CUDA-core kernels for float32."""
+    import loop_orders as lo
+    from loop_orders.microkernel_tc import TensorCores
+
+    dense = lo.get_schedule("dense")
+    for dtype in ("float16", "bfloat16"):
+        p = lo.make_problem("dense", n_q=1024, d=64, block_q=64, block_k=64, dtype=dtype)
+        assert dense.layout(p) == TensorCores(dtype)
+        assert [k.name for k in dense.kernels(p, False)] == [
+            "dense_scores_tc", "dense_softmax", "dense_pv_tc"]
+        assert dense.threads(p) == 128 and dense.output_roundings(p) == 2
+        assert dense.warp_exchanges(p) > 0 and p.itemsize == 2
+    p32 = lo.make_problem("dense", n_q=1024, d=64, block_q=64, block_k=64)
+    assert dense.layout(p32) is None and dense.threads(p32) == 64
+    assert dense.output_roundings(p32) == 1 and dense.warp_exchanges(p32) == 0

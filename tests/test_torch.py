@@ -71,14 +71,46 @@ def test_two_dimensional_inputs_and_a_custom_scale():
     assert torch.allclose(q.grad.double(), ref[0].grad, atol=1e-6)
 
 
-def test_float16_runs_and_bfloat16_is_refused_clearly():
-    q, k, v = leaves((1, 1, 8, 4), dtype=torch.float16)
-    out = lot.attention(q, k, v, block_q=4, block_k=4)
-    out.float().sum().backward()
-    assert out.dtype == torch.float16 and q.grad.dtype == torch.float16
-    assert torch.isfinite(q.grad).all()
-    with pytest.raises(TypeError, match="q: dtype bfloat16 is not supported"):
-        lot.attention(*(x.detach().bfloat16() for x in (q, k, v)))
+@pytest.mark.parametrize("schedule, options", VARIANTS,
+                         ids=[f"{s}-{o}" for s, o in VARIANTS])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_tensors_forward_and_backward(schedule, options, dtype):
+    """float16 and bfloat16 tensors (NumPy has no bfloat16: torch carries it) through every
+    loop order, forward (tensor cores where the schedule has them) and backward, with tails,
+    an odd d and dv != d: outputs and gradients in the input dtype, against float64 within
+    the 16-bit tolerances (`reference.tolerance`, `grad_tolerance`)."""
+    from loop_orders.backward_schedule import backward_of
+    from loop_orders.reference import grad_tolerance, relative_error, tolerance
+
+    tdt = getattr(torch, dtype)
+    q, k = leaves((1, 2, 11, 5), dtype=tdt, n=2)
+    (v,) = leaves((1, 2, 11, 3), dtype=tdt, n=1, seed=1)
+    (w,) = leaves((1, 2, 11, 3), n=1, seed=2)
+    with lot.counting() as calls:
+        out = lot.attention(q, k, v, schedule=schedule, causal=True, block_q=4, block_k=3,
+                            options=options)
+        (out.float() * w.detach()).sum().backward()
+    assert out.dtype == tdt and all(x.grad.dtype == tdt for x in (q, k, v))
+    assert all(c.ledger == c.model for c in calls) and len(calls) == 2
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expect = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+    (expect * w.detach().double()).sum().backward()
+    p = calls[0].problem
+    sched = lo.get_schedule(schedule)
+    assert relative_error(out.detach().double(), expect.detach()) <= tolerance(
+        dtype, sched.output_roundings(p), v.detach().double(), expect.detach())
+    for got, want in zip((q, k, v), ref, strict=True):
+        err = relative_error(got.grad.double(), want.grad)
+        assert err <= grad_tolerance(dtype, backward_of(sched).output_roundings(p)), err
+
+
+def test_bfloat16_needs_torch_tensors():
+    """NumPy has no bfloat16 and uint16 is not taken for it: a clear refusal."""
+    import numpy as np
+
+    bits = np.ones((4, 4), np.uint16)
+    with pytest.raises(TypeError, match="q: dtype uint16 is not supported"):
+        lo.attention(bits, bits, bits)
 
 
 def test_a_non_contiguous_output_gradient_is_taken():

@@ -38,6 +38,7 @@ from numba import float32, int64
 
 from ..backward_schedule import BackwardSchedule, register_backward
 from ..backward_tiles import acc_layout, grad_layout, grad_shared_layout, make_grad_tile
+from ..intrinsics import narrow, widen
 from ..ledger import Ledger, slot
 from ..runtime import (
     SHARED_ALIGN,
@@ -90,7 +91,7 @@ def make_preprocess_kernel(ZERO_DQ, COUNT):  # noqa: N803
         if r < n_rows:
             for x in range(lane, dv, PRE_LANES):
                 # O_r, dO_r: read once each, for delta_r (lanes read consecutive columns)
-                total += float32(o[bh, row0 + r, x]) * float32(do[bh, row0 + r, x])
+                total += widen(o[bh, row0 + r, x]) * widen(do[bh, row0 + r, x])
                 if COUNT:
                     cnt[O_R] += 1
                     cnt[DO_R] += 1
@@ -318,7 +319,7 @@ def make_convert_kernel(COUNT):  # noqa: N803
         e = cuda.blockIdx.x * CONVERT_THREADS + cuda.threadIdx.x
         if e < n_q * d:
             # dq_acc -> dQ: read once, written once in the input dtype
-            dq[bh, e // d, e % d] = dq_acc[bh, e // d, e % d]
+            dq[bh, e // d, e % d] = narrow(dq_acc[bh, e // d, e % d], dq)
             if COUNT:
                 cnt[ACC_R] += 1
                 cnt[DQ_W] += 1

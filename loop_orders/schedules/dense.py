@@ -13,6 +13,13 @@ This is Theta(N d + N^2) for fixed tiles, the baseline of Theorem 2.
 
 Kernel 2 keeps one row of S in shared memory so that S is read exactly once; that bounds N_k
 to what 48 KB of shared memory holds.
+
+16-bit inputs run kernels 1 and 3 on tensor cores, with the flash orders' matmul operands
+(`microkernel_tc.make_tc_operands`): a warp per 16 query rows, S_ij = Q_i K_j^T on mma.sync
+written from its accumulator fragments, and acc += P_ij V_j with P_ij read from HBM straight
+into the A fragment (rounded to 16 bits, as the flash orders' P is). S and P stay float32 in
+HBM, so the traffic in elements is the same on either path (in bytes, a 16-bit S and P would
+halve the quadratic terms; we keep one declared type per tensor).
 """
 
 from __future__ import annotations
@@ -22,14 +29,26 @@ from collections import Counter
 from functools import cache
 
 import numpy as np
-from numba import float32, int64
+from numba import float32, int64, uint32, uint64
 
+from ..intrinsics import narrow, widen
 from ..ledger import Ledger, slot
+from ..microkernel import TENSOR_CORE_DTYPES
+from ..microkernel_tc import (
+    TensorCores,
+    check_aligned,
+    make_tc_micro_kernel,
+    make_tc_operands,
+    tc_shared_layout,
+    warp_exchanges_per_tile,
+)
 from ..runtime import (
     SHARED_BYTES_LIMIT,
     SHARED_F32,
+    SIMULATOR,
     cuda,
     device_empty,
+    dynamic_shared_limit,
     kernel_factory,
     launch,
 )
@@ -283,6 +302,140 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
     return dense_pv
 
 
+@kernel_factory
+def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):  # noqa: N803
+    """Kernel 1 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
+    NCNT = counter_slots(COUNT)  # noqa: N806
+    flush_counts = counts_flusher()
+    ops = make_tc_operands(BR, BC, D, 0, SPEC)
+    K = tc_shared_layout(BR, BC, D, 0, False, SPEC.stages).k  # noqa: N806
+    NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of S_ij
+    NS = 4 * NKT  # noqa: N806 - a thread's scores
+    NEG_INF = float32(-math.inf)  # noqa: N806
+
+    @cuda.jit
+    def dense_scores_tc(q, k, s_hbm, counts, scale):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        buf = cuda.shared.array(0, SHARED_F32)
+        tile = ops.halves()
+        w, lane = ops.coords()
+        t2 = 2 * (lane & uint32(3))
+        s = cuda.local.array(NS, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        ops.clear(buf)
+        cuda.syncthreads()  # the tiles' padding is zero before any copy lands
+        # Q_i: read from HBM once
+        moved = ops.load_q(q, bh, row0, n_rows)
+        if COUNT:
+            cnt[Q_R] += moved
+        for j in range((n_k + BC - 1) // BC):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # every warp is done with the previous K_j
+            # K_j: every query block reads all of K
+            moved = ops.load_k(k, bh, key0, bc, 0)
+            if COUNT:
+                cnt[K_R] += moved
+            ops.wait_loads()
+            cuda.syncthreads()  # Q_i and K_j are in shared memory
+            ops.scores(tile, s, w, lane, uint64(K))
+            for a in range(2):
+                r = int(ops.local_row(w, lane, a))
+                for n in range(NKT):
+                    for c in range(2):
+                        col = int(uint32(8 * n + c) + t2)
+                        if r < n_rows and col < bc:
+                            x = s[4 * n + 2 * a + c] * scale
+                            if CAUSAL and key0 + col > row0 + r:
+                                x = NEG_INF  # masked scores are written too
+                            # S_ij: the quadratic intermediate, written to HBM from the
+                            # accumulator fragment (a warp's lanes fill whole sectors)
+                            s_hbm[bh, row0 + r, key0 + col] = narrow(x, s_hbm)
+                            if COUNT:
+                                cnt[S_W] += 1
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return dense_scores_tc
+
+
+@kernel_factory
+def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
+    """Kernel 3 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
+    NCNT = counter_slots(COUNT)  # noqa: N806
+    flush_counts = counts_flusher()
+    ops = make_tc_operands(BR, BC, 0, DV, SPEC)
+    mk = make_tc_micro_kernel(BR, BC, 0, DV, SPEC, False, False)
+    V = tc_shared_layout(BR, BC, 0, DV, False, SPEC.stages).v  # noqa: N806
+    NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of P_ij
+    NS = 4 * NKT  # noqa: N806 - a thread's weights
+    NACC = mk.NACC  # noqa: N806 - a thread's accumulators of O_i
+
+    @cuda.jit
+    def dense_pv_tc(p_hbm, v, o, counts):
+        i = cuda.blockIdx.x
+        bh = cuda.blockIdx.y
+        n_q = p_hbm.shape[1]
+        n_k = v.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        buf = cuda.shared.array(0, SHARED_F32)
+        tile = ops.halves()
+        w, lane = ops.coords()
+        t2 = 2 * (lane & uint32(3))
+        s = cuda.local.array(NS, float32)
+        acc = cuda.local.array(NACC, float32)
+        one = cuda.local.array(2, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        for x in range(NACC):
+            acc[x] = float32(0.0)
+        one[0] = float32(1.0)
+        one[1] = float32(1.0)
+        ops.clear(buf)
+        for j in range((n_k + BC - 1) // BC):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            cuda.syncthreads()  # the padding is zero; every warp is done with the last V_j
+            # V_j: every query block reads all of V
+            moved = ops.load_v(v, bh, key0, bc, 0)
+            if COUNT:
+                cnt[V_R] += moved
+            for a in range(2):
+                r = int(ops.local_row(w, lane, a))
+                for n in range(NKT):
+                    for c in range(2):
+                        col = int(uint32(8 * n + c) + t2)
+                        x = float32(0.0)
+                        if r < n_rows and col < bc:
+                            # P_ij: read back from HBM once per element, straight into the
+                            # A fragment of P_ij V_j
+                            x = widen(p_hbm[bh, row0 + r, key0 + col])
+                            if COUNT:
+                                cnt[P_R] += 1
+                        s[4 * n + 2 * a + c] = x
+            ops.wait_loads()
+            cuda.syncthreads()  # V_j is in shared memory
+            ops.accumulate(tile, s, acc, lane, uint64(V))
+        mk.give_o(buf, acc, one)
+        cuda.syncthreads()  # O_i is complete in the float32 stage
+        # O_i: written to HBM once (whole rows, coalesced)
+        moved = mk.store_o(buf, o, bh, row0, n_rows)
+        if COUNT:
+            cnt[O_W] += moved
+            flush_counts(cnt, counts)
+
+    return dense_pv_tc
+
+
 @register
 class Dense(Schedule):
     name = "dense"
@@ -371,21 +524,60 @@ class Dense(Schedule):
         shape = (p.bh, p.n_q, p.n_k)
         return empty(shape, np.float32), empty(shape, np.float32)
 
+    def layout(self, p: Problem) -> TensorCores | None:
+        """Tensor cores for kernels 1 and 3 on 16-bit inputs, else None (CUDA cores)."""
+        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+
+    def threads(self, p: Problem) -> int:
+        lay = self.layout(p)
+        return p.block_q if lay is None else lay.threads(p.block_q, p.block_k)
+
+    def output_roundings(self, p: Problem) -> int:
+        # on tensor cores P_ij is rounded to 16 bits before P_ij V_j
+        return 1 + (self.layout(p) is not None)
+
+    def warp_exchanges(self, p: Problem) -> int:
+        lay = self.layout(p)
+        if lay is None:
+            return 0
+        per_pair = (warp_exchanges_per_tile(lay, p.block_k, p.d, 0)
+                    + warp_exchanges_per_tile(lay, p.block_k, 0, p.dv))
+        return p.bh * p.tr * p.tc * lay.warps(p.block_q) * per_pair
+
+    def tc_shared_bytes(self, p: Problem) -> tuple[int, int]:
+        """The dynamic buffers of the tensor-core kernels 1 and 3 (each builds its operands
+        only: Q_i and K_j, or V_j and the O_i stage)."""
+        return tuple(tc_shared_layout(p.block_q, p.block_k, d, dv, False, 1).bytes
+                     for d, dv in ((p.d, 0), (0, p.dv)))
+
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         counters = 8 * counter_slots(True) if count else 0
-        chunk = p.block_q * (score_chunk(p.block_k) + 1)
-        fns = [make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
-               make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
-               make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count)]
-        shared = [4 * (p.block_k * p.d + chunk), softmax_shared_bytes(p.n_k),
-                  4 * (p.block_k * p.dv + chunk)]
-        return [Kernel(fn.py_func.__name__, fn, b + counters, SHARED_BYTES_LIMIT)
-                for fn, b in zip(fns, shared, strict=True)]
+        lay = self.layout(p)
+        if lay is None:
+            chunk = p.block_q * (score_chunk(p.block_k) + 1)
+            fns = [(make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
+                    4 * (p.block_k * p.d + chunk), SHARED_BYTES_LIMIT),
+                   (make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count),
+                    4 * (p.block_k * p.dv + chunk), SHARED_BYTES_LIMIT)]
+        else:
+            fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.causal, count),
+                    self.tc_shared_bytes(p)[0], dynamic_shared_limit()),
+                   (make_tc_pv_kernel(p.block_q, p.block_k, p.dv, lay, count),
+                    self.tc_shared_bytes(p)[1], dynamic_shared_limit())]
+        fns.insert(1, (make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
+                       softmax_shared_bytes(p.n_k), SHARED_BYTES_LIMIT))
+        return [Kernel(fn.py_func.__name__, fn, b + counters, limit) for fn, b, limit in fns]
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
         s_hbm, p_hbm = workspace or self.allocate_workspace(p)
         scores, softmax, pv = (kernel.fn for kernel in self.kernels(p, count))
-        launch(scores, (p.tr, p.bh), p.block_q, 0, q, k, s_hbm, counts, np.float32(scale))
+        shared = (0, 0)  # CUDA cores: static shared memory
+        if self.layout(p) is not None:  # tensor cores: dynamic buffers of cp.async'd tiles
+            if not SIMULATOR and p.d % 8 == p.dv % 8 == 0:
+                check_aligned(q=q, k=k, v=v)
+            shared = self.tc_shared_bytes(p)
+        threads = self.threads(p)
+        launch(scores, (p.tr, p.bh), threads, shared[0], q, k, s_hbm, counts, np.float32(scale))
         launch(softmax, (p.n_q, p.bh), softmax_threads(p.n_k), 4 * p.n_k, s_hbm, p_hbm, lse,
                counts)
-        launch(pv, (p.tr, p.bh), p.block_q, 0, p_hbm, v, out, counts)
+        launch(pv, (p.tr, p.bh), threads, shared[1], p_hbm, v, out, counts)

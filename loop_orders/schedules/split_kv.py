@@ -47,6 +47,7 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
+from ..intrinsics import narrow
 from ..ledger import Ledger, slot
 from ..microkernel import MicroKernelSchedule, make_micro_kernel, shared_layout
 from ..runtime import (
@@ -236,7 +237,7 @@ def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
                 if COUNT:
                     cnt[OP_R] += 1
             # O_i: written to HBM once (coalesced: consecutive threads, consecutive columns)
-            o[bh, row0 + r, x] = out
+            o[bh, row0 + r, x] = narrow(out, o)
             if COUNT:
                 cnt[O_W] += 1
         if SAVE_LSE:
