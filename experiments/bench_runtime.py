@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, flops, write_csv
+from experiments.gpu_common import Buffers, check_output, flops, input_kind, write_csv
 from loop_orders import runtime
 from loop_orders.microkernel_tc import TensorCores
 from loop_orders.results import atomic_write_text, provenance
@@ -146,10 +146,12 @@ def blank_row(name, dtype, what, p, status="ok") -> dict:
 
 
 def layout_in_effect(sched, p) -> str:
-    """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout), mma.f16 or
-    mma.bf16 for the tensor-core one, "" for a schedule that uses neither."""
+    """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout), mma.f16,
+    mma.bf16 or mma.tf32 for the tensor-core one (dense's too), "" for CUDA-core kernels of
+    their own."""
     if not sched.uses_micro_kernel:
-        return ""
+        lay = sched.layout(p) if sched.TENSOR_CORES else None
+        return "" if lay is None else str(lay)
     try:
         lay = sched.layout(p)
     except ValueError:
@@ -195,14 +197,17 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
     path = out_dir / "bench_runtime.csv"
     done = finished_rows(path)
     rows, last_ms = list(done.values()), {}
-    providers = [(s.name, dtype, s) for dtype in dtypes for s in lo.all_schedules()] + PROVIDERS
-    providers = [pr for pr in providers if only is None or pr[0] in only]
+    providers = [(s.name, dtype, s) for dtype in dtypes for s in lo.all_schedules()
+                 if dtype != "tf32" or s.TENSOR_CORES] + PROVIDERS
+    providers = [pr for pr in providers
+                 if only is None or pr[0] in only or f"{pr[0]}/{pr[1]}" in only]
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
         for name, dtype, what in providers:
             p = lo.make_problem(name if not isinstance(what, str) else "q_outer", n_q=n, d=d,
                                 batch=batch, heads=heads, block_q=BLOCKS[d][0],
-                                block_k=BLOCKS[d][1], causal=causal, dtype=dtype)
+                                block_k=BLOCKS[d][1], causal=causal,
+                                **input_kind(dtype))
             key, trend = (name, dtype, str(n), str(d), str(causal)), (name, d, causal)
             if key in done:
                 last_ms[trend] = float(done[key]["ms_median"])
@@ -481,29 +486,31 @@ def _closure(kernel) -> dict:
             if isinstance(c.cell_contents, (int, bool))}
 
 
-MMA_FLOPS = 2 * 16 * 8 * 16  # one m16n8k16 mma.sync of one warp
+MMA_FLOPS = {"float16": 2 * 16 * 8 * 16, "bfloat16": 2 * 16 * 8 * 16,  # m16n8k16
+             "tf32": 2 * 16 * 8 * 8}  # m16n8k8: one warp's mma.sync
 CEILING_CHAINS = 8  # independent accumulators per warp: enough in flight to fill the pipe
-
-
 CEILING_ITERS, CEILING_THREADS = 2048, 128
 
 
 def ceiling_kernel(dtype: str):
-    """A register-only loop of mma.sync m16n8k16 (`dtype` in, float32 accumulators),
-    CEILING_CHAINS independent products per warp; it writes one sum per thread so the
-    compiler keeps the loop."""
+    """A register-only loop of mma.sync (m16n8k16 for `dtype` float16 or bfloat16, m16n8k8
+    for tf32; float32 accumulators), CEILING_CHAINS independent products per warp; it writes
+    one sum per thread so the compiler keeps the loop."""
     from numba import float32
 
-    from loop_orders.intrinsics import mma_bf16, mma_f16, pack_bf16x2, pack_f16x2
+    from loop_orders.intrinsics import mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_f16x2
 
-    mma, pack = (mma_bf16, pack_bf16x2) if dtype == "bfloat16" else (mma_f16, pack_f16x2)
+    mma = {"float16": mma_f16, "bfloat16": mma_bf16, "tf32": mma_tf32}[dtype]
+    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+    tf32 = dtype == "tf32"
     iters, chains, threads = CEILING_ITERS, CEILING_CHAINS, CEILING_THREADS
     n_acc = 4 * chains
 
     @runtime.cuda.jit
     def mma_ceiling(out):
         t = runtime.cuda.threadIdx.x
-        a = pack(float32(t) * float32(1e-3), float32(1e-3))
+        x = float32(t) * float32(1e-3)
+        a = x if tf32 else pack(x, float32(1e-3))
         acc = runtime.cuda.local.array(n_acc, float32)
         for e in range(n_acc):
             acc[e] = float32(0.0)
@@ -526,7 +533,7 @@ def mma_ceiling(dtype: str) -> dict:
     ctas = 8 * runtime.multiprocessor_count()
     out = runtime.device_empty(ctas * CEILING_THREADS, np.float32)
     ms = time_launches(lambda i: kernel[ctas, CEILING_THREADS](out))
-    flops = ctas * CEILING_THREADS // 32 * CEILING_ITERS * CEILING_CHAINS * MMA_FLOPS
+    flops = ctas * CEILING_THREADS // 32 * CEILING_ITERS * CEILING_CHAINS * MMA_FLOPS[dtype]
     return {"dtype": dtype, "ms_median": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
             "ctas": ctas, "threads": CEILING_THREADS, "iterations": CEILING_ITERS,
             "chains": CEILING_CHAINS}
@@ -543,7 +550,8 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, nargs="+", help="override the sweep's N values")
     parser.add_argument("--d", type=int, nargs="+", choices=sorted(BLOCKS))
     parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
-    parser.add_argument("--providers", help="comma-separated subset, e.g. q_outer,kv_outer")
+    parser.add_argument("--providers", help="comma-separated subset, e.g. q_outer,kv_outer; "
+                        "name/dtype for one dtype of a provider, e.g. q_outer/float32")
     parser.add_argument("--no-extras", action="store_true",
                         help="skip the block-size sweep and the kernel report")
     parser.add_argument("--layouts", action="store_true",
@@ -555,7 +563,8 @@ def main(argv=None) -> int:
                         help="schedules the tuning sweep times (comma-separated)")
     parser.add_argument("--dtypes", default="float32",
                         help="input dtypes the schedules run in (comma-separated; float16 "
-                             "and bfloat16 run the flash orders on tensor cores)")
+                             "and bfloat16 run on tensor cores, and tf32 is float32 inputs "
+                             "at precision tf32)")
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
@@ -602,7 +611,7 @@ def main(argv=None) -> int:
     if not args.no_extras:
         run_blocksize(args.out, rng)
     dtypes = tuple(args.dtypes.split(","))
-    ceilings = [mma_ceiling(dt) for dt in dtypes if dt in ("float16", "bfloat16")]
+    ceilings = [mma_ceiling(dt) for dt in dtypes if dt in ("float16", "bfloat16", "tf32")]
     if ceilings:  # the tensor cores' ceiling, in the same run as the schedules
         print(f"tensor-core ceiling: {ceilings}", flush=True)
         atomic_write_text(args.out / "tensor_core_ceiling.json",

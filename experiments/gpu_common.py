@@ -22,11 +22,20 @@ from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
     relative_error,
+    tf32_tolerance,
     tolerance,
 )
 from loop_orders.results import atomic_write_text, provenance
 
 CHECK_ROWS = 128  # query rows per checked head
+# The pseudo-dtype "tf32" of the experiments' dtype lists and results: float32 inputs
+# multiplied on TF32 tensor cores (precision="tf32"), for the schedules with TENSOR_CORES
+TF32 = {"dtype": "float32", "precision": "tf32"}
+
+
+def input_kind(label: str) -> dict:
+    """make_problem's dtype (and precision) for a dtype label of the experiments."""
+    return TF32 if label == "tf32" else {"dtype": label}
 
 
 def flops(p: lo.Problem) -> float:
@@ -71,7 +80,11 @@ def check_output(sched, p, q, k, v, out_host, rng) -> float:
     ref = reference_rows(q, k, v, heads, rows, p.causal)
     got = np.stack([out_host[h, rows] for h in heads])
     err = relative_error(got, ref)
-    tol = tolerance(p.dtype, sched.output_roundings(p), host_values(v), ref)
+    if p.precision == "tf32":
+        tol = tf32_tolerance(host_values(q)[heads][:, rows], host_values(k)[heads],
+                             host_values(v)[heads], ref, causal=False)
+    else:
+        tol = tolerance(p.dtype, sched.output_roundings(p), host_values(v), ref)
     if not err <= tol:
         raise AssertionError(f"{sched.name}: error {err:.2e} > {tol:.2e} for {p.describe()}")
     return err

@@ -9,6 +9,10 @@ bytes that reached DRAM after the L2, summed over all of a schedule's kernels. S
 atomics are never in the hardware numbers. ncu flushes caches before each kernel (its default
 cache control), so DRAM bytes are those of a kernel starting from a cold L2.
 
+The tensor-core kernels copy their tiles with cp.async (LDGSTS), which ncu counts apart from
+plain loads: the run asks ncu which l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts metrics it
+has and adds them to the loads (the columns say which it used).
+
 Writes hw_traffic.csv; without a GPU or ncu it says so in one line and writes nothing.
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, write_csv
+from experiments.gpu_common import Buffers, check_output, input_kind, write_csv
 from loop_orders import runtime
 from loop_orders.results import provenance
 
@@ -47,12 +51,27 @@ METRICS = {
 }
 
 
-def configs(quick: bool) -> list[dict]:
+LDGSTS = "l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts"  # cp.async's global -> shared bytes
+
+
+def ldgsts_metrics(ncu: str) -> dict[str, str]:
+    """The columns and metrics of cp.async's bytes this ncu offers: the aggregate if it has
+    one, else each of its parts (cache access, cache bypass)."""
+    listed = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+    names = {words[0] for words in map(str.split, listed.splitlines())
+             if words and words[0].startswith(LDGSTS)}
+    chosen = [LDGSTS] if LDGSTS in names else sorted(names)
+    return {"ncu_" + n.removeprefix("l1tex__t_bytes_pipe_lsu_mem_global_op_") + "_bytes":
+            n + ".sum" for n in chosen}
+
+
+def configs(quick: bool, dtypes=None) -> list[dict]:
     ns = SWEEP["n"][:2] if quick else SWEEP["n"]
     blocks = SWEEP["blocks"][:1] if quick else SWEEP["blocks"]
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
             for s in lo.schedule_names() for (bq, bk) in blocks for n in ns
-            for c in SWEEP["causal"] for t in SWEEP["dtype"]]
+            for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
+            if t != "tf32" or lo.get_schedule(s).TENSOR_CORES]
 
 
 def kernel_regex(cfgs: list[dict]) -> str:
@@ -66,7 +85,7 @@ def kernel_regex(cfgs: list[dict]) -> str:
 def problem(cfg) -> lo.Problem:
     return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=D, batch=BATCH, heads=HEADS,
                            block_q=cfg["block_q"], block_k=cfg["block_k"],
-                           causal=cfg["causal"], dtype=cfg["dtype"])
+                           causal=cfg["causal"], **input_kind(cfg["dtype"]))
 
 
 def launch_all(config_file: Path) -> None:
@@ -80,9 +99,10 @@ def launch_all(config_file: Path) -> None:
 
 
 def logical_bytes(row: dict) -> int:
-    """ncu's logical global traffic in our convention: loads + stores, and each atomic or
-    reduction as a read and a write of what it updates."""
-    return (row["ncu_ld_bytes"] + row["ncu_st_bytes"]
+    """ncu's logical global traffic in our convention: loads (plain and cp.async) + stores,
+    and each atomic or reduction as a read and a write of what it updates."""
+    ldgsts = sum(v for k, v in row.items() if k.startswith("ncu_ldgsts") and v != "")
+    return (row["ncu_ld_bytes"] + ldgsts + row["ncu_st_bytes"]
             + 2 * (row.get("ncu_red_bytes", 0) + row.get("ncu_atom_bytes", 0)))
 
 
@@ -137,6 +157,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtypes", help="comma-separated (default: float32,float16; tf32 is "
+                        "float32 inputs at precision tf32)")
+    parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.launch:
@@ -149,7 +172,9 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng()
-    cfgs = configs(args.quick)
+    cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None)
+    METRICS.update(ldgsts_metrics(ncu))
+    print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     rows = []
     for cfg in cfgs:  # counted build: counters, checked against the model and the reference
         sched, p = lo.get_schedule(cfg["schedule"]), problem(cfg)
@@ -165,14 +190,14 @@ def main(argv=None) -> int:
                      "counted_bytes": counted.bytes(p.itemsize),
                      "kernels": len(sched.kernels(p, False))})
     if not profile_rows(ncu, rows, cfgs, kernel_regex(cfgs), "experiments.hw_traffic",
-                        args.out / "hw_traffic_ncu.log", 200000):
+                        args.out / f"{args.name}_ncu.log", 200000):
         return 1
     for row in rows:
         print(f"{row['schedule']:9s} N={row['n']:5d} causal={row['causal']!s:5} "
               f"{row['dtype']}: counted {row['counted_bytes']:>12,} ncu "
-              f"{row['ncu_ld_bytes'] + row['ncu_st_bytes']:>12,} dram "
+              f"{logical_bytes(row):>12,} dram "
               f"{row['dram_read_bytes'] + row['dram_write_bytes']:>12,}", flush=True)
-    write_csv(args.out / "hw_traffic.csv", rows, provenance())
+    write_csv(args.out / f"{args.name}.csv", rows, provenance())
     return 0
 
 

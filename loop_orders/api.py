@@ -27,9 +27,11 @@ from .schedule import (
     MAX_BLOCK_K,
     MAX_BLOCK_Q,
     MAX_HEAD_DIM,
+    PRECISIONS,
     SUPPORTED_DTYPES,
     Problem,
     Schedule,
+    all_schedules,
     get_schedule,
 )
 
@@ -69,7 +71,7 @@ def _check_bool(name: str, value) -> bool:
 
 def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1, heads=1,
                  block_q, block_k, causal=False, save_lse=False, dtype="float32",
-                 options=None) -> Problem:
+                 options=None, precision="ieee") -> Problem:
     """Validate sizes and options for `schedule` and return the Problem they describe.
 
     Block sizes larger than the problem are clamped to it (block_q to n_q, block_k to n_k):
@@ -89,10 +91,24 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
         block_k=min(_check_int("block_k", block_k, 1, MAX_BLOCK_K), n_k),
         causal=_check_bool("causal", causal), save_lse=_check_bool("save_lse", save_lse),
         dtype=dtype, options=sched.options_for(options),
+        precision=_check_precision(sched, precision, dtype),
     )
     if p.causal and p.n_q != p.n_k:
         raise ValueError(f"causal: needs as many queries as keys, got n_q={p.n_q}, n_k={p.n_k}")
     return p
+
+
+def _check_precision(sched: Schedule, precision, dtype: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: got {precision!r}, allowed {list(PRECISIONS)}")
+    if precision == "tf32" and dtype != "float32":
+        raise ValueError(f"precision: 'tf32' is for float32 inputs (got {dtype}, which runs "
+                         f"on tensor cores already)")
+    if precision == "tf32" and not sched.TENSOR_CORES:
+        with_tc = [s.name for s in all_schedules() if s.TENSOR_CORES]
+        raise ValueError(f"precision: {sched.name} has no tensor-core path; 'tf32' runs "
+                         f"{with_tc}")
+    return precision
 
 
 def memory_need(sched: Schedule, p: Problem, count: bool,
@@ -418,7 +434,8 @@ def clamped_blocks(p: Problem, block_q, block_k) -> dict:
 
 def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
               causal: bool = False, scale: float | None = None, save_lse: bool = False,
-              count: bool = False, options: dict | None = None, timed: bool = False) -> Result:
+              count: bool = False, options: dict | None = None, timed: bool = False,
+              precision: str = "ieee") -> Result:
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
@@ -427,7 +444,9 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
     kernels run on the framework's current stream. With `count`, the counted build of the
     kernels runs and `Result.counts` holds the measured Ledger. `options` are the schedule's
-    (`lo.schedule_options(schedule)`); `timed` fills `Result.ms`.
+    (`lo.schedule_options(schedule)`); `timed` fills `Result.ms`. `precision="tf32"` runs
+    float32 inputs on TF32 tensor cores (10 mantissa bits per operand: errors near 1e-3
+    instead of 1e-6; the schedules with TENSOR_CORES) instead of exact float32 FMA.
 
     Numerics (README "Limits and numerics"): the running row max is subtracted before every
     exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that
@@ -437,11 +456,11 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
     key = call_key(schedule, (q, k, v), (block_q, block_k, causal, scale, save_lse, count,
-                                         timed), options)
+                                         timed, precision), options)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
         call = _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count,
-                        options, timed)
+                        options, timed, precision)
         if key is not None:
             _CALLS[key] = call
             if len(_CALLS) > MAX_CALLS:
@@ -452,13 +471,13 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
 
 
 def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count, options,
-             timed) -> _Call:
+             timed, precision) -> _Call:
     """Every check of `attention`, in the order the error messages promise."""
     sched = get_schedule(schedule)
     inp = check_inputs(q, k, v)
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=save_lse, dtype=inp.dtype, options=options)
+                     save_lse=save_lse, dtype=inp.dtype, options=options, precision=precision)
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
@@ -469,13 +488,15 @@ def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count
 def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch: int = 1,
                     heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
                     save_lse: bool = False, n_k: int | None = None, options: dict | None = None,
-                    backward: bool = False) -> Ledger:
+                    backward: bool = False, dtype: str = "float32",
+                    precision: str = "ieee") -> Ledger:
     """The schedule's exact traffic model (elements moved through HBM) for these sizes:
-    the forward pass, or with `backward` the backward pass alone."""
+    the forward pass, or with `backward` the backward pass alone. The elements do not depend
+    on dtype or precision (checked as a call's would be); bytes do (`Ledger.bytes`)."""
     sched = get_schedule(schedule)
     p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
-                     options=options)
+                     options=options, dtype=dtype, precision=precision)
     if backward:
         from .backward_schedule import backward_of
 

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .schedule import SUPPORTED_DTYPES
+from .schedule import PRECISIONS, SUPPORTED_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +51,8 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-lse", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=list(SUPPORTED_DTYPES),
                         help="input dtype (bfloat16 inputs are torch tensors: needs torch)")
+    parser.add_argument("--precision", default="ieee", choices=list(PRECISIONS),
+                        help="tf32: float32 inputs on TF32 tensor cores (default: exact FMA)")
     parser.add_argument("--option", type=_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a schedule option (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
@@ -156,7 +158,7 @@ def _problem(args):
     return make_problem(args.schedule, n_q=args.n, n_k=args.n_k, d=args.d, dv=args.dv,
                         batch=args.batch, heads=args.heads, block_q=args.block_q,
                         block_k=args.block_k, causal=args.causal, save_lse=args.save_lse,
-                        dtype=args.dtype, options=_options(args))
+                        dtype=args.dtype, options=_options(args), precision=args.precision)
 
 
 def cmd_schedules(args) -> int:
@@ -190,7 +192,7 @@ def _measure(args, p):
         do = _random_array(args, np.random.default_rng(args.seed),
                            tuple(q.shape[:-1]) + (v.shape[-1],))
         return attention_grad(q, k, v, do, **kwargs).counts_backward
-    return attention(q, k, v, save_lse=p.save_lse, **kwargs).counts
+    return attention(q, k, v, save_lse=p.save_lse, precision=p.precision, **kwargs).counts
 
 
 def cmd_traffic(args) -> int:
@@ -236,7 +238,7 @@ def cmd_traffic(args) -> int:
 def cmd_run(args) -> int:
     from . import runtime
     from .api import attention
-    from .reference import attention_reference, relative_error, tolerance
+    from .reference import attention_reference, relative_error, tf32_tolerance, tolerance
     from .schedule import get_schedule
 
     p = _problem(args)
@@ -248,12 +250,13 @@ def cmd_run(args) -> int:
     for _ in range(args.repeat):
         res = attention(dq, dk, dv, schedule=args.schedule, block_q=args.block_q,
                         block_k=args.block_k, causal=p.causal, save_lse=p.save_lse,
-                        options=_options(args), timed=True)
+                        options=_options(args), timed=True, precision=p.precision)
         times.append(res.ms)
     out = _host(res.out)
     ref, ref_lse = attention_reference(q, k, v, causal=p.causal)
     err = relative_error(out, ref)
-    tol = tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref)
+    tol = (tf32_tolerance(q, k, v, ref, causal=p.causal) if p.precision == "tf32" else
+           tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref))
     ok = err <= tol
     print(f"{args.schedule} on {runtime.device_name()}: {p.describe()}")
     for name, (asked, used) in (res.clamped or {}).items():

@@ -18,7 +18,8 @@ column (or key) in the low half; lane = 4 g + t.
         A (16 x 16, row major): a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 8+2t:..],
         a3 = A[g+8, 8+2t:..];  B (16 x 8, k x n): b0 = B[2t:2t+2, g], b1 = B[8+2t:.., g];
         C, D (16 x 8): c0, c1 = C[g, 2t], C[g, 2t+1]; c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
-    mma_tf32(a0..a3, b0, b1, c0..c3)              mma.sync m16n8k8 on TF32 (float32 bits):
+    mma_tf32(a0..a3, b0, b1, c0..c3)              mma.sync m16n8k8 on TF32 (float32 values,
+                                                  or their bits as uint32):
         a0 = A[g, t], a1 = A[g+8, t], a2 = A[g, t+4], a3 = A[g+8, t+4]; b0 = B[t, g],
         b1 = B[t+4, g]; C, D as above
     pack_f16x2(lo, hi), pack_bf16x2(lo, hi)       two float32 -> one register (round to nearest)
@@ -165,9 +166,12 @@ if SIMULATOR:
         return _mma_m16n8k16("bf16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
     def _tf32(words):
-        """TF32 keeps float32's top 19 bits (the hardware ignores the rest)."""
-        return (np.asarray(words, dtype=np.uint32) & 0xFFFFE000).view(np.float32).astype(
-            np.float64)
+        """TF32 keeps float32's top 19 bits (the hardware ignores the rest); operands are
+        float32 values or their bits."""
+        bits = np.array([np.float32(w).view(np.uint32) if isinstance(w, (float, np.floating))
+                         else w for w in np.ravel(words)], dtype=np.uint32).reshape(
+            np.shape(words))
+        return (bits & 0xFFFFE000).view(np.float32).astype(np.float64)
 
     def mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         def product(lanes):
@@ -253,6 +257,12 @@ else:
     def exp2(x):
         return _ex2_approx_ftz(x)
 
+    def _as_b32(context, builder, x, ty):
+        """A 32-bit operand register: a float's bits (TF32), or an integer's value."""
+        if isinstance(ty, types.Float):
+            return builder.bitcast(context.cast(builder, x, ty, types.float32), _I32)
+        return context.cast(builder, x, ty, types.uint32)
+
     def _mma_intrinsic(asm_text: str, a_regs: str):
         """An mma.sync intrinsic of four 32-bit A registers, two B and four float32 C; A and
         B go in as `a_regs` ('r': packed 16-bit pairs; TF32 is float32 bits, also 'r')."""
@@ -260,7 +270,7 @@ else:
         @intrinsic
         def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             def codegen(context, builder, sig, args):
-                ins = [context.cast(builder, x, t, types.uint32)
+                ins = [_as_b32(context, builder, x, t)
                        for x, t in zip(args[:6], sig.args[:6], strict=True)]
                 ins += [context.cast(builder, x, t, types.float32)
                         for x, t in zip(args[6:], sig.args[6:], strict=True)]

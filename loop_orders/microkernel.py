@@ -563,6 +563,16 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                        NT, RM, XN * RM, ROWS, STATS, 1)
 
 
+def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
+    """The tensor cores' operand type for p ('float16', 'bfloat16' or 'tf32'), or None where
+    p runs on CUDA cores (float32 at precision "ieee", or a schedule without TENSOR_CORES)."""
+    if not sched.TENSOR_CORES:
+        return None
+    if p.dtype in TENSOR_CORE_DTYPES:
+        return p.dtype
+    return "tf32" if p.precision == "tf32" else None
+
+
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
                  RELOAD: bool, UNROLL: int) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
@@ -582,7 +592,6 @@ class MicroKernelSchedule(Schedule):
 
     uses_micro_kernel = True
     RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
-    TENSOR_CORES: ClassVar[bool] = False  # 16-bit inputs run the tensor-core micro-kernel
     KV_STAGES: ClassVar[int] = 1  # K/V buffers the tensor-core micro-kernel keeps
 
     @staticmethod
@@ -591,13 +600,15 @@ class MicroKernelSchedule(Schedule):
         """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
 
     def layout(self, p: Problem) -> Layout | TensorCores:
-        """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs where the
-        schedule has them, else the CUDA-core thread layout."""
-        if self.TENSOR_CORES and p.dtype in TENSOR_CORE_DTYPES:
+        """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
+        float32 ones with precision "tf32", where the schedule has them, else the CUDA-core
+        thread layout."""
+        kind = tensor_core_kind(self, p)
+        if kind is not None:
             # tuning: LOOP_ORDERS_KV_STAGES=1 turns off the double buffering of a loop nest
             # that has it
             stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
-            return TensorCores(p.dtype, stages)
+            return TensorCores(kind, stages)
         return thread_layout(p.block_q, p.block_k, p.dv)
 
     def threads(self, p: Problem) -> int:
@@ -613,8 +624,9 @@ class MicroKernelSchedule(Schedule):
         return p.bh * p.visited_pairs() * lay.warps(p.block_q) * per_tile
 
     def p_roundings(self, p: Problem) -> int:
-        """1 where the tensor-core micro-kernel rounds P to 16 bits before P V_j (each row's
-        weights sum to 1 over all its K/V blocks: one rounding of max|V| in all), else 0."""
+        """1 where the tensor-core micro-kernel rounds P (to 16 bits, or TF32) before P V_j
+        (each row's weights sum to 1 over all its K/V blocks: one rounding of max|V| in
+        all), else 0."""
         return int(isinstance(self.layout(p), TensorCores))
 
     def output_roundings(self, p: Problem) -> int:
@@ -633,8 +645,7 @@ class MicroKernelSchedule(Schedule):
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
-            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD,
-                                    lay.stages).bytes
+            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
 
     def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:

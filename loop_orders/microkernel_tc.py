@@ -1,4 +1,4 @@
-"""The tensor-core micro-kernel for 16-bit inputs, shared by kv_outer and q_outer.
+"""The tensor-core micro-kernel for 16-bit inputs (and TF32), shared by kv_outer and q_outer.
 
 The same device functions as the CUDA-core micro-kernel (`microkernel.MicroKernel`), so the
 two loop nests run either unchanged; this one multiplies on tensor cores, FlashAttention-2
@@ -19,9 +19,9 @@ rows through `cp.async` (16 bytes a copy, rows past
 the tile's valid ones zero-filled; a head dim that is not a multiple of 8 takes plain loads),
 padded to whole 16s of head dims and keys (zero, cleared once per CTA) with each row stride
 8 elements over that, so the 8 rows one ldmatrix reads fall in different banks. The 16-bit
-tiles come first in the dynamic buffer; the float32 part after them holds the O_i stage (O_i
-leaves, and for kv_outer comes back, through it with the same row copies as the CUDA-core
-path) and kv_outer's l_i, m_i rows.
+tiles come first in the dynamic buffer; the float32 O_i stage (O_i leaves, and for kv_outer
+comes back, through it with the same row copies as the CUDA-core path) takes their place
+after the last tile, or for kv_outer lies after them, with kv_outer's l_i, m_i rows.
 
 Masked keys (past N_k, past Bc, or after the query when causal) get weight exactly 0, and V_j's
 rows past the tile are zero, so 0 x V adds nothing; a NaN or inf in a *visible-but-masked* V row
@@ -30,6 +30,13 @@ keys (float16 inputs only carry what float16 holds; the NaN tests run in float32
 
 P is rounded to 16 bits before P V_j (l_i sums the unrounded weights, as FlashAttention-2
 does): one more rounding of 2^-11 (float16) or 2^-8 (bfloat16) of max|V| in the output.
+
+TF32 (`TensorCores("tf32")`, float32 inputs at precision "tf32"): the same loop on mma.sync
+m16n8k8 over float32 tiles (cp.async 4 floats a copy), fragments by plain shared loads
+(ldmatrix moves 16-bit rows), the strides padded for them (`tc_shared_layout`). P V_j takes
+P's A fragment straight from the S accumulators by reading its 8 keys in the order the lanes
+hold them (`make_tc_operands`, accumulate_tf32). The hardware reads each float32 operand's
+top 19 bits: Q, K, P and V each lose up to 2^-10 of themselves (`reference.tf32_tolerance`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from .intrinsics import (
     ldmatrix_x4_trans,
     mma_bf16,
     mma_f16,
+    mma_tf32,
     pack_bf16x2,
     pack_f16x2,
     shfl_xor,
@@ -62,12 +70,22 @@ WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
 
 
 class TensorCores(NamedTuple):
-    """The tensor-core micro-kernel for one 16-bit input type ('float16' or 'bfloat16') with
-    `stages` K/V buffers: the counterpart of `microkernel.Layout` (which picks the CUDA-core
-    one)."""
+    """The tensor-core micro-kernel for one operand type with `stages` K/V buffers: 'float16'
+    or 'bfloat16' inputs (m16n8k16), or 'tf32', float32 inputs multiplied as TF32 (m16n8k8,
+    the opt-in `precision="tf32"`): the counterpart of `microkernel.Layout` (which picks the
+    CUDA-core one)."""
 
     dtype: str
     stages: int = 1
+
+    @property
+    def tf32(self) -> bool:
+        return self.dtype == "tf32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of a tile element in shared memory (the inputs' own)."""
+        return 4 if self.tf32 else 2
 
     def warps(self, block_q: int) -> int:
         return -(-block_q // WARP_ROWS)
@@ -81,7 +99,7 @@ class TensorCores(NamedTuple):
         return 255
 
     def __str__(self) -> str:
-        kind = "f16" if self.dtype == "float16" else "bf16"
+        kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32"}[self.dtype]
         return f"mma.{kind}" + ("" if self.stages == 1 else f"x{self.stages}")
 
 
@@ -89,7 +107,10 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
     """Warp-collective calls (ldmatrix, mma, shuffles) one warp makes per K/V tile: what the
     simulator's emulation costs (`api.simulated_seconds`)."""
     kp = _up(block_k, 16)
-    dk, nkt, dvt = _up(d, 16) // 16, kp // 8, _up(dv, 16) // 8
+    nkt, dvt = kp // 8, _up(dv, 16) // 8
+    if spec.tf32:  # plain shared loads; an mma per 8 head dims and 8 keys, 8 keys and 8 dims
+        return _up(d, 8) // 8 * nkt + 4 + nkt * dvt
+    dk = _up(d, 16) // 16
     return dk + dk * nkt // 2 * 3 + 4 + kp // 16 * dvt // 2 * 3
 
 
@@ -107,9 +128,9 @@ def _up(n: int, to: int) -> int:
 
 
 class TcSharedLayout(NamedTuple):
-    """The dynamic buffer of one CTA: 16-bit tiles at element offsets (q, k, v, row strides
-    qs, ks, vs), then float32 regions at float offsets (o: the O_i stage, stride os; stats:
-    kv_outer's l_i, m_i rows)."""
+    """The dynamic buffer of one CTA: the input tiles at element offsets (q, k, v, row strides
+    qs, ks, vs; 16-bit, or float32 for TF32), then float32 regions at float offsets (o: the
+    O_i stage, stride os; stats: kv_outer's l_i, m_i rows)."""
 
     q: int
     qs: int
@@ -129,16 +150,26 @@ class TcSharedLayout(NamedTuple):
 
 @cache
 def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,  # noqa: N803
-                     stages: int = 1) -> TcSharedLayout:
+                     spec: TensorCores) -> TcSharedLayout:
+    """Row strides padded so that the lanes of a warp reading their fragments hit 32
+    different banks: 16-bit rows 8 elements over whole 16s (ldmatrix's 8 rows); TF32 rows of
+    Q and K 4 floats over whole 32s (lane 4 g + t reads row g, column t), V's 4 over whole
+    16s (lane 4 g + t reads rows 2 t, 2 t + 1, column g)."""
     rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
-    qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
+    if spec.tf32:
+        qs, ks, vs = _up(D, 32) + 4, _up(D, 32) + 4, _up(DV, 16) + 4
+    else:
+        qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
     k = rows * qs
-    v = k + stages * keys * ks
-    halves = v + stages * keys * vs
-    o = _up(-(-halves // 2), 4)  # floats, 16-byte aligned
+    v = k + spec.stages * keys * ks
+    elements = v + spec.stages * keys * vs
+    tiles = _up(-(-elements * spec.itemsize // 4), 4)  # floats, 16-byte aligned
     os = _up(DV, 4)
+    # kv_outer's O_i comes back at every visit, beside the tiles; a loop nest that writes O_i
+    # once, after its last tile, stages it where the tiles were
+    o = tiles if reload else 0
     stats = o + rows * os
-    size = stats + (2 * rows if reload else 0)
+    size = max(tiles, stats) + (2 * rows if reload else 0)
     return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size)
 
 
@@ -148,7 +179,7 @@ class TcOperands(NamedTuple):
     and the two products on fragments (see `make_tc_operands`)."""
 
     clear: object  # clear(buf): the whole buffer zero (the tiles' padding stays so)
-    halves: object  # halves() -> the buffer's 16-bit view
+    tiles: object  # tiles() -> the buffer in the tiles' element type
     coords: object  # coords() -> (warp, lane), unsigned
     local_row: object  # local_row(w, lane, a) -> the block row of a lane's half a
     load_q: object  # load_q(src, bh, row0, n_rows): Q_i, or with rows past n_rows zero
@@ -163,24 +194,25 @@ class TcOperands(NamedTuple):
 def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
                      RELOAD: bool = False) -> TcOperands:
     """`TcOperands` for a CTA of W = ceil(Br / 16) warps over the buffer
-    `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)`. A kernel that multiplies only one
+    `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)`. A kernel that multiplies only one
     pair of operands (dense's scores, its P V) builds with the other head dim 0."""
     W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
     NT = 32 * W  # noqa: N806
     KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
-    DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T
+    DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T (16 head dims)
+    D8 = _up(D, 8) // 8  # noqa: N806 - TF32's k-steps (8 head dims)
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
     NS = 4 * NKT  # noqa: N806 - a thread's scores
-    VEC = D % 8 == 0 and DV % 8 == 0  # noqa: N806 - rows in whole 16-byte copies
-    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)
+    PER = 16 // SPEC.itemsize  # noqa: N806 - elements of one 16-byte copy
+    VEC = D % PER == 0 and DV % PER == 0  # noqa: N806 - rows in whole 16-byte copies
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
-    BF16 = SPEC.dtype == "bfloat16"  # noqa: N806
+    TF32, BF16 = SPEC.tf32, SPEC.dtype == "bfloat16"  # noqa: N806
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
-    HALF = (np.dtype(np.uint16) if BF16 else np.dtype(np.float16)) if SIMULATOR else (  # noqa: N806
-        uint16 if BF16 else _numba_f16())
+    ELEMENT = _tile_type(SPEC.dtype)  # noqa: N806
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -188,9 +220,9 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
             buf[e] = float32(0.0)
 
     @cuda.jit(device=True, inline="always")
-    def halves():
-        """The buffer's 16-bit view (dynamic shared arrays alias)."""
-        return cuda.shared.array(0, HALF)
+    def tiles():
+        """The buffer in the tiles' element type (dynamic shared arrays alias)."""
+        return cuda.shared.array(0, ELEMENT)
 
     @cuda.jit(device=True, inline="always")
     def coords():
@@ -204,14 +236,14 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
 
     def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):  # noqa: N803
         """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
-        < C) into the 16-bit tile at AT + stage STAGE, stride S; rows past n_rows become
-        zero. Returns the elements this thread counts (thread 0 counts the tile)."""
-        CH = C // 8  # noqa: N806 - 16-byte copies per row
+        < C) into the tile at AT + stage STAGE, stride S; rows past n_rows become zero.
+        Returns the elements this thread counts (thread 0 counts the tile)."""
+        CH = C // PER  # noqa: N806 - 16-byte copies per row
         TRIPS = -(-R * CH // NT)  # noqa: N806
 
         @cuda.jit(device=True, inline="always")
         def load(src, bh, row0, n_rows, stage):
-            tile = halves()
+            tile = tiles()
             t = uint32(cuda.threadIdx.x)
             at = uint64(AT) + uint64(stage) * uint64(STAGE)
             if VEC:
@@ -222,8 +254,8 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
                         inside = r < uint32(n_rows)
                         src_row = row0 + (r if inside else uint32(0))
                         # HBM -> shared, 16 bytes without passing through registers
-                        cp_async16(tile, at + uint64(r) * uint64(S) + uint64(8 * c),
-                                   src, bh, src_row, 8 * c, 16 if inside else 0)
+                        cp_async16(tile, at + uint64(r) * uint64(S) + uint64(PER * c),
+                                   src, bh, src_row, PER * c, 16 if inside else 0)
                 cp_async_commit()
             else:
                 for e in range(t, R * C, NT):
@@ -284,7 +316,44 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
                         p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
 
-    return TcOperands(clear, halves, coords, local_row, load_q, make_loader(BC, D, K, KS, K_STAGE),
+    @cuda.jit(device=True, inline="always")
+    def scores_tf32(tile, s, w, lane, k_at):
+        """s = Q_i K_j^T on m16n8k8 TF32: lane 4 g + t gives Q's rows g, g + 8 and K's key g
+        at head dims t and t + 4 of each 8 (plain shared loads; the hardware reads float32
+        bits as TF32, dropping the last 13 mantissa bits)."""
+        for e in range(NS):
+            s[e] = float32(0.0)
+        g, t = lane >> uint32(2), lane & uint32(3)
+        q_at = uint64(Q) + uint64(w * uint32(WARP_ROWS) + g) * uint64(QS) + uint64(t)
+        k_row = k_at + uint64(g) * uint64(KS) + uint64(t)
+        for kk in range(D8):
+            qa = q_at + uint64(8 * kk)
+            a0, a2 = tile[qa], tile[qa + uint64(4)]
+            a1, a3 = tile[qa + uint64(8 * QS)], tile[qa + uint64(8 * QS + 4)]
+            for n in range(NKT):
+                kb = k_row + uint64(8 * n) * uint64(KS) + uint64(8 * kk)
+                s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma_tf32(
+                    a0, a1, a2, a3, tile[kb], tile[kb + uint64(4)],
+                    s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate_tf32(tile, s, acc, lane, v_at):
+        """acc += P V_j on m16n8k8 TF32, P's A fragment straight from s: the lane holds keys
+        2 t, 2 t + 1 of each 8, so k-index t is key 2 t and t + 4 is key 2 t + 1 (a sum over
+        keys in any order), and V's B fragment follows: rows 2 t, 2 t + 1, column g."""
+        g, t = lane >> uint32(2), lane & uint32(3)
+        v_row = v_at + uint64(2 * t) * uint64(VS) + uint64(g)
+        for n in range(NKT):
+            for m in range(DVT):
+                vb = v_row + uint64(8 * n) * uint64(VS) + uint64(8 * m)
+                acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3] = mma_tf32(
+                    s[4 * n], s[4 * n + 2], s[4 * n + 1], s[4 * n + 3],
+                    tile[vb], tile[vb + uint64(VS)],
+                    acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3])
+
+    if TF32:
+        scores, accumulate = scores_tf32, accumulate_tf32
+    return TcOperands(clear, tiles, coords, local_row, load_q, make_loader(BC, D, K, KS, K_STAGE),
                       make_loader(BC, DV, V, VS, V_STAGE), wait_loads, scores, accumulate)
 
 
@@ -303,11 +372,11 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
     NS = 4 * NKT  # noqa: N806 - a thread's scores
     NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
-    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC.stages)
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     K, V, O, OS, STATS = sm.k, sm.v, sm.o, sm.os, sm.stats  # noqa: N806, E741
     K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # noqa: N806 - elements between K/V buffers
     ops = make_tc_operands(BR, BC, D, DV, SPEC, RELOAD)
-    clear, halves, coords, local_row = ops.clear, ops.halves, ops.coords, ops.local_row
+    clear, tiles, coords, local_row = ops.clear, ops.tiles, ops.coords, ops.local_row
     scores, accumulate, wait_loads = ops.scores, ops.accumulate, ops.wait_loads
     load_q_tile, load_k_tile, load_v_tile = ops.load_q, ops.load_k, ops.load_v
     load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
@@ -345,24 +414,47 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
         x = max(x, shfl_xor(x, 1))
         return max(x, shfl_xor(x, 2))
 
+    @cuda.jit(device=True, inline="always")
+    def scale_row(s, a, scale_log2):
+        """Row half a of the warp's scores times scale log2(e), in place; their max."""
+        part = NEG_INF
+        for n in range(NKT):
+            for c in range(2):
+                x = s[4 * n + 2 * a + c] * scale_log2
+                s[4 * n + 2 * a + c] = x
+                part = max(part, x)
+        return part
+
+    @cuda.jit(device=True, inline="always")
+    def scale_row_masked(s, a, scale_log2, vis, t2):
+        """scale_row, with -inf (weight 0) for the keys from `vis` on in the tile (past N_k,
+        padding, or after the query when causal; their scores may be garbage)."""
+        part = NEG_INF
+        for n in range(NKT):
+            for c in range(2):
+                x = s[4 * n + 2 * a + c] * scale_log2
+                if int(uint32(8 * n + c) + t2) >= vis:
+                    x = NEG_INF
+                s[4 * n + 2 * a + c] = x
+                part = max(part, x)
+        return part
+
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
-        tile = halves()
+        tile = tiles()
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
         s = cuda.local.array(NS, float32)
         scores(tile, s, w, lane, uint64(K) + uint64(stage) * uint64(K_STAGE))
+        # a tile whose every key the warp's 16 rows all see (no tail or padding keys, wholly
+        # below the diagonal) needs no per-key test: most tiles, most of the instructions
+        whole = n_keys == KP and (not CAUSAL or key0 + KP <= row0 + int(w) * WARP_ROWS + 1)
         for a in range(2):
-            vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
-            part = NEG_INF
-            for n in range(NKT):
-                for c in range(2):
-                    x = s[4 * n + 2 * a + c] * scale_log2
-                    # a masked key gets -inf: weight 0 (its score may be garbage)
-                    if int(uint32(8 * n + c) + t2) >= vis:
-                        x = NEG_INF
-                    s[4 * n + 2 * a + c] = x
-                    part = max(part, x)
+            if whole:
+                part = scale_row(s, a, scale_log2)
+            else:
+                vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
+                part = scale_row_masked(s, a, scale_log2, vis, t2)
             new_max = max(m[a], row_max4(part))
             shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
             alpha = exp2(m[a] - shift)
@@ -444,8 +536,13 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                        NT, 2, NACC, ROWS, STATS, SPEC.stages)
 
 
-def _numba_f16():
+def _tile_type(dtype: str):
+    """The element type of the shared tiles: the inputs' own (bfloat16 as its uint16 bits),
+    as a NumPy dtype on the simulator and a Numba type on the GPU."""
+    if SIMULATOR:
+        return {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
+                "tf32": np.dtype(np.float32)}[dtype]
     from numba.core import types
 
-    return types.float16
+    return {"float16": types.float16, "bfloat16": uint16, "tf32": float32}[dtype]
 

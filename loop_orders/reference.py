@@ -9,6 +9,7 @@ which the explainer walkthrough and the tests use to show that tiling is exact.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,6 +113,28 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
     ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
     return base + roundings * u * v_max / ref_max
+
+
+TF32_UNIT = 2.0**-10  # TF32 keeps 10 mantissa bits of float32; the hardware drops the rest
+
+
+def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False) -> float:
+    """Largest acceptable `relative_error` of a float32 call at precision "tf32", a bound
+    that follows from the rounding alone (it holds for any inputs, and is loose).
+
+    Each operand of each product loses less than 2^-10 of itself. A score then moves by at
+    most D = scale 2^-9 sum_x |q_rx| |k_cx| (both operands truncated), so each softmax weight
+    by a factor within exp(+-2 D), and the output by at most expm1(2 D) max|V|; P itself is
+    truncated before P V (2^-10 max|V| more). Relative to max|ref|, over float32's own.
+    """
+    q, k, v, ref = (np.asarray(x, dtype=np.float64) for x in (q, k, v, ref))
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    worst = np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k))
+    if causal:
+        worst = np.tril(worst)
+    shift = scale * 2 * TF32_UNIT * float(worst.max())
+    ratio = float(np.abs(v).max()) / float(np.abs(ref).max())
+    return tolerance("float32", 0, v, ref) + (math.expm1(2 * shift) + TF32_UNIT) * ratio
 
 
 def grad_tolerance(dtype, roundings: int) -> float:

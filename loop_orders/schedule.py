@@ -35,6 +35,8 @@ MAX_BLOCK_K = 512
 KERNEL_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                  "bfloat16": np.dtype(np.uint16)}
 SUPPORTED_DTYPES = tuple(KERNEL_DTYPES)
+# "ieee": float32 inputs multiplied exactly in float32 (FMA); "tf32": on TF32 tensor cores
+PRECISIONS = ("ieee", "tf32")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class Problem:
     save_lse: bool = False
     dtype: str = "float32"
     options: tuple = ()
+    precision: str = "ieee"  # "tf32": float32 inputs multiplied on TF32 tensor cores
 
     @property
     def bh(self) -> int:
@@ -164,6 +167,8 @@ class Problem:
         text = (f"B={self.batch} H={self.heads} N_q={self.n_q} N_k={self.n_k} d={self.d} "
                 f"dv={self.dv} block_q={self.block_q} block_k={self.block_k} "
                 f"causal={self.causal} dtype={self.dtype}")
+        if self.precision != "ieee":
+            text += f" precision={self.precision}"
         return text + "".join(f" {k}={v}" for k, v in self.options)
 
 
@@ -193,6 +198,9 @@ class Schedule(ABC):
     # Whether the kernels run the flash micro-kernel (microkernel.make_micro_kernel), whose
     # thread layout (microkernel.thread_layout) results files then record.
     uses_micro_kernel: ClassVar[bool] = False
+    # Whether the forward's products run on tensor cores for 16-bit inputs and, opted in,
+    # for float32 inputs as TF32 (precision="tf32"); else always on CUDA cores.
+    TENSOR_CORES: ClassVar[bool] = False
     # Log-log slope of model traffic against M, N and d (tiles from `tiles_for_sram`) that
     # Theorem 2 predicts for this order (experiments/theorem2.py fits and checks them).
     EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}

@@ -88,3 +88,30 @@ def test_counting_off_gives_the_same_output_and_no_ledger(schedule, rng):
     plain = lo.attention(q, k, v, schedule=schedule, block_q=4, block_k=3)
     assert plain.counts is None
     np.testing.assert_array_equal(plain.out, counted.out)
+
+
+# (batch, heads, n, d, dv, block_q, block_k, causal): d, dv not multiples of 4 (plain tile
+# loads), tails of both block sizes, more keys than a tile
+TF32_CASES = [(1, 2, 13, 5, 3, 16, 8, True), (1, 1, 24, 12, 20, 16, 16, False)]
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if lo.get_schedule(s).TENSOR_CORES])
+@pytest.mark.parametrize("case", TF32_CASES, ids=lambda c: "B{}H{}N{}d{}dv{}-{}x{}-{}".format(*c))
+def test_tf32_precision_on_float32_inputs(schedule, case, rng):
+    """precision="tf32": float32 in and out, the products on TF32 tensor cores. The error is
+    TF32's (above float32's 1e-6, within the bound the rounding gives, `tf32_tolerance`);
+    lse moves by at most the scores' shift; counters == model (precision moves no element)."""
+    from loop_orders.reference import TF32_UNIT, tf32_tolerance
+
+    b, h, n, d, dv, bq, bk, causal = case
+    q, k, v = random_qkv(rng, b, h, n, d, dv)
+    res = lo.attention(q, k, v, schedule=schedule, block_q=bq, block_k=bk, causal=causal,
+                       save_lse=True, count=True, precision="tf32")
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+    assert res.out.dtype == np.float32 and res.problem.precision == "tf32"
+    err = relative_error(res.out, ref)
+    assert 1e-6 < err <= tf32_tolerance(q, k, v, ref, causal=causal)
+    shift = 2 * TF32_UNIT * np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k)).max() / \
+        np.sqrt(d)
+    assert np.abs(res.lse - ref_lse).max() <= shift + 1e-5
+    assert res.counts == lo.get_schedule(schedule).model(res.problem)

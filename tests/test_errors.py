@@ -195,6 +195,9 @@ def test_numpy_strided_host_arrays_are_copied_not_refused(qkv):
     ({"count": "no"}, TypeError, "count: must be True or False"),
     ({"schedule": None}, ValueError, "schedule: unknown schedule None; known schedules"),
     ({"schedule": "Q_OUTER"}, ValueError, "schedule: unknown schedule 'Q_OUTER'"),
+    ({"precision": "fp8"}, ValueError, r"precision: got 'fp8', allowed \['ieee', 'tf32'\]"),
+    ({"precision": "tf32", "schedule": "split_kv"}, ValueError,
+     "precision: split_kv has no tensor-core path"),
 ])
 def test_bad_options_refused_before_launch(qkv, no_launch, kwargs, exc, pattern):
     kwargs = {"schedule": "q_outer", "block_q": 4, "block_k": 4, **kwargs}
@@ -234,6 +237,8 @@ def test_numpy_integer_block_sizes_and_float32_scale_accepted(qkv, schedule):
      "--dtype: invalid choice"),
     (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--block-q", "0"], "block_q"),
     (["run", "--schedule", "dense", "--n", "20000", "--d", "4"], "n_k: dense keeps one row"),
+    (["run", "--schedule", "q_outer", "--n", "8", "--d", "4", "--dtype", "float16",
+      "--precision", "tf32"], "precision: 'tf32' is for float32 inputs"),
 ])
 def test_cli_every_subcommand_exits_2_with_one_line(argv, pattern, capsys):
     assert main(argv) == 2

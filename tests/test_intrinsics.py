@@ -52,8 +52,10 @@ def test_mma_m16n8k16_and_packing(kind, rng):
     np.testing.assert_allclose(d.copy_to_host(), expect, rtol=1e-5, atol=1e-5)
 
 
-def test_mma_m16n8k8_tf32(rng):
-    """TF32 keeps 10 mantissa bits of each input: error about 2^-11 relative per product."""
+@pytest.mark.parametrize("as_bits", [False, True])
+def test_mma_m16n8k8_tf32(as_bits, rng):
+    """TF32 keeps 10 mantissa bits of each input: error about 2^-11 relative per product.
+    Operands go in as float32 values (the micro-kernel's shared tiles) or as their bits."""
 
     @cuda.jit
     def kernel(a, b, c, d):
@@ -68,7 +70,8 @@ def test_mma_m16n8k8_tf32(rng):
     b = rng.standard_normal((8, 8)).astype(np.float32)
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = to_device(np.zeros((16, 8), np.float32))
-    kernel[1, 32](to_device(a.view(np.uint32)), to_device(b.view(np.uint32)), to_device(c), d)
+    ops = (a.view(np.uint32), b.view(np.uint32)) if as_bits else (a, b)
+    kernel[1, 32](*(to_device(x) for x in ops), to_device(c), d)
     expect = a.astype(np.float64) @ b + c
     err = np.abs(d.copy_to_host() - expect).max() / np.abs(expect).max()
     assert 0 < err <= 8 * 2.0**-11  # TF32, not float32 (which would give about 1e-7)

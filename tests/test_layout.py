@@ -101,7 +101,8 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
         p32 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64)
         assert isinstance(sched.layout(p32), Layout) and sched.p_roundings(p32) == 0
         for d in (64, 128):  # the benchmark's tiles fit the opt-in shared memory
-            assert tc_shared_layout(128, 64, d, d, name == "kv_outer", stages).bytes < \
+            assert tc_shared_layout(128, 64, d, d, name == "kv_outer",
+                                    TensorCores("float16", stages)).bytes < \
                 dynamic_shared_limit()
     split = lo.get_schedule("split_kv")
     p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")

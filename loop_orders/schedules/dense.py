@@ -33,7 +33,7 @@ from numba import float32, int64, uint32, uint64
 
 from ..intrinsics import narrow, widen
 from ..ledger import Ledger, slot
-from ..microkernel import TENSOR_CORE_DTYPES
+from ..microkernel import tensor_core_kind
 from ..microkernel_tc import (
     TensorCores,
     check_aligned,
@@ -308,7 +308,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):  # noqa: N803
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, D, 0, SPEC)
-    K = tc_shared_layout(BR, BC, D, 0, False, SPEC.stages).k  # noqa: N806
+    K = tc_shared_layout(BR, BC, D, 0, False, SPEC).k  # noqa: N806
     NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of S_ij
     NS = 4 * NKT  # noqa: N806 - a thread's scores
     NEG_INF = float32(-math.inf)  # noqa: N806
@@ -322,7 +322,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):  # noqa: N803
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
         buf = cuda.shared.array(0, SHARED_F32)
-        tile = ops.halves()
+        tile = ops.tiles()
         w, lane = ops.coords()
         t2 = 2 * (lane & uint32(3))
         s = cuda.local.array(NS, float32)
@@ -373,7 +373,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, 0, DV, SPEC)
     mk = make_tc_micro_kernel(BR, BC, 0, DV, SPEC, False, False)
-    V = tc_shared_layout(BR, BC, 0, DV, False, SPEC.stages).v  # noqa: N806
+    V = tc_shared_layout(BR, BC, 0, DV, False, SPEC).v  # noqa: N806
     NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of P_ij
     NS = 4 * NKT  # noqa: N806 - a thread's weights
     NACC = mk.NACC  # noqa: N806 - a thread's accumulators of O_i
@@ -387,7 +387,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
         buf = cuda.shared.array(0, SHARED_F32)
-        tile = ops.halves()
+        tile = ops.tiles()
         w, lane = ops.coords()
         t2 = 2 * (lane & uint32(3))
         s = cuda.local.array(NS, float32)
@@ -425,6 +425,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
             ops.wait_loads()
             cuda.syncthreads()  # V_j is in shared memory
             ops.accumulate(tile, s, acc, lane, uint64(V))
+        cuda.syncthreads()  # every warp is done with V_j: O_i's stage takes its place
         mk.give_o(buf, acc, one)
         cuda.syncthreads()  # O_i is complete in the float32 stage
         # O_i: written to HBM once (whole rows, coalesced)
@@ -440,6 +441,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
 class Dense(Schedule):
     name = "dense"
     BACKWARD = "dense"
+    TENSOR_CORES = True
     summary = "standard attention: S and P materialised in HBM by three kernels"
     EXPECTED_SLOPES = {"n": 2}
     TRAFFIC_CLASS = "standard"
@@ -525,15 +527,17 @@ class Dense(Schedule):
         return empty(shape, np.float32), empty(shape, np.float32)
 
     def layout(self, p: Problem) -> TensorCores | None:
-        """Tensor cores for kernels 1 and 3 on 16-bit inputs, else None (CUDA cores)."""
-        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+        """Tensor cores for kernels 1 and 3 on 16-bit inputs (and TF32, opted in), else None
+        (CUDA cores)."""
+        kind = tensor_core_kind(self, p)
+        return None if kind is None else TensorCores(kind)
 
     def threads(self, p: Problem) -> int:
         lay = self.layout(p)
         return p.block_q if lay is None else lay.threads(p.block_q, p.block_k)
 
     def output_roundings(self, p: Problem) -> int:
-        # on tensor cores P_ij is rounded to 16 bits before P_ij V_j
+        # on tensor cores P_ij is rounded (16 bits, or TF32) before P_ij V_j
         return 1 + (self.layout(p) is not None)
 
     def warp_exchanges(self, p: Problem) -> int:
@@ -547,7 +551,8 @@ class Dense(Schedule):
     def tc_shared_bytes(self, p: Problem) -> tuple[int, int]:
         """The dynamic buffers of the tensor-core kernels 1 and 3 (each builds its operands
         only: Q_i and K_j, or V_j and the O_i stage)."""
-        return tuple(tc_shared_layout(p.block_q, p.block_k, d, dv, False, 1).bytes
+        lay = self.layout(p)
+        return tuple(tc_shared_layout(p.block_q, p.block_k, d, dv, False, lay).bytes
                      for d, dv in ((p.d, 0), (0, p.dv)))
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
