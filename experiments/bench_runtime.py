@@ -370,6 +370,52 @@ def run_blocksize(out_dir: Path, rng) -> None:
     write_csv(out_dir / "bench_blocksize.csv", rows, PROV)
 
 
+# Tensor-core tiles of q_outer at N = 4096, not causal, per head dim, each with single and
+# double-buffered K/V (LOOP_ORDERS_KV_STAGES), and the dtypes they are timed in
+TC_TILE_SWEEP = {"n": 4096, "dtypes": ["float16", "tf32"], "stages": [1, 2], "d": {
+    64: [(64, 64), (128, 64), (64, 128), (128, 128)],
+    128: [(64, 64), (128, 64), (64, 128)]}}
+
+
+@contextmanager
+def kv_stages(stages: int):
+    """Run with LOOP_ORDERS_KV_STAGES=stages (microkernel.MicroKernelSchedule.layout)."""
+    os.environ["LOOP_ORDERS_KV_STAGES"] = str(stages)
+    try:
+        yield
+    finally:
+        del os.environ["LOOP_ORDERS_KV_STAGES"]
+
+
+def run_tc_tiles(out_dir: Path, rng) -> list[dict]:
+    """q_outer on tensor cores over tiles and K/V buffering: registers, local memory and
+    runtime, beside SDPA flash float16 (bench_tc_tiles.csv). Returns the rows."""
+    rows, seen = [], set()
+    n = TC_TILE_SWEEP["n"]
+    batch, heads = shape_for(n)
+    sched = lo.get_schedule("q_outer")
+    for d, tiles in TC_TILE_SWEEP["d"].items():
+        p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads, block_q=64,
+                            block_k=64, dtype="float16")
+        base = measure("torch_sdpa_flash", "float16", "flash", p, rng)
+        rows.append({"schedule": base["provider"], **base, "stages": "", "regs": "",
+                     "local_bytes": ""})
+        for label, (block_q, block_k), stages in itertools.product(
+                TC_TILE_SWEEP["dtypes"], tiles, TC_TILE_SWEEP["stages"]):
+            p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
+                                block_q=block_q, block_k=block_k, **input_kind(label))
+            with kv_stages(stages):
+                timed = time_layout(sched, p, seen, rng)
+                row = {"schedule": sched.name, **blank_row(sched.name, label, sched, p),
+                       "stages": stages, "regs": "", "local_bytes": "", **(timed or {})}
+            rows.append(row)
+            print(f"tc tiles q_outer {label} d={d} {block_q}x{block_k} x{stages}: "
+                  f"{row['ms_median']} ms {row['tflops']} TFLOP/s regs {row['regs']} local "
+                  f"{row['local_bytes']} {row['status'][:60]}", flush=True)
+        write_csv(out_dir / "bench_tc_tiles.csv", rows, PROV)
+    return rows
+
+
 def run_layouts(out_dir: Path, only: set | None, rng) -> list[dict]:
     """Every tile size and thread layout of the flash micro-kernel: registers, local memory
     and runtime, beside SDPA (efficient) at the same shape. Returns the rows.
@@ -556,6 +602,8 @@ def main(argv=None) -> int:
                         help="skip the block-size sweep and the kernel report")
     parser.add_argument("--layouts", action="store_true",
                         help="only the tuning sweep of tiles and layouts (bench_layouts.csv)")
+    parser.add_argument("--tc-tiles", action="store_true",
+                        help="only the tensor-core tile sweep of q_outer (bench_tc_tiles.csv)")
     parser.add_argument("--tune", action="store_true",
                         help="run the tuning sweep first; the sweep then uses, per d, the "
                              "fastest tiles and layout it found")
@@ -590,6 +638,10 @@ def main(argv=None) -> int:
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
                                 "causal": causal}, rng, only)
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
+        return 0
+    if args.tc_tiles:
+        run_tc_tiles(args.out, rng)
+        print(f"bench_runtime: tensor-core tiles done in {time.time() - t0:.0f} s")
         return 0
     if args.layouts or args.tune:
         rows = (finished_tuning(args.out / "bench_layouts.csv") if args.tune else None) or \

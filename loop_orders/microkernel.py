@@ -56,6 +56,7 @@ from numba import float32, int32, uint32, uint64
 
 from .intrinsics import exp2
 from .microkernel_tc import (
+    DATA_REGISTERS,
     TensorCores,
     check_aligned,
     make_tc_micro_kernel,
@@ -109,7 +110,6 @@ class Layout(NamedTuple):
         return 255 if self.data_registers(block_k, dv) > DATA_REGISTERS else 128
 
 
-DATA_REGISTERS = 64  # scores + accumulators that fit beside the loads under a 128 cap
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 
 

@@ -67,6 +67,7 @@ from .tiles import LN2, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
 WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
+DATA_REGISTERS = 64  # scores + accumulators per thread that fit beside the rest under 128
 
 
 class TensorCores(NamedTuple):
@@ -94,9 +95,12 @@ class TensorCores(NamedTuple):
         return 32 * self.warps(block_q)
 
     def registers(self, block_k: int, dv: int) -> int:
-        """The register cap: S (Bc/2) and O (dv/2) accumulators per thread plus fragments
-        fit 255; ptxas takes what it needs below it (results/kernels_ptxas.json)."""
-        return 255
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) while a
+        thread's S (Bc/2) and O (dv/2) accumulators take at most DATA_REGISTERS, else 255.
+        Measured: q_outer float16 at d = 64 needs 130 uncapped, which leaves one CTA per SM
+        and costs 17% (results/gpu_logs/tensor_cores_2026-12-01.txt)."""
+        data = _up(block_k, 16) // 2 + _up(dv, 16) // 2
+        return 128 if data <= DATA_REGISTERS else 255
 
     def __str__(self) -> str:
         kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32"}[self.dtype]
