@@ -95,12 +95,13 @@ class TensorCores(NamedTuple):
         return 32 * self.warps(block_q)
 
     def registers(self, block_k: int, dv: int) -> int:
-        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) while a
-        thread's S (Bc/2) and O (dv/2) accumulators take at most DATA_REGISTERS, else 255.
-        Measured: q_outer float16 at d = 64 needs 130 uncapped, which leaves one CTA per SM
-        and costs 17% (results/gpu_logs/tensor_cores_2026-12-01.txt)."""
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) on 16-bit
+        operands while a thread's S (Bc/2) and O (dv/2) accumulators take at most
+        DATA_REGISTERS, else 255. Measured (results/gpu_logs/tensor_cores_2026-12-01.txt):
+        q_outer float16 at d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against
+        1.308 capped; TF32's scalar fragment loads need more (kv_outer spills under 128)."""
         data = _up(block_k, 16) // 2 + _up(dv, 16) // 2
-        return 128 if data <= DATA_REGISTERS else 255
+        return 128 if data <= DATA_REGISTERS and not self.tf32 else 255
 
     def __str__(self) -> str:
         kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32"}[self.dtype]
