@@ -461,8 +461,7 @@ def time_layout(sched, p, seen: set, rng) -> dict | None:
     except (ValueError, RuntimeError, MemoryError) as exc:
         return {"status": f"refused: {str(exc).splitlines()[0][:160]}"}
     return {"ms_median": round(ms, 4), "tflops": round(flops(p) / ms / 1e9, 3),
-            "regs": max(kernels[0].fn.get_regs_per_thread().values()),
-            "local_bytes": max(kernels[0].fn.get_local_mem_per_thread().values())}
+            **runtime.launched_resources(kernels[0].fn)}
 
 
 def finished_tuning(path: Path) -> list[dict]:

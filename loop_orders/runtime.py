@@ -359,6 +359,16 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     launcher(grid + (1,) * (3 - len(grid)), block, shared_bytes, current_stream(), args)
 
 
+def launched_resources(kernel) -> dict[str, int]:
+    """The most registers and local memory bytes per thread over the builds of `kernel`
+    launched so far (compiled here or loaded from the disk cache): {} if none was."""
+    builds = [launcher.compiled for (kern, *_), launcher in _launchers.items() if kern is kernel]
+    if not builds:
+        return {}
+    return {"regs": max(b.regs_per_thread for b in builds),
+            "local_bytes": max(b.local_mem_per_thread for b in builds)}
+
+
 def _host_available_bytes() -> int:
     """Host memory the OS says is available (MemAvailable), else free pages, else 4 GiB."""
     try:
