@@ -633,9 +633,10 @@ class MicroKernelSchedule(Schedule):
         return super().output_roundings(p) + self.p_roundings(p)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
-    def _launch_plan(self, p: Problem, count: bool, forced: str | None):
+    def _launch_plan(self, p: Problem, count: bool, forced: tuple):
         """(kernel, threads, dynamic shared bytes, whether q, k, v must be 16-byte aligned)
-        of p: worked out once per problem (and forced layout), as a call's host time counts.
+        of p: worked out once per problem and tuning override (`forced`: the environment's
+        LOOP_ORDERS_LAYOUT and LOOP_ORDERS_KV_STAGES), as a call's host time counts.
         The tensor-core kernels copy whole 16-byte rows when d and dv are multiples of 8."""
         lay = self.layout(p)
         aligned = not SIMULATOR and isinstance(lay, TensorCores) and p.d % 8 == p.dv % 8 == 0
@@ -663,8 +664,9 @@ class MicroKernelSchedule(Schedule):
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
         one scales S)."""
-        fn, threads, shared, aligned = self._launch_plan(p, count,
-                                                         os.environ.get("LOOP_ORDERS_LAYOUT"))
+        fn, threads, shared, aligned = self._launch_plan(
+            p, count, (os.environ.get("LOOP_ORDERS_LAYOUT"),
+                       os.environ.get("LOOP_ORDERS_KV_STAGES")))
         if aligned:
             check_aligned(q=args[0], k=args[1], v=args[2])
         launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))

@@ -126,3 +126,22 @@ def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
     p32 = lo.make_problem("dense", n_q=1024, d=64, block_q=64, block_k=64)
     assert dense.layout(p32) is None and dense.threads(p32) == 64
     assert dense.output_roundings(p32) == 1 and dense.warp_exchanges(p32) == 0
+
+
+def test_the_launch_follows_a_tuning_override_set_between_calls(monkeypatch):
+    """The launch plan is cached per problem *and* per tuning override: a sweep that sets
+    LOOP_ORDERS_KV_STAGES between calls launches the kernel it asked for (a cache keyed on
+    the problem alone once timed the double-buffered kernel's single-buffered twin)."""
+    import loop_orders as lo
+    from loop_orders import runtime
+
+    sched = lo.get_schedule("q_outer")
+    p = lo.make_problem("q_outer", n_q=64, d=16, block_q=32, block_k=16, dtype="float16")
+    launched = {}
+    for stages in ("1", "2"):
+        monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", stages)
+        with runtime.recording_launches() as launches:
+            sched.launch_kernel(p, (p.tr, p.bh), False, 0.25, None, None, None)
+        launched[stages] = launches[0][0]
+        assert launched[stages] is sched.kernels(p, False)[0].fn
+    assert launched["1"] is not launched["2"]
