@@ -2,7 +2,7 @@
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
 # STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, profile,
-# ncu,
+# ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
 # stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
@@ -44,13 +44,16 @@ for arg in "$@"; do
   bench)    run bench "$T" python3 -m experiments.bench_runtime --out "$W/bench" ${BENCH_ARGS:-} ;;
   layouts)  run layouts "$T" python3 -m experiments.bench_runtime --layouts --out "$W/layouts" ;;
   tctiles)  run tctiles "$T" python3 -m experiments.bench_runtime --tc-tiles --out "$W/tctiles" ;;
+  cp)       mkdir -p "$W/cp"; cp results/context_parallel.gpu.json "$W/cp/" 2>/dev/null  # resume
+            run cp "$T" python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
+              -m experiments.bench_context_parallel --out "$W/cp" ${CP_ARGS:-} ;;
   ncu)      run ncu "$T" python3 -m experiments.hw_traffic --out "$W/ncu" ${HW_ARGS:-} ;;
   profile)  run profile "$T" ncu --section SpeedOfLight --section ComputeWorkloadAnalysis \
               --section WarpStateStats --section Occupancy --section LaunchStats \
               --section InstructionStats --section MemoryWorkloadAnalysis -k regex:q_outer -c 1 \
               python3 -m loop_orders run --schedule q_outer --n 4096 --d 64 --batch 4 \
               --heads 16 --block-q 128 --block-k 64 --repeat 1 ;;
-  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ncu|profile[:SECONDS] ..."
+  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
   esac
 done
