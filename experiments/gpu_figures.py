@@ -88,38 +88,42 @@ def plot_blocksize(rows: list[dict], out: Path) -> list[Path]:
 
 
 def plot_tensor_cores(rows: list[dict], out: Path) -> list[Path]:
-    """float16 on tensor cores: runtime of each schedule beside SDPA's FlashAttention-2 kernel
-    at N = 4096 per (d, causal), and q_outer's throughput against SDPA's over N."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    providers = list(dict.fromkeys(r["provider"] for r in ok))
-    fig, (left, right) = common.pyplot().subplots(1, 2, figsize=(11, 4))
-    shapes = sorted({(r["d"], r["causal"]) for r in ok if r["n"] == "4096"},
-                    key=lambda x: (int(x[0]), x[1]))
-    width = 0.8 / len(providers)
-    for k, name in enumerate(providers):
-        at = {(r["d"], r["causal"]): float(r["ms_median"]) for r in ok
-              if r["provider"] == name and r["n"] == "4096"}
-        left.bar([i + k * width for i in range(len(shapes))], [at.get(s, 0) for s in shapes],
-                 width, label=name, color=f"C{k}")  # one colour per provider in both panels
-    left.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))],
-                    [f"d={d}{' causal' if c == 'True' else ''}" for d, c in shapes])
+    """Tensor cores at N = 4096: each schedule's float16 runtime beside SDPA's
+    FlashAttention-2 kernel per (d, causal), and q_outer's throughput in every precision
+    beside SDPA's and our float32 FMA path."""
+    ok = [r for r in rows if r["status"] == "ok" and r["n"] == "4096"]
+    shapes = sorted({(r["d"], r["causal"]) for r in ok}, key=lambda x: (int(x[0]), x[1]))
+    labels = [f"d={d}{' causal' if c == 'True' else ''}" for d, c in shapes]
+    fig, (left, right) = common.pyplot().subplots(1, 2, figsize=(12, 4.2))
+
+    def bars(ax, series, value):
+        width = 0.8 / len(series)
+        for k, (label, provider, dtype) in enumerate(series):
+            at = {(r["d"], r["causal"]): float(r[value]) for r in ok
+                  if r["provider"] == provider and r["dtype"] == dtype}
+            ax.bar([i + k * width for i in range(len(shapes))], [at.get(x, 0) for x in shapes],
+                   width, label=label, color=f"C{k}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], labels)
+        ax.legend(fontsize=7, ncol=3, loc="upper left")
+
+    bars(left, [(name, name, "float16") for name in ("q_outer", "kv_outer", "dense", "split_kv")]
+         + [("SDPA flash", "torch_sdpa_flash", "float16")], "ms_median")
     left.set_yscale("log")
+    left.set_ylim(top=200)  # room for the legend above the bars
     left.set_ylabel("runtime (ms, median, log scale)")
-    left.set_title("float16, N = 4096, B·H·N = 262144", fontsize=9)
-    left.legend(fontsize=8)
-    for name in ("q_outer", "torch_sdpa_flash"):
-        pts = sorted((int(r["n"]), float(r["tflops"])) for r in ok
-                     if r["provider"] == name and r["d"] == "64" and r["causal"] == "False")
-        if pts:
-            right.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name,
-                       color=f"C{providers.index(name)}")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("N")
+    left.set_title("float16 inputs, N = 4096, B·H·N = 262144 (split_kv: CUDA cores)",
+                   fontsize=9)
+    bars(right, [("q_outer float16", "q_outer", "float16"),
+                 ("q_outer bfloat16", "q_outer", "bfloat16"),
+                 ("q_outer TF32", "q_outer", "tf32"),
+                 ("q_outer float32 FMA", "q_outer", "float32"),
+                 ("SDPA flash float16", "torch_sdpa_flash", "float16")], "tflops")
     right.set_ylabel("TFLOP/s")
-    right.set_ylim(bottom=0)
-    right.set_title("float16, d = 64, not causal", fontsize=9)
-    right.legend(fontsize=8)
-    return plot_bench.save_with_provenance(fig, ok[0], out, "bench_tensor_cores")
+    right.set_ylim(top=1.35 * max(float(r["tflops"]) for r in ok))
+    right.set_title("q_outer per precision beside SDPA, N = 4096", fontsize=9)
+    runs = {**ok[0], "git_sha": " + ".join(dict.fromkeys(r["git_sha"] for r in ok)),
+            "date": ok[0]["date"][:10]}
+    return plot_bench.save_with_provenance(fig, runs, out, "bench_tensor_cores")
 
 
 def _f(x) -> float:

@@ -94,32 +94,106 @@ def bench_summary(results_dir: Path) -> str:
             + "\n".join(lines))
 
 
+def _row_ms(r: dict | None) -> str:
+    return f"{float(r['ms_median']):.3f}" if r else "—"
+
+
+def _ratio(slow: dict | None, fast: dict | None) -> str:
+    """How many times faster `fast` runs than `slow` (slow's ms over fast's; — where either
+    row is missing)."""
+    return f"{float(slow['ms_median']) / float(fast['ms_median']):.3f}×" if slow and fast \
+        else "—"
+
+
 def tensor_cores(results_dir: Path) -> str:
-    """float16 on the tensor-core micro-kernel against SDPA's FlashAttention-2 kernel."""
+    """The tensor-core micro-kernel's runtimes beside SDPA's FlashAttention-2 kernel (16-bit)
+    and beside our own float32 FMA path (TF32), and the mma.sync ceiling of the same GPU."""
     path = results_dir / "bench_tensor_cores.csv"
     rows = _rows(path)
     if rows is None:
         return _missing(path)
-    ok = [r for r in rows if r["status"] == "ok"]
-    at = {(r["provider"], r["n"], r["d"], r["causal"]): r for r in ok}
-    providers = list(dict.fromkeys(r["provider"] for r in ok))
-    lines = ["| N | d | causal | " + " | ".join(providers) + " | q_outer / SDPA flash |",
-             "|---|---|---|" + "---|" * (len(providers) + 1)]
-    for n, d, causal in sorted({(r["n"], r["d"], r["causal"]) for r in ok},
-                               key=lambda x: (int(x[1]), x[2], int(x[0]))):
-        cells = []
-        for p in providers:
-            r = at.get((p, n, d, causal))
-            cells.append(f"{float(r['ms_median']):.3f} ms ({float(r['tflops']):.0f})" if r
-                         else "—")
-        q, f = at.get(("q_outer", n, d, causal)), at.get(("torch_sdpa_flash", n, d, causal))
-        ratio = f"{float(f['ms_median']) / float(q['ms_median']):.3f}×" if q and f else "—"
-        lines.append(f"| {n} | {d} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
-    r0 = ok[0]
-    layouts = ", ".join(dict.fromkeys(f"{r['provider']} {r['layout']}" for r in ok if r["layout"]))
-    return (f"float16, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
-            f"{r0['block_q']}×{r0['block_k']} ({layouts}); median ms (TFLOP/s), kernels alone, "
-            "each checked against float64 first:\n\n" + "\n".join(lines))
+    at = {(r["provider"], r["dtype"], r["d"], r["causal"]): r for r in rows
+          if r["status"] == "ok" and r["n"] == "4096"}
+    shapes = sorted({(r["d"], r["causal"]) for r in rows}, key=lambda x: (int(x[0]), x[1]))
+    sixteen = ["| d | causal | q_outer f16 | kv_outer f16 | dense f16 | split_kv f16 | SDPA "
+               "flash f16 | q_outer / SDPA | q_outer bf16 | SDPA flash bf16 | q_outer / SDPA "
+               "(bf16) | error q_outer f16, SDPA f16 |", "|---" * 12 + "|"]
+    tf32 = ["| d | causal | q_outer tf32 | kv_outer tf32 | dense tf32 | q_outer float32 FMA | "
+            "SDPA efficient float32 | q_outer tf32 / FMA | error q_outer tf32 |",
+            "|---" * 9 + "|"]
+    for d, c in shapes:
+        def g(provider, dtype, d=d, c=c):
+            return at.get((provider, dtype, d, c))
+
+        qf, sf, qb, sb = (g("q_outer", "float16"), g("torch_sdpa_flash", "float16"),
+                          g("q_outer", "bfloat16"), g("torch_sdpa_flash", "bfloat16"))
+        errors = f"{qf['rel_error']}, {sf['rel_error']}" if qf and sf else "—"
+        sixteen.append(f"| {d} | {c} | {_row_ms(qf)} | {_row_ms(g('kv_outer', 'float16'))} | "
+                       f"{_row_ms(g('dense', 'float16'))} | {_row_ms(g('split_kv', 'float16'))} | "
+                       f"{_row_ms(sf)} | {_ratio(sf, qf)} | {_row_ms(qb)} | {_row_ms(sb)} | "
+                       f"{_ratio(sb, qb)} | {errors} |")
+        qt, q32 = g("q_outer", "tf32"), g("q_outer", "float32")
+        tf32.append(f"| {d} | {c} | {_row_ms(qt)} | {_row_ms(g('kv_outer', 'tf32'))} | "
+                    f"{_row_ms(g('dense', 'tf32'))} | {_row_ms(q32)} | "
+                    f"{_row_ms(g('torch_sdpa_efficient', 'float32'))} | {_ratio(q32, qt)} | "
+                    f"{qt['rel_error'] if qt else '—'} |")
+    r0 = rows[0]
+    head = (f"N = 4096, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
+            f"{r0['block_q']}×{r0['block_k']}; median ms, kernels alone, each checked against "
+            "float64 first (the error: max relative on sampled rows). 16-bit inputs:")
+    ceiling = results_dir / "tensor_core_ceiling.json"
+    tail = ""
+    if ceiling.exists():
+        c = json.loads(ceiling.read_text())
+        best = {r["dtype"]: float(r["tflops"]) for r in rows if r["provider"] == "q_outer"
+                and r["status"] == "ok" and r["n"] == "4096" and r["d"] == "64"
+                and r["causal"] == "False"}
+        tail = "\n\nThe mma.sync ceiling on this GPU, a register-only loop timed in the same " \
+            "way (`bench_runtime.mma_ceiling`, " + c["provenance"]["git_sha"] + "): " + \
+            "; ".join(f"{x['dtype']} {x['tflops']:.0f} TFLOP/s" for x in c["ceilings"]) + \
+            ". q_outer at d = 64, not causal: " + "; ".join(
+                f"{dt} {best[dt]:.0f} TFLOP/s" for dt in ("float16", "bfloat16", "tf32")
+                if dt in best) + "."
+    return (head + "\n\n" + "\n".join(sixteen) + "\n\nTF32 (float32 inputs, "
+            "`precision=\"tf32\"`) beside the float32 paths:\n\n" + "\n".join(tf32) + tail)
+
+
+def tc_tiles(results_dir: Path) -> str:
+    path = results_dir / "bench_tc_tiles.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    lines = ["| dtype | d | Br × Bc | K/V buffers | registers | local bytes | ms | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    base = []
+    for r in rows:
+        if r["schedule"] != "q_outer":
+            base.append(f"SDPA flash float16 at d = {r['d']}: {r['ms_median']} ms")
+            continue
+        ms = r["ms_median"] or r["status"][:60]
+        lines.append(f"| {r['dtype']} | {r['d']} | {r['block_q']} × {r['block_k']} | "
+                     f"{r['stages']} | {r['regs'] or '—'} | {r['local_bytes'] or '—'} | {ms} | "
+                     f"{r['tflops'] or '—'} |")
+    return (f"q_outer on tensor cores, N = {rows[0]['n']}, not causal ("
+            + "; ".join(base) + "):\n\n" + "\n".join(lines))
+
+
+def hw_traffic_tensor_cores(results_dir: Path) -> str:
+    path = results_dir / "hw_traffic_tensor_cores.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    lines = ["| schedule | dtype | N | causal | counted bytes | ncu loads | ncu stores | "
+             "ncu / counted − 1 | DRAM bytes |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dram = int(r["dram_read_bytes"]) + int(r["dram_write_bytes"])
+        lines.append(f"| {r['schedule']} | {r['dtype']} | {r['n']} | {r['causal']} | "
+                     f"{int(r['counted_bytes']):,} | {int(r['ncu_ld_bytes']):,} | "
+                     f"{int(r['ncu_st_bytes']):,} | {float(r['ncu_vs_counted']):+.4f} | "
+                     f"{dram:,} |")
+    r0 = rows[0]
+    return (f"B = {r0['batch']}, H = {r0['heads']}, d = {r0['d']}, tiles {r0['block_q']}×"
+            f"{r0['block_k']}; ncu's l1tex global load and store bytes:\n\n" + "\n".join(lines))
 
 
 def bench_tuning(results_dir: Path) -> str:
@@ -419,7 +493,8 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     out = []
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
-                 "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv"):
+                 "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
+                 "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
@@ -427,7 +502,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
             out.append((name, {**rows[0], "git_sha": shas, "date": dates,
                                "versions": json.loads(rows[0]["versions"])}))
     for name in ("bench_kernels.json", "host_overhead.json", "train_tiny.json",
-                 "kernels_ptxas.json"):
+                 "kernels_ptxas.json", "tensor_core_ceiling.json"):
         path = results_dir / name
         if path.exists():
             out.append((name, json.loads(path.read_text())["provenance"]))
@@ -445,4 +520,5 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "train-summary": train_summary(results_dir), "fig2-setting": fig2_table(results_dir),
             "host-overhead": host_overhead(results_dir),
             "ptxas-kernels": ptxas_kernels(results_dir),
-            "tensor-cores": tensor_cores(results_dir)}
+            "tensor-cores": tensor_cores(results_dir), "tc-tiles": tc_tiles(results_dir),
+            "hw-traffic-tensor-cores": hw_traffic_tensor_cores(results_dir)}

@@ -47,8 +47,10 @@ def read_rows(path: Path, required: str) -> list[dict]:
 
 
 def save_with_provenance(fig, row: dict, out: Path, stem: str) -> list[Path]:
-    """Title the figure with the results' device, git SHA and date; save PNG and PDF."""
-    fig.suptitle(f"{row['device']}, git {row['git_sha'][:10]}, {row['date']}", fontsize=9)
+    """Title the figure with the results' device, git SHA (or "a + b" for rows of several
+    runs) and date; save PNG and PDF."""
+    sha = row["git_sha"] if " + " in row["git_sha"] else row["git_sha"][:10]
+    fig.suptitle(f"{row['device']}, git {sha}, {row['date']}", fontsize=9)
     fig.tight_layout()
     return common.save_figure(fig, out, stem)
 

@@ -97,7 +97,7 @@ class TensorCores(NamedTuple):
     def registers(self, block_k: int, dv: int) -> int:
         """The register cap to compile with: 128 (two CTAs of 256 threads per SM) on 16-bit
         operands while a thread's S (Bc/2) and O (dv/2) accumulators take at most
-        DATA_REGISTERS, else 255. Measured (results/gpu_logs/tensor_cores_2026-12-01.txt):
+        DATA_REGISTERS, else 255. Measured (results/gpu_logs/tensor_cores_ab_2026-12-01.txt):
         q_outer float16 at d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against
         1.308 capped; TF32's scalar fragment loads need more (kv_outer spills under 128)."""
         data = _up(block_k, 16) // 2 + _up(dv, 16) // 2
