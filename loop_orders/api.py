@@ -369,19 +369,17 @@ class _Call:
         p, kind = self.p, self.inputs.kind
         if self.recheck:
             check_launch(self.sched, p, self.count, self.inputs.host)
-        qv, kv, vv = (kx.view(x).reshape(p.bh, n, width) for kx, x, n, width in
+        qv, kv, vv = (kx.view_as(x, (p.bh, n, width)) for kx, x, n, width in
                       zip(self.inputs.kinds, (q, k, v), (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv),
                           strict=False))
         stream = kind.stream(q)
         workspace, no_lse, no_counts = self.scratch(stream)
-        out, out_dev = kind.empty(q, self.out_shape, self.dtype)
+        out, out_k = kind.empty(q, self.out_shape, self.dtype, (p.bh, p.n_q, p.dv))
         if p.save_lse:
-            lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
-            lse_dev = lse_dev.reshape(p.bh, p.n_q)
+            lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32, (p.bh, p.n_q))
         else:
             lse, lse_dev = None, no_lse
         counts = runtime.device_zeros(n_slots(), np.int64) if self.count else no_counts
-        out_k = out_dev.reshape(p.bh, p.n_q, p.dv)
         if self.timed or runtime.SIMULATOR:
             with runtime.on_stream(stream), runtime.launching(), \
                     runtime.Timer(self.timed, stream) as timer:

@@ -85,10 +85,15 @@ class Kind:
         """The array as the kernels get it."""
         return x
 
-    def empty(self, x, shape, dtype):
-        """(array the caller gets, array the kernels write) of `shape`, like x."""
+    def view_as(self, x, shape):
+        """The array as the kernels get it, as `shape` (x is C-contiguous: checked)."""
+        return self.view(x).reshape(shape)
+
+    def empty(self, x, shape, dtype, kernel_shape=None):
+        """(array the caller gets, array the kernels write) of `shape`, like x; the kernels'
+        one viewed as `kernel_shape` when given."""
         out = runtime.device_empty(shape, dtype)
-        return out, out
+        return out, out if kernel_shape is None else out.reshape(kernel_shape)
 
     def finish(self, out):
         """The caller's array once the kernels have written it."""
@@ -141,11 +146,15 @@ class TorchCudaKind(Kind):
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()),
                           torch_to_numpy_dtype(x.dtype), x)
 
-    def empty(self, x, shape, dtype):
+    def view_as(self, x, shape):
+        dtype = torch_to_numpy_dtype(x.dtype)  # one view, no reshape: host time per call
+        return DeviceView(x.data_ptr(), shape, c_strides(shape, dtype.itemsize), dtype, x)
+
+    def empty(self, x, shape, dtype, kernel_shape=None):
         import torch
 
         out = torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
-        return out, self.view(out)
+        return out, self.view_as(out, shape if kernel_shape is None else kernel_shape)
 
     def stream(self, x) -> int:
         import torch
@@ -159,12 +168,13 @@ class CupyKind(Kind):
     def view(self, x):
         return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
 
-    def empty(self, x, shape, dtype):
+    def empty(self, x, shape, dtype, kernel_shape=None):
         import cupy
 
         with x.device:
             out = cupy.empty(shape, dtype=dtype)
-        return out, self.view(out)
+        view = self.view(out)
+        return out, view if kernel_shape is None else view.reshape(kernel_shape)
 
     def stream(self, x) -> int:
         import cupy
@@ -292,5 +302,10 @@ def torch_to_numpy_dtype(dtype):
     return _torch_dtypes()[dtype]
 
 
+@functools.cache
+def _numpy_to_torch() -> dict:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
 def numpy_to_torch_dtype(dtype):
-    return {v: k for k, v in _torch_dtypes().items()}[np.dtype(dtype)]
+    return _numpy_to_torch()[np.dtype(dtype)]
