@@ -2,7 +2,7 @@
 
     loop-orders schedules [--loop-nest]
     loop-orders traffic --schedule kv_outer --n 6 --d 2 --block-q 2 --block-k 2 [--measure] [--json]
-    loop-orders run --schedule q_outer --n 64 --d 16 [--causal] [--dtype float16]
+    loop-orders run --schedule q_outer --n 64 --d 16 [--causal] [--dtype D] [--precision tf32]
     loop-orders figures [--quick] [--results-dir DIR] [--figures-dir DIR]
     loop-orders cache [--clear]
 
