@@ -1,7 +1,8 @@
 """Property-based fuzz: random shapes, tilings and options, every registered schedule.
 
 For each drawn case, every schedule's output matches the float64 reference within the usual
-tolerance and its measured counters equal its model exactly. The shapes stay tiny so the Numba
+tolerance (TF32's bound at precision "tf32") and its measured counters equal its model
+exactly. The shapes stay tiny so the Numba
 CUDA simulator can run them; CI runs a fixed, derandomised set of examples. A larger, random
 run (see README "Tests"):
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import loop_orders as lo
-from loop_orders.reference import relative_error, tolerance
+from loop_orders.reference import TF32_UNIT, relative_error, tf32_tolerance, tolerance
 
 CI_EXAMPLES = 100
 EXAMPLES = int(os.environ.get("LOOP_ORDERS_FUZZ_EXAMPLES", CI_EXAMPLES))
@@ -57,7 +58,11 @@ def cases(draw):
         "block_k": draw(st.integers(1, MAX_BLOCK)),
         "causal": causal,
         "save_lse": draw(st.booleans()),
-        "dtype": draw(st.sampled_from(["float32", "float16"])),
+        "dtype": (dtype := draw(st.sampled_from(["float32", "float16"]))),
+        # float32 on TF32 tensor cores in a quarter of the float32 cases (the schedules with
+        # TENSOR_CORES; the others, and the backward, stay exact)
+        "precision": draw(st.sampled_from(["ieee"] * 3 + ["tf32"])) if dtype == "float32"
+        else "ieee",
         "seed": draw(st.integers(0, 2**32 - 1)),
         # per schedule, one value of each option from the option's examples
         "options": {s.name: {key: draw(st.sampled_from(opt.examples))
@@ -78,23 +83,32 @@ def test_every_schedule_matches_reference_and_model(case):
     ref, ref_lse = lo.attention_reference(q, k, v, causal=c["causal"])
     for name in lo.schedule_names():
         sched = lo.get_schedule(name)
+        precision = c["precision"] if sched.TENSOR_CORES else "ieee"
         p = lo.make_problem(name, n_q=c["n"], n_k=c["n_k"], d=c["d"], dv=c["dv"],
                             batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
                             block_k=c["block_k"], causal=c["causal"],
-                            save_lse=c["save_lse"], dtype=c["dtype"], options=c["options"][name])
+                            save_lse=c["save_lse"], dtype=c["dtype"], options=c["options"][name],
+                            precision=precision)
         try:
             lo.api.check_launch(sched, p, count=True)
         except ValueError:
             continue  # refused up front, with a message: allowed (not a wrong number)
         res = lo.attention(q, k, v, schedule=name, block_q=c["block_q"],
                            block_k=c["block_k"], causal=c["causal"], save_lse=c["save_lse"],
-                           options=c["options"][name], count=True)
+                           options=c["options"][name], count=True, precision=precision)
         assert res.out.shape == ref.shape and res.out.dtype == np.dtype(c["dtype"]), name
         assert np.isfinite(res.out).all(), name
-        tol = tolerance(c["dtype"], sched.output_roundings(res.problem), v, ref)
+        if precision == "tf32":
+            tol = tf32_tolerance(q, k, v, ref, causal=c["causal"])
+            lse_tol = 2 * TF32_UNIT * float(np.einsum(  # the scores' largest shift
+                "...qd,...kd->...qk", np.abs(q), np.abs(k)).max()) / np.sqrt(c["d"]) + 1e-5
+        else:
+            tol = tolerance(c["dtype"], sched.output_roundings(res.problem), v, ref)
+            lse_tol = 1e-5
         assert relative_error(res.out, ref) <= tol, name
         if c["save_lse"]:
-            np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=lse_tol,
+                                       err_msg=name)
         assert res.counts == sched.model(res.problem), name
 
 
