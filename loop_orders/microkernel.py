@@ -637,9 +637,9 @@ class MicroKernelSchedule(Schedule):
         """(kernel, threads, dynamic shared bytes, whether q, k, v must be 16-byte aligned)
         of p: worked out once per problem and tuning override (`forced`: the environment's
         LOOP_ORDERS_LAYOUT and LOOP_ORDERS_KV_STAGES), as a call's host time counts.
-        The tensor-core kernels copy whole 16-byte rows when d and dv are multiples of 8."""
+        The tensor-core kernels copy 16-byte pieces of rows where `copies_rows(d, dv)`."""
         lay = self.layout(p)
-        aligned = not SIMULATOR and isinstance(lay, TensorCores) and p.d % 8 == p.dv % 8 == 0
+        aligned = not SIMULATOR and isinstance(lay, TensorCores) and lay.copies_rows(p.d, p.dv)
         return (self.micro_kernel(p, count, lay).fn, lay.threads(p.block_q, p.block_k),
                 self.dynamic_shared_bytes(p, lay), aligned)
 

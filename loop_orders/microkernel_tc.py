@@ -88,6 +88,16 @@ class TensorCores(NamedTuple):
         """Bytes of a tile element in shared memory (the inputs' own)."""
         return 4 if self.tf32 else 2
 
+    @property
+    def per_copy(self) -> int:
+        """Elements one 16-byte cp.async copies."""
+        return 16 // self.itemsize
+
+    def copies_rows(self, *widths: int) -> bool:
+        """Whether rows of these widths arrive by cp.async (whole 16-byte copies; the source
+        must then be 16-byte aligned, `check_aligned`), else by plain loads."""
+        return all(w % self.per_copy == 0 for w in widths)
+
     def warps(self, block_q: int) -> int:
         return -(-block_q // WARP_ROWS)
 
@@ -121,7 +131,7 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
 
 def check_aligned(**arrays) -> None:
     """Refuse an array the tensor-core kernels cannot copy with cp.async, which moves
-    16-byte rows from 16-byte aligned addresses (when d and dv are multiples of 8)."""
+    16-byte rows from 16-byte aligned addresses (where `TensorCores.copies_rows`)."""
     for name, a in arrays.items():
         if data_pointer(a) % 16:
             raise ValueError(f"{name}: the tensor-core kernels need its data 16-byte aligned, "
@@ -209,8 +219,8 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
     NS = 4 * NKT  # noqa: N806 - a thread's scores
-    PER = 16 // SPEC.itemsize  # noqa: N806 - elements of one 16-byte copy
-    VEC = D % PER == 0 and DV % PER == 0  # noqa: N806 - rows in whole 16-byte copies
+    PER = SPEC.per_copy  # noqa: N806 - elements of one 16-byte copy
+    VEC = SPEC.copies_rows(D, DV)  # noqa: N806 - rows in whole 16-byte copies
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers

@@ -145,3 +145,16 @@ def test_the_launch_follows_a_tuning_override_set_between_calls(monkeypatch):
         launched[stages] = launches[0][0]
         assert launched[stages] is sched.kernels(p, False)[0].fn
     assert launched["1"] is not launched["2"]
+
+
+def test_which_rows_the_tensor_cores_copy_with_cp_async():
+    """cp.async moves 16 bytes: 8 16-bit elements or 4 float32 ones (TF32), so a head dim
+    that is a multiple of 4 but not 8 takes it on TF32 only; the launch then checks the
+    alignment of exactly those arrays (microkernel._launch_plan, dense.launch)."""
+    from loop_orders.microkernel_tc import TensorCores
+
+    f16, bf16, tf32 = TensorCores("float16"), TensorCores("bfloat16"), TensorCores("tf32")
+    assert (f16.per_copy, bf16.per_copy, tf32.per_copy) == (8, 8, 4)
+    assert f16.copies_rows(64, 128) and bf16.copies_rows(40) and tf32.copies_rows(36, 20)
+    assert not f16.copies_rows(36) and not bf16.copies_rows(64, 20) and not tf32.copies_rows(6)
+    assert f16.copies_rows(64, 0)  # dense's kernel 1 builds with dv = 0

@@ -565,10 +565,11 @@ class Dense(Schedule):
                    (make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count),
                     4 * (p.block_k * p.dv + chunk), SHARED_BYTES_LIMIT)]
         else:
+            scores_bytes, pv_bytes = self.tc_shared_bytes(p)
             fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.causal, count),
-                    self.tc_shared_bytes(p)[0], dynamic_shared_limit()),
+                    scores_bytes, dynamic_shared_limit()),
                    (make_tc_pv_kernel(p.block_q, p.block_k, p.dv, lay, count),
-                    self.tc_shared_bytes(p)[1], dynamic_shared_limit())]
+                    pv_bytes, dynamic_shared_limit())]
         fns.insert(1, (make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
                        softmax_shared_bytes(p.n_k), SHARED_BYTES_LIMIT))
         return [Kernel(fn.py_func.__name__, fn, b + counters, limit) for fn, b, limit in fns]
@@ -577,9 +578,12 @@ class Dense(Schedule):
         s_hbm, p_hbm = workspace or self.allocate_workspace(p)
         scores, softmax, pv = (kernel.fn for kernel in self.kernels(p, count))
         shared = (0, 0)  # CUDA cores: static shared memory
-        if self.layout(p) is not None:  # tensor cores: dynamic buffers of cp.async'd tiles
-            if not SIMULATOR and p.d % 8 == p.dv % 8 == 0:
-                check_aligned(q=q, k=k, v=v)
+        lay = self.layout(p)
+        if lay is not None:  # tensor cores: dynamic buffers of cp.async'd tiles
+            if not SIMULATOR and lay.copies_rows(p.d):  # kernel 1's Q_i, K_j
+                check_aligned(q=q, k=k)
+            if not SIMULATOR and lay.copies_rows(p.dv):  # kernel 3's V_j
+                check_aligned(v=v)
             shared = self.tc_shared_bytes(p)
         threads = self.threads(p)
         launch(scores, (p.tr, p.bh), threads, shared[0], q, k, s_hbm, counts, np.float32(scale))
