@@ -160,16 +160,22 @@ def layout_in_effect(sched, p) -> str:
 
 
 @contextmanager
-def forced_layout(layout: str | None):
-    """Run with LOOP_ORDERS_LAYOUT=layout (microkernel.thread_layout), or unchanged if None."""
-    if layout is None:
+def tuning_override(name: str, value):
+    """Run with the tuning variable `name` (LOOP_ORDERS_LAYOUT: microkernel.thread_layout;
+    LOOP_ORDERS_KV_STAGES: MicroKernelSchedule.layout) set to `value`, or unchanged if None."""
+    if value is None:
         yield
         return
-    os.environ["LOOP_ORDERS_LAYOUT"] = layout
+    os.environ[name] = str(value)
     try:
         yield
     finally:
-        del os.environ["LOOP_ORDERS_LAYOUT"]
+        del os.environ[name]
+
+
+def forced_layout(layout: str | None):
+    """Run with LOOP_ORDERS_LAYOUT=layout, or unchanged if None."""
+    return tuning_override("LOOP_ORDERS_LAYOUT", layout)
 
 
 def measure(name, dtype, what, p, rng) -> dict:
@@ -377,16 +383,6 @@ TC_TILE_SWEEP = {"n": 4096, "dtypes": ["float16", "tf32"], "stages": [1, 2], "d"
     128: [(64, 64), (128, 64), (64, 128)]}}
 
 
-@contextmanager
-def kv_stages(stages: int):
-    """Run with LOOP_ORDERS_KV_STAGES=stages (microkernel.MicroKernelSchedule.layout)."""
-    os.environ["LOOP_ORDERS_KV_STAGES"] = str(stages)
-    try:
-        yield
-    finally:
-        del os.environ["LOOP_ORDERS_KV_STAGES"]
-
-
 def run_tc_tiles(out_dir: Path, rng) -> list[dict]:
     """q_outer on tensor cores over tiles and K/V buffering: registers, local memory and
     runtime, beside SDPA flash float16 (bench_tc_tiles.csv). Returns the rows."""
@@ -404,7 +400,7 @@ def run_tc_tiles(out_dir: Path, rng) -> list[dict]:
                 TC_TILE_SWEEP["dtypes"], tiles, TC_TILE_SWEEP["stages"]):
             p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
                                 block_q=block_q, block_k=block_k, **input_kind(label))
-            with kv_stages(stages):
+            with tuning_override("LOOP_ORDERS_KV_STAGES", stages):
                 timed = time_layout(sched, p, seen, rng)
                 row = {"schedule": sched.name, **blank_row(sched.name, label, sched, p),
                        "stages": stages, "regs": "", "local_bytes": "", **(timed or {})}

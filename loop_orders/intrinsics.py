@@ -61,6 +61,8 @@ from .runtime import SIMULATOR, cuda
 FULL_MASK = 0xFFFFFFFF
 
 if SIMULATOR:
+    from .arrays import bfloat16_bits
+
     exp2 = math.exp2
 
     _CREATING = threading.Lock()
@@ -184,8 +186,7 @@ if SIMULATOR:
         return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
 
     def _bf16_bits(x):
-        bits = int(np.float32(x).view(np.uint32))
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF  # nearest, ties to even
+        return int(bfloat16_bits(x)[0])  # nearest, ties to even
 
     def pack_bf16x2(lo, hi):
         return _bf16_bits(lo) | _bf16_bits(hi) << 16

@@ -118,21 +118,28 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
 TF32_UNIT = 2.0**-10  # TF32 keeps 10 mantissa bits of float32; the hardware drops the rest
 
 
-def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False) -> float:
-    """Largest acceptable `relative_error` of a float32 call at precision "tf32", a bound
-    that follows from the rounding alone (it holds for any inputs, and is loose).
-
-    Each operand of each product loses less than 2^-10 of itself. A score then moves by at
-    most D = scale 2^-9 sum_x |q_rx| |k_cx| (both operands truncated), so each softmax weight
-    by a factor within exp(+-2 D), and the output by at most expm1(2 D) max|V|; P itself is
-    truncated before P V (2^-10 max|V| more). Relative to max|ref|, over float32's own.
-    """
-    q, k, v, ref = (np.asarray(x, dtype=np.float64) for x in (q, k, v, ref))
+def tf32_score_shift(q, k, *, scale: float | None = None, causal: bool = False) -> float:
+    """The most a score can move at precision "tf32": both operands of each product lose
+    less than 2^-10 of themselves, so |scale| 2^-9 max_(r,c) sum_x |q_rx| |k_cx| (over the
+    visible pairs when causal). A row's lse moves by at most as much."""
+    q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     worst = np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k))
     if causal:
         worst = np.tril(worst)
-    shift = scale * 2 * TF32_UNIT * float(worst.max())
+    return abs(scale) * 2 * TF32_UNIT * float(worst.max())
+
+
+def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False) -> float:
+    """Largest acceptable `relative_error` of a float32 call at precision "tf32", a bound
+    that follows from the rounding alone (it holds for any inputs, and is loose).
+
+    A score moves by at most D = `tf32_score_shift`, so each softmax weight by a factor
+    within exp(+-2 D), and the output by at most expm1(2 D) max|V|; P itself is truncated
+    before P V (2^-10 max|V| more). Relative to max|ref|, over float32's own.
+    """
+    v, ref = (np.asarray(x, dtype=np.float64) for x in (v, ref))
+    shift = tf32_score_shift(q, k, scale=scale, causal=causal)
     ratio = float(np.abs(v).max()) / float(np.abs(ref).max())
     return tolerance("float32", 0, v, ref) + (math.expm1(2 * shift) + TF32_UNIT) * ratio
 
