@@ -340,15 +340,18 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             buf[e] = float32(0.0)
 
     @cuda.jit(device=True, inline="always")
-    def scores_chunk(x4, s, buf, tr, tc):
+    def scores_row(a, x4, s, buf, tr, tc):
         """s[a KN + b] += Q_i[row a] . K_j[key b] over head dims 4 x4 .. 4 x4 + 3."""
-        for a in range(RM):
-            qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
-            for b in range(KN):
-                kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
-                for u in range(4):
-                    s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
+        qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
+        for b in range(KN):
+            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
+            for u in range(4):
+                s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
 
+    # the rows in straight-line code: a loop over them (which LLVM leaves rolled once the
+    # nest passes its unroll threshold) indexes s and acc by a variable, sending them to
+    # local memory
+    scores_chunk = unrolled(scores_row, RM, 5, RM)
     scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
 
     @cuda.jit(device=True, inline="always")
@@ -369,17 +372,17 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             m[a] = new_max
 
     @cuda.jit(device=True, inline="always")
-    def accumulate_chunk(c4, buf, acc, tr, tc):
-        """acc += P_ij V_j over keys 4 c4 .. 4 c4 + 3."""
-        for a in range(RM):
-            pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
-            for h in range(XH):
-                for u in range(4):
-                    vc = uint64(V) + uint64((4 * c4 + u) * VS)
-                    p = buf[pa + uint64(u)]
-                    for w in range(4):
-                        acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
+    def accumulate_row(a, c4, buf, acc, tr, tc):
+        """acc[row a] += P_ij[row a] V_j over keys 4 c4 .. 4 c4 + 3."""
+        pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
+        for h in range(XH):
+            for u in range(4):
+                vc = uint64(V) + uint64((4 * c4 + u) * VS)
+                p = buf[pa + uint64(u)]
+                for w in range(4):
+                    acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
 
+    accumulate_chunk = unrolled(accumulate_row, RM, 5, RM)  # rows in straight-line code
     accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
 
     @cuda.jit(device=True, inline="always")
