@@ -47,10 +47,8 @@ BLOCKSIZE_SWEEP = {"schedules": ["q_outer"], "n": 4096, "d": 64,
 # Tuning at N = 4096: tile sizes x thread layouts (query rows and keys of S per thread; see
 # microkernel.Layout), per head dim.
 LAYOUT_SWEEP = {"n": 4096, "d": {
-    64: {"blocks": [(64, 64), (128, 64), (64, 128), (128, 128)],
-         "layouts": [(8, 4), (4, 4), (8, 8), (4, 8)]},
-    128: {"blocks": [(64, 32), (64, 64), (128, 32), (128, 64)],
-          "layouts": [(4, 4), (8, 4), (4, 8), (8, 2)]}}}
+    64: {"blocks": [(128, 64), (256, 64)], "layouts": [(8, 4), (8, 8)]},
+    128: {"blocks": [(128, 64)], "layouts": [(4, 4), (8, 4), (4, 8), (8, 2)]}}}
 REPS, WARMUP, POINT_BUDGET_S = 20, 3, 1.5
 L2_BYTES = 60 * 2**20
 

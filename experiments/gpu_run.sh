@@ -48,7 +48,8 @@ for arg in "$@"; do
             run cp "$T" python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
               -m experiments.bench_context_parallel --out "$W/cp" ${CP_ARGS:-} ;;
   ncu)      run ncu "$T" python3 -m experiments.hw_traffic --out "$W/ncu" ${HW_ARGS:-} ;;
-  profile)  # PROFILES: ';'-separated "LAYOUT D BLOCK_Q BLOCK_K" (LAYOUT "-": the default)
+  profile)  # PROFILES: ';'-separated "LAYOUT D BLOCK_Q BLOCK_K" (LAYOUT "-": the default), at
+            # N = 4096, H = 16 and B = PROFILE_BATCH (default 4)
             IFS=';' read -ra points <<< "${PROFILES:-- 64 128 64}"
             for pt in "${points[@]}"; do
               read -r lay d bq bk <<< "$pt"
@@ -59,7 +60,7 @@ for arg in "$@"; do
                 --section InstructionStats --section MemoryWorkloadAnalysis \
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__sass_thread_inst_executed_op_ffma_pred_on.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed.sum" \
                 -k regex:q_outer -c 1 \
-                python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch 4 \
+                python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
                 --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
             done ;;
   *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ncu|profile|cp[:SECONDS] ..."
