@@ -29,9 +29,9 @@ multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
     m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
 Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
-multiplied into acc (on a diagonal or tail tile only the keys all of a thread's rows see go
-four at a time; the rest take a guarded loop), so a NaN in a masked row of K or V cannot
-reach the output.
+multiplied into acc (on a diagonal or tail tile each row goes four keys at a time over the
+chunks it sees whole, key by key over the one it sees in part, and skips the rest), so a NaN
+in a masked row of K or V cannot reach the output.
 
 Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij and the row
 reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
@@ -113,12 +113,17 @@ class Layout(NamedTuple):
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 
 
+# Thread tiles measured fastest at the benchmark's tiles (results/bench_layouts.csv, H200):
+# (block_q, block_k, dv) -> (RM, KN). Elsewhere `thread_layout`'s rule decides.
+TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
+
+
 def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
-    """KN = 4 keys (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose
-    scores and accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed
-    1024 threads (KN in turn). Measured on the H200 (results/bench_layouts.csv): at d = 64,
-    RM = 8 with Bc = 64 (8 loads per 128 FMAs); at d = 128, RM = 4.
-    `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
+    """The tuned thread tile where the sweep measured one (TUNED_LAYOUTS: 8 x 8 at d = 64,
+    16 loads per 256 FMAs, and 8 x 4 at d = 128, both on 255 registers), else KN = 4 keys
+    (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose scores and
+    accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
+    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
         lay = Layout(*map(int, forced.split(",")))
@@ -127,6 +132,8 @@ def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
                              f"block_k={block_k}")
         return lay
+    if (block_q, block_k, dv) in TUNED_LAYOUTS:
+        return Layout(*TUNED_LAYOUTS[block_q, block_k, dv])
     kn = min(4, block_k)
     fits = [rm for rm in (8, 4, 2, 1)
             if rm <= block_q and Layout(rm, kn).data_registers(block_k, dv) <= DATA_REGISTERS]
@@ -386,25 +393,33 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
 
     @cuda.jit(device=True, inline="always")
-    def accumulate_seen(buf, acc, tr, tc, n_chunks):
-        """acc += P_ij V_j over keys 0 .. 4 n_chunks - 1, which all the thread's rows see."""
-        c4 = uint32(0)
-        while c4 < n_chunks:
-            accumulate_chunk(c4, buf, acc, tr, tc)
-            c4 += uint32(1)
-
-    @cuda.jit(device=True, inline="always")
-    def accumulate_guarded(buf, acc, tr, tc, vis, key_from, key_to):
-        """acc += P_ij V_j over keys key_from .. key_to - 1 one at a time, each row only over
-        the keys it sees."""
-        for c in range(key_from, key_to):
-            vc = uint64(V) + uint64(c) * uint64(VS)
-            for a in range(RM):
-                if c < vis[a]:
-                    p = buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(c)]
+    def accumulate_row_seen(a, c4, buf, acc, tr, tc, vis):
+        """accumulate_row over the keys of chunk c4 that row a sees: all four of them, some
+        (one at a time), or none; a key the row does not see is never multiplied in."""
+        key, seen = uint32(4) * c4, uint32(vis[a])
+        if key + uint32(4) <= seen:
+            accumulate_row(a, c4, buf, acc, tr, tc)
+        elif key < seen:
+            pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(key)
+            for u in range(3):  # at most three keys of a chunk the row does not see whole
+                if key + uint32(u) < seen:
+                    vc = uint64(V) + uint64(key + uint32(u)) * uint64(VS)
+                    p = buf[pa + uint64(u)]
                     for h in range(XH):
                         for w in range(4):
                             acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
+
+    accumulate_chunk_seen = unrolled(accumulate_row_seen, RM, 6, RM)
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate_seen(buf, acc, tr, tc, vis):
+        """acc += P_ij V_j, each row over the keys it sees (a tail tile or the causal
+        diagonal), four keys at a time up to the last row's (which sees the most)."""
+        n_chunks = (uint32(vis[RM - 1]) + uint32(3)) // uint32(4)
+        c4 = uint32(0)
+        while c4 < n_chunks:
+            accumulate_chunk_seen(c4, buf, acc, tr, tc, vis)
+            c4 += uint32(1)
 
     @cuda.jit(device=True, inline="always")
     def reduce_rows(buf, tr, out, is_max):
@@ -465,11 +480,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
         if FAST and full:
             accumulate_full(buf, acc, tr, tc)
-        else:  # a tail tile or the causal diagonal: the keys every row of the thread sees
-            # (row 0 the fewest) four at a time, then key by key up to the last row's
-            seen = uint32(vis[0]) // uint32(4)
-            accumulate_seen(buf, acc, tr, tc, seen)
-            accumulate_guarded(buf, acc, tr, tc, vis, 4 * int(seen), vis[RM - 1])
+        else:  # a tail tile or the causal diagonal
+            accumulate_seen(buf, acc, tr, tc, vis)
 
     @cuda.jit(device=True)
     def row_sums(buf, l, l_row):  # noqa: E741

@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from loop_orders.microkernel import DATA_REGISTERS, Layout, shared_layout, thread_layout, unrolled
+from loop_orders.microkernel import (
+    DATA_REGISTERS,
+    TUNED_LAYOUTS,
+    Layout,
+    shared_layout,
+    thread_layout,
+    unrolled,
+)
 from loop_orders.runtime import cuda
 
 
@@ -12,14 +19,22 @@ def no_forced_layout(monkeypatch):
     monkeypatch.delenv("LOOP_ORDERS_LAYOUT", raising=False)
 
 
+def test_tuned_tiles_take_the_measured_layouts():
+    assert thread_layout(128, 64, 64) == Layout(8, 8)  # 64 scores + 64 accumulators
+    assert thread_layout(128, 64, 128) == Layout(8, 4)  # d = 128: 32 + 64
+    for (block_q, block_k, dv), tile in TUNED_LAYOUTS.items():
+        lay = Layout(*tile)  # on 255 registers, 4 warps or more
+        assert lay.registers(block_k, dv) == 255 and lay.threads(block_q, block_k) >= 128
+
+
 def test_policy_takes_the_most_rows_whose_registers_fit():
-    assert thread_layout(128, 64, 64) == Layout(8, 4)  # 32 scores + 32 accumulators
+    assert thread_layout(64, 64, 64) == Layout(8, 4)  # 32 scores + 32 accumulators
     assert thread_layout(64, 32, 64) == Layout(4, 4)  # RM = 8 would need 64 accumulators
-    assert thread_layout(128, 64, 128) == Layout(4, 4)  # d = 128: 16 + 32
+    assert thread_layout(64, 64, 128) == Layout(4, 4)  # d = 128: 16 + 32
     assert thread_layout(5, 3, 4) == Layout(4, 3)  # rows past Br: two threads of rows
     assert thread_layout(1, 1, 1) == Layout(1, 1)
     assert thread_layout(512, 512, 8) == Layout(16, 16)  # grown until 1024 threads
-    for block_q, block_k, dv in ((128, 64, 64), (64, 32, 64), (128, 64, 128), (64, 64, 256)):
+    for block_q, block_k, dv in ((64, 64, 64), (64, 32, 64), (64, 64, 128), (64, 64, 256)):
         lay = thread_layout(block_q, block_k, dv)
         assert lay.data_registers(block_k, dv) <= DATA_REGISTERS or lay.rm == 1
 
