@@ -16,10 +16,18 @@ import loop_orders as lo
 from loop_orders.backward_schedule import backward_of
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
-PROFILE_LOG = "gpu_logs/ncu_profile_q_outer_6296e24.txt"
+# Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles
+PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", "8 × 4", 4),
+                ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", "8 × 8", 1)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
-                   "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy"]
+                   "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
+                   "smsp__inst_executed.sum", "sm__sass_thread_inst_executed_op_ffma_pred_on.sum",
+                   "smsp__inst_executed_op_shared_ld.sum",
+                   "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"] + [
+    f"smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio"
+    for r in ("selected", "not_selected", "short_scoreboard", "dispatch_stall", "wait",
+              "barrier", "long_scoreboard", "math_pipe_throttle", "mio_throttle")]
 
 
 def _rows(path: Path) -> list[dict] | None:
@@ -245,21 +253,28 @@ def bench_blocksize(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _profile_value(text: str, name: str) -> str:
+    m = re.search(rf"^\s+{re.escape(name)}\s+(?:(\S+(?:/\S+)?)\s+)?([\d.,]+)\s*$", text,
+                  re.M)
+    return f"{m.group(2)} {m.group(1) or ''}".strip() if m else "—"
+
+
 def q_outer_profile(results_dir: Path) -> str:
-    path = results_dir / PROFILE_LOG
-    if not path.exists():
-        return _missing(path)
-    text = path.read_text()
-    lines = [f"From `results/{PROFILE_LOG}` (Nsight Compute sections on one q_outer launch at "
-             "B=4, H=16, N=4096, d=64, Br=128, Bc=64; ncu locks the SM clock, so its duration "
-             "is longer than the benchmark's):", "", "| metric | value |", "|---|---|"]
+    logs = [(results_dir / log, tile, batch) for log, tile, batch in PROFILE_LOGS]
+    missing = [path for path, _, _ in logs if not path.exists()]
+    if missing:
+        return _missing(missing[0])
+    texts = [path.read_text() for path, _, _ in logs]
+    head = " | ".join(f"`{path.name}`: {tile}, B = {batch}" for path, tile, batch in logs)
+    lines = ["Nsight Compute on one q_outer launch (H = 16, N = 4096, d = 64, Br = 128, Bc = 64, "
+             "float32; ncu locks the SM clock, so durations are longer than the benchmark's; "
+             "the stall ratios are cycles per issued instruction):", "",
+             f"| metric | {head} |", "|---|" + "---|" * len(logs)]
     for name in PROFILE_METRICS:
-        m = re.search(rf"^\s+{re.escape(name)}\s+(\S+(?:/\S+)?)\s+([\d.,]+)\s*$", text, re.M)
-        if m:
-            lines.append(f"| {name} | {m.group(2)} {m.group(1)} |")
-    pipe = re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", text)
-    if pipe:
-        lines.append(f"| busiest pipeline | {pipe.group(1)} ({pipe.group(2)} %) |")
+        lines.append(f"| {name} | " + " | ".join(_profile_value(t, name) for t in texts) + " |")
+    pipes = [re.search(r"(\w+) is the highest-utilized pipeline \(([\d.]+)%\)", t) for t in texts]
+    lines.append("| busiest pipeline | " + " | ".join(
+        f"{m.group(1)} ({m.group(2)} %)" if m else "—" for m in pipes) + " |")
     return "\n".join(lines)
 
 

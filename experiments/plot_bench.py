@@ -34,7 +34,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")
         axes[1, col].set_xlabel("N")
         axes[0, col].legend(fontsize=7)
-    return save_with_provenance(fig, rows[0], out, "bench_runtime")
+    shas = " + ".join(dict.fromkeys(r["git_sha"][:7] for r in rows))
+    dates = sorted(r["date"][:10] for r in rows)
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} … {dates[-1]}"
+    merged = {**rows[0], "git_sha": shas if " + " in shas else rows[0]["git_sha"], "date": when}
+    return save_with_provenance(fig, merged, out, "bench_runtime")
 
 
 def read_rows(path: Path, required: str) -> list[dict]:

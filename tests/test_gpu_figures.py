@@ -93,7 +93,7 @@ def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
     rows = bench.run_sweep(tmp_path, sweep, {"q_outer"}, rng=None)  # resumes N=512
     assert measured == [512, 1024]
     assert [int(r["n"]) for r in rows] == [512, 1024]
-    assert [r["layout"] for r in rows] == ["8,4"] * 2  # q_outer at Br x Bc = 128 x 64, d = 64
+    assert [r["layout"] for r in rows] == ["8,8"] * 2  # q_outer at Br x Bc = 128 x 64, d = 64
     with (tmp_path / "bench_runtime.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 2
 
