@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, profile,
-# ncu, cp (context parallelism, on every GPU of the machine),
+# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, ab,
+# profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
 # stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
@@ -48,6 +48,26 @@ for arg in "$@"; do
             run cp "$T" python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
               -m experiments.bench_context_parallel --out "$W/cp" ${CP_ARGS:-} ;;
   ncu)      run ncu "$T" python3 -m experiments.hw_traffic --out "$W/ncu" ${HW_ARGS:-} ;;
+  ab)       # A/B in one call. AB_VARIANTS: ';'-separated "NAME TREE [VAR=VALUE ...]", TREE
+            # "." (this tree) or an older commit's `git archive` in an ignored folder named in
+            # carry. Each variant times bench_runtime with BENCH_ARGS; their kernels compile
+            # first, all at once, at N = 512 (into the kernel cache), then the variants run one
+            # after another, AB_ROUNDS (default 1) times.
+            IFS=';' read -ra variants <<< "${AB_VARIANTS:?}"
+            mkdir -p "$W/ab"
+            for v in "${variants[@]}"; do
+              read -r name tree envs <<< "$v"
+              (cd "$tree" && env $envs PYTHONPATH="/tmp/site:$PWD" python3 -m experiments.bench_runtime \
+                --out "$W/ab/warm_$name" ${BENCH_ARGS:-} --n 512 > "$W/ab/warm_$name.log" 2>&1) &
+            done
+            wait
+            for r in $(seq "${AB_ROUNDS:-1}"); do
+              for v in "${variants[@]}"; do
+                read -r name tree envs <<< "$v"
+                run "ab_${name}_$r" "$T" bash -c "cd '$tree' && export PYTHONPATH=/tmp/site:\$PWD && exec env $envs \
+                  python3 -m experiments.bench_runtime --out '$W/ab_${name}_$r' ${BENCH_ARGS:-}"
+              done
+            done ;;
   profile)  # PROFILES: ';'-separated "LAYOUT D BLOCK_Q BLOCK_K" (LAYOUT "-": the default), at
             # N = 4096, H = 16 and B = PROFILE_BATCH (default 4)
             IFS=';' read -ra points <<< "${PROFILES:-- 64 128 64}"
@@ -63,7 +83,7 @@ for arg in "$@"; do
                 python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
                 --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
             done ;;
-  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ncu|profile|cp[:SECONDS] ..."
+  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ab|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
   esac
 done

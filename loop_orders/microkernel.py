@@ -54,7 +54,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from numba import float32, int32, uint32, uint64
 
-from .intrinsics import exp2
+from .intrinsics import cp_async_wait_all, exp2
 from .microkernel_tc import (
     DATA_REGISTERS,
     TensorCores,
@@ -67,11 +67,19 @@ from .runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
     cuda,
+    data_pointer,
     dynamic_shared_limit,
     launch,
 )
 from .schedule import Kernel, Problem, Schedule
-from .tiles import LN2, LOG2E, counter_slots, make_tile_loader, make_tile_storer
+from .tiles import (
+    LN2,
+    LOG2E,
+    counter_slots,
+    make_row_copier,
+    make_tile_loader,
+    make_tile_storer,
+)
 
 NEG_INF = float32(-math.inf)
 
@@ -81,10 +89,18 @@ class Layout(NamedTuple):
 
     A CTA has TR = ceil(Br / RM) by TC = ceil(Bc / KN) threads. Where RM or KN does not
     divide the tile, the last threads also own rows past Br (computed on zeros, never
-    written) or keys past Bc (masked like keys past N_k)."""
+    written) or keys past Bc (masked like keys past N_k). With `stages` 2 a loop nest that
+    streams K/V (q_outer) staggers their loads: V_j lands while S_ij is computed and K_j+1
+    while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`)."""
 
     rm: int
     kn: int
+    stages: int = 1
+
+    def copies_rows(self, d: int, dv: int) -> bool:
+        """Whether K and V rows arrive by cp.async (staggered, whole 16-byte rows: the
+        source must then be 16-byte aligned), else by plain loads."""
+        return self.stages > 1 and d % 4 == 0 and dv % 4 == 0
 
     def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
         """(TR, TC)."""
@@ -260,6 +276,14 @@ class MicroKernel(NamedTuple):
                                       rows (m_i ROWS after l_i)
     STAGES                            K/V buffers: with 2, the loop nest loads K_j+1, V_j+1
                                       (`stage` (j + 1) % 2) while it folds in K_j, V_j
+    STAGGERED                         (CUDA cores, one K/V buffer) online_update is also
+                                      given in halves, so that a loop nest can load V_j
+                                      under the first and K_j+1 under the second:
+    weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+                                      S_ij, the row statistics and P_ij into shared memory
+                                      (vis: a local array of RM, the keys each row sees);
+                                      then the caller's barrier, then
+    fold(buf, acc, vis)               acc += P_ij V_j
     """
 
     clear: object
@@ -283,16 +307,21 @@ class MicroKernel(NamedTuple):
     ROWS: int
     STATS: int
     STAGES: int
+    STAGGERED: bool = False
+    weigh: object = None
+    fold: object = None
 
 
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
-                      CAUSAL: bool, RELOAD: bool, UNROLL: int) -> MicroKernel:
+                      CAUSAL: bool, RELOAD: bool, UNROLL: int,
+                      STAGES: int = 1) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the chunks per trip of the hot loops (see `unrolled`): more take fewer
     instructions of loop control and more registers, which the caller's loop nest decides.
+    STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
     """
-    lay = Layout(RM, KN)
+    lay = Layout(RM, KN, STAGES)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
     ROWS = TR * RM  # noqa: N806 - rows of the Q_i, P_ij and O_i tiles (Br or a few more)
@@ -441,11 +470,13 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             x = max(x, cuda.shfl_xor_sync(uint32(0xFFFFFFFF), x, 1 << k))
         return x
 
-    @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
+    @cuda.jit(device=True, inline="always")
+    def weigh(buf, n_keys, key0, row0, m, l, acc, vis):  # noqa: E741
+        """The first half of online_update: S_ij, the row maxima, l_i and acc_i rescaled, and
+        P_ij into shared memory; vis[a] = the keys row a sees. P_ij is complete for all rows
+        after the caller's barrier."""
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
-        vis = cuda.local.array(RM, int32)  # keys each row sees
         row_max = cuda.local.array(RM, float32)
         scores(s, buf, tr, tc)
         for a in range(RM):
@@ -477,11 +508,23 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 # P_ij: stays on chip, in shared memory for the P V_j product
                 buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
                     + uint64(b * TC)] = p
-        cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
-        if FAST and full:
+
+    @cuda.jit(device=True, inline="always")
+    def fold(buf, acc, vis):
+        """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
+        sees (vis, from weigh)."""
+        tr, tc = coords()
+        if FAST and vis[0] == BC:
             accumulate_full(buf, acc, tr, tc)
         else:  # a tail tile or the causal diagonal
             accumulate_seen(buf, acc, tr, tc, vis)
+
+    @cuda.jit(device=True)
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
+        vis = cuda.local.array(RM, int32)  # keys each row sees
+        weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+        cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
+        fold(buf, acc, vis)
 
     @cuda.jit(device=True)
     def row_sums(buf, l, l_row):  # noqa: E741
@@ -533,6 +576,10 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True)
     load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
+    ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async
+    if ASYNC:
+        copy_k_rows = make_row_copier(BC, D, KS, NT, 4)
+        copy_v_rows = make_row_copier(BC, DV, VS, NT, 4)
     load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
     store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
 
@@ -541,16 +588,33 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
 
     @cuda.jit(device=True, inline="always")
-    def load_k(buf, k, bh, key0, n_keys, stage):
+    def load_k_plain(buf, k, bh, key0, n_keys, stage):
         return load_k_tile(buf, k, bh, key0, n_keys, 0, D)
 
     @cuda.jit(device=True, inline="always")
-    def load_v(buf, v, bh, key0, n_keys, stage):
+    def load_v_plain(buf, v, bh, key0, n_keys, stage):
         return load_v_tile(buf, v, bh, key0, n_keys, 0, DV)
 
     @cuda.jit(device=True, inline="always")
-    def wait_loads():
+    def load_k_async(buf, k, bh, key0, n_keys, stage):
+        copy_k_rows(buf, uint64(K), k, bh, key0, n_keys)  # HBM -> shared, 16 bytes a copy
+        return n_keys * D if cuda.threadIdx.x == 0 else 0  # thread 0 counts the tile
+
+    @cuda.jit(device=True, inline="always")
+    def load_v_async(buf, v, bh, key0, n_keys, stage):
+        copy_v_rows(buf, uint64(V), v, bh, key0, n_keys)  # HBM -> shared, 16 bytes a copy
+        return n_keys * DV if cuda.threadIdx.x == 0 else 0  # thread 0 counts the tile
+
+    @cuda.jit(device=True, inline="always")
+    def wait_plain():
         return  # the copies are plain loads and stores: done when they return
+
+    @cuda.jit(device=True, inline="always")
+    def wait_async():
+        cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
+
+    load_k, load_v = (load_k_async, load_v_async) if ASYNC else (load_k_plain, load_v_plain)
+    wait_loads = wait_async if ASYNC else wait_plain
 
     @cuda.jit(device=True, inline="always")
     def load_o(buf, o, bh, row0, n_rows):
@@ -575,7 +639,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS, 1)
+                       NT, RM, XN * RM, ROWS, STATS, 1, STAGES > 1, weigh, fold)
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
@@ -594,7 +658,17 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
-    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL)
+    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages)
+
+
+class LaunchPlan(NamedTuple):
+    """What a micro-kernel launch needs, worked out once per problem."""
+
+    fn: object  # the compiled kernel
+    threads: int
+    shared: int  # dynamic shared bytes
+    aligned: str  # the inputs (of "qkv") cp.async copies: 16-byte aligned, or ...
+    falls_back: bool  # ... True: the plain-load kernel takes them; False: refused
 
 
 class MicroKernelSchedule(Schedule):
@@ -607,7 +681,9 @@ class MicroKernelSchedule(Schedule):
 
     uses_micro_kernel = True
     RELOAD: ClassVar[bool]  # the loop nest reloads O_i, l_i, m_i (an O_i stage in the buffer)
-    KV_STAGES: ClassVar[int] = 1  # K/V buffers the tensor-core micro-kernel keeps
+    # 2: the loop nest loads K/V under the arithmetic, in a second K/V buffer on tensor cores,
+    # staggered in one on CUDA cores (`Layout`)
+    KV_STAGES: ClassVar[int] = 1
 
     @staticmethod
     @abstractmethod
@@ -618,13 +694,13 @@ class MicroKernelSchedule(Schedule):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
         float32 ones with precision "tf32", where the schedule has them, else the CUDA-core
         thread layout."""
+        # tuning: LOOP_ORDERS_KV_STAGES=1 turns off a loop nest's double-buffered (tensor
+        # cores) or staggered (CUDA cores) K/V loads, where it has them
+        stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
         kind = tensor_core_kind(self, p)
         if kind is not None:
-            # tuning: LOOP_ORDERS_KV_STAGES=1 turns off the double buffering of a loop nest
-            # that has it
-            stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
             return TensorCores(kind, stages)
-        return thread_layout(p.block_q, p.block_k, p.dv)
+        return thread_layout(p.block_q, p.block_k, p.dv)._replace(stages=stages)
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
@@ -648,15 +724,20 @@ class MicroKernelSchedule(Schedule):
         return super().output_roundings(p) + self.p_roundings(p)
 
     @functools.lru_cache(maxsize=1024)  # noqa: B019 - the registry keeps one instance
-    def _launch_plan(self, p: Problem, count: bool, forced: tuple):
-        """(kernel, threads, dynamic shared bytes, whether q, k, v must be 16-byte aligned)
-        of p: worked out once per problem and tuning override (`forced`: the environment's
-        LOOP_ORDERS_LAYOUT and LOOP_ORDERS_KV_STAGES), as a call's host time counts.
-        The tensor-core kernels copy 16-byte pieces of rows where `copies_rows(d, dv)`."""
+    def _launch_plan(self, p: Problem, count: bool, forced: tuple,
+                     plain: bool = False) -> LaunchPlan:
+        """p's `LaunchPlan`, worked out once per problem and tuning override (`forced`: the
+        environment's LOOP_ORDERS_LAYOUT and LOOP_ORDERS_KV_STAGES), as a call's host time
+        counts. `plain`: the CUDA-core kernel with plain K/V loads, for inputs cp.async
+        cannot copy."""
         lay = self.layout(p)
-        aligned = not SIMULATOR and isinstance(lay, TensorCores) and lay.copies_rows(p.d, p.dv)
-        return (self.micro_kernel(p, count, lay).fn, lay.threads(p.block_q, p.block_k),
-                self.dynamic_shared_bytes(p, lay), aligned)
+        if plain:
+            lay = lay._replace(stages=1)
+        copied = "qkv" if isinstance(lay, TensorCores) else "kv"
+        aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
+        return LaunchPlan(self.micro_kernel(p, count, lay).fn,
+                          lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
+                          aligned, isinstance(lay, Layout))
 
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
@@ -678,10 +759,14 @@ class MicroKernelSchedule(Schedule):
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
-        one scales S)."""
-        fn, threads, shared, aligned = self._launch_plan(
-            p, count, (os.environ.get("LOOP_ORDERS_LAYOUT"),
-                       os.environ.get("LOOP_ORDERS_KV_STAGES")))
-        if aligned:
-            check_aligned(q=args[0], k=args[1], v=args[2])
-        launch(fn, grid, threads, shared, *args, np.float32(scale * LOG2E))
+        one scales S). Inputs cp.async would copy from an address that is not 16-byte aligned
+        get the CUDA-core kernel with plain loads, or are refused on tensor cores."""
+        forced = (os.environ.get("LOOP_ORDERS_LAYOUT"), os.environ.get("LOOP_ORDERS_KV_STAGES"))
+        plan = self._launch_plan(p, count, forced)
+        copied = {name: a for name, a in zip("qkv", args[:3], strict=True) if name in plan.aligned}
+        if any(data_pointer(a) % 16 for a in copied.values()):
+            if plan.falls_back:
+                plan = self._launch_plan(p, count, forced, plain=True)
+            else:
+                check_aligned(**copied)  # refused, with the reason
+        launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

@@ -49,8 +49,6 @@ import numpy as np
 from numba import float32, uint16, uint32, uint64
 
 from .intrinsics import (
-    cp_async16,
-    cp_async_commit,
     cp_async_wait_all,
     exp2,
     ldmatrix_x4,
@@ -63,7 +61,7 @@ from .intrinsics import (
     shfl_xor,
 )
 from .runtime import SIMULATOR, cuda, data_pointer
-from .tiles import LN2, make_tile_loader, make_tile_storer
+from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer
 
 NEG_INF = float32(-math.inf)
 WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
@@ -253,33 +251,29 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
         """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
         < C) into the tile at AT + stage STAGE, stride S; rows past n_rows become zero.
         Returns the elements this thread counts (thread 0 counts the tile)."""
-        CH = C // PER  # noqa: N806 - 16-byte copies per row
-        TRIPS = -(-R * CH // NT)  # noqa: N806
+        if VEC:
+            copy_rows = make_row_copier(R, C, S, NT, PER)
+
+            @cuda.jit(device=True, inline="always")
+            def load(src, bh, row0, n_rows, stage):
+                at = uint64(AT) + uint64(stage) * uint64(STAGE)
+                copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 bytes a copy
+                return n_rows * C if cuda.threadIdx.x == 0 else 0
+
+            return load
 
         @cuda.jit(device=True, inline="always")
-        def load(src, bh, row0, n_rows, stage):
+        def load_plain(src, bh, row0, n_rows, stage):
             tile = tiles()
             t = uint32(cuda.threadIdx.x)
             at = uint64(AT) + uint64(stage) * uint64(STAGE)
-            if VEC:
-                for u in range(TRIPS):
-                    e = t + uint32(u * NT)
-                    if e < uint32(R * CH):
-                        r, c = e // uint32(CH), e % uint32(CH)
-                        inside = r < uint32(n_rows)
-                        src_row = row0 + (r if inside else uint32(0))
-                        # HBM -> shared, 16 bytes without passing through registers
-                        cp_async16(tile, at + uint64(r) * uint64(S) + uint64(PER * c),
-                                   src, bh, src_row, PER * c, 16 if inside else 0)
-                cp_async_commit()
-            else:
-                for e in range(t, R * C, NT):
-                    r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
-                    x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
-                    tile[at + uint64(r) * uint64(S) + uint64(c)] = x
+            for e in range(t, R * C, NT):
+                r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
+                x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
+                tile[at + uint64(r) * uint64(S) + uint64(c)] = x
             return n_rows * C if t == 0 else 0
 
-        return load
+        return load_plain
 
     load_q_tile = make_loader(BR, D, Q, QS, 0)
 

@@ -20,7 +20,7 @@ from functools import cache
 
 from numba import float32, int64, uint32, uint64
 
-from .intrinsics import narrow, widen
+from .intrinsics import cp_async16, cp_async_commit, narrow, widen
 from .ledger import n_slots
 from .runtime import cuda
 
@@ -113,6 +113,33 @@ def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
         return copy_tile(tile, dst, bh, row0, n_rows, col0, n_cols, float32(1.0))
 
     return store_tile
+
+
+@cache
+def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int):  # noqa: N803
+    """copy_rows(tile, at, src, bh, row0, n_rows): rows row0 .. row0 + ROWS - 1 of src[bh]
+    (COLS columns, COLS a multiple of PER, the elements of one 16-byte copy) into tile[at +
+    r STRIDE + c] by cp.async, HBM -> shared without passing through registers; rows past
+    n_rows are filled with zeros. The copies run asynchronously, as one commit group: the
+    caller waits for them (`intrinsics.cp_async_wait_all`) before its barrier. src must be
+    16-byte aligned (`microkernel_tc.check_aligned`). Every thread of the CTA calls it."""
+    CH = COLS // PER  # noqa: N806 - 16-byte copies per row
+    TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def copy_rows(tile, at, src, bh, row0, n_rows):
+        t = uint32(cuda.threadIdx.x)
+        for u in range(TRIPS):
+            e = t + uint32(u * THREADS)
+            if e < uint32(ROWS * CH):
+                r, c = e // uint32(CH), e % uint32(CH)
+                inside = r < uint32(n_rows)
+                src_row = row0 + (r if inside else uint32(0))
+                cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
+                           src, bh, src_row, PER * c, 16 if inside else 0)
+        cp_async_commit()
+
+    return copy_rows
 
 
 @cuda.jit(device=True)

@@ -58,6 +58,24 @@ def test_tensor_cores_refuse_inputs_that_are_not_16_byte_aligned(rng):
     assert torch.isfinite(out).all()
 
 
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_keys_not_16_byte_aligned_take_the_plain_loads(causal, rng):
+    """q_outer's float32 kernel copies K and V rows with cp.async (staggered loads); a view
+    that starts 4 bytes into its buffer gets the plain-load kernel instead, with the same
+    output and counts, at 128 x 64 tiles (the tuned 8 x 8 layout) and a tail."""
+    torch = pytest.importorskip("torch")
+    n, d = 1000, 64
+    base = torch.randn(3 * n * d + 1, device="cuda", dtype=torch.float32)
+    q, k, v = (base[1 + i * n * d: 1 + (i + 1) * n * d].view(1, 1, n, d) for i in range(3))
+    got = [lo.attention(*x, schedule="q_outer", causal=causal, count=True)
+           for x in ((q, k, v), (q.clone(), k.clone(), v.clone()))]
+    ref, _ = lo.attention_reference(*(x.cpu().numpy() for x in (q, k, v)), causal=causal)
+    for res in got:
+        assert relative_error(res.out.cpu().numpy(), ref) <= 1e-5
+        assert res.counts == lo.get_schedule("q_outer").model(res.problem)
+
+
 def _backward_variants():
     return [(v.schedule, v.options) for v in grad_variants()]
 

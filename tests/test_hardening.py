@@ -109,7 +109,10 @@ def test_float16_largest_values(schedule, rng):
         # splits get equal shares; the output is still a convex combination of V's rows
         assert (np.abs(res.out) <= np.abs(v).max(axis=0) * (1 + 1e-3)).all()
         return
-    assert relative_error(res.out, expected) <= 1e-3
+    # kv_outer rounds O to float16 after every K/V block: a fixed 1e-3 failed it on one seed
+    # in 300 (1.23e-3 at seed 24)
+    roundings = lo.get_schedule(schedule).output_roundings(res.problem)
+    assert relative_error(res.out, expected) <= tolerance("float16", roundings, v, expected)
 
 
 def _rows_attending(key, n, causal):

@@ -7,6 +7,7 @@ from loop_orders.microkernel import (
     DATA_REGISTERS,
     TUNED_LAYOUTS,
     Layout,
+    make_micro_kernel,
     shared_layout,
     thread_layout,
     unrolled,
@@ -122,6 +123,27 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
     split = lo.get_schedule("split_kv")
     p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")
     assert isinstance(split.layout(p), Layout)
+
+
+def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_copies(
+        monkeypatch):
+    """On CUDA cores q_outer (KV_STAGES 2) loads V_j under S_ij and K_j+1 under P_ij V_j;
+    rows of whole 16-byte copies arrive by cp.async (from k and v 16-byte aligned: the launch
+    takes the plain-load kernel otherwise), an odd head dim by plain loads. kv_outer and
+    split_kv keep one stage; LOOP_ORDERS_KV_STAGES=1 turns the staggering off."""
+    import loop_orders as lo
+
+    q_outer = lo.get_schedule("q_outer")
+    p = lo.make_problem("q_outer", n_q=4096, d=64, block_q=128, block_k=64)
+    assert q_outer.layout(p) == Layout(8, 8, 2) and q_outer.layout(p).copies_rows(64, 64)
+    assert not Layout(8, 8, 2).copies_rows(63, 64) and not Layout(8, 8, 1).copies_rows(64, 64)
+    for name in ("kv_outer", "split_kv"):
+        assert lo.get_schedule(name).layout(p).stages == 1
+    mk = make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, 1, 2)
+    assert mk.STAGGERED and mk.weigh is not None and mk.fold is not None
+    assert not make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, 1).STAGGERED
+    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    assert q_outer.layout(p) == Layout(8, 8, 1)
 
 
 def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():

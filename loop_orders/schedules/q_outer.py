@@ -20,7 +20,7 @@ import math
 from collections import Counter
 
 import numpy as np
-from numba import float32, int64
+from numba import float32, int32, int64
 
 from ..ledger import Ledger, slot
 from ..microkernel import MicroKernelSchedule, micro_kernel
@@ -43,6 +43,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES = mk.STAGES  # noqa: N806 - K/V buffers
+    weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     reciprocal, give_o = mk.reciprocal, mk.give_o
@@ -63,9 +64,64 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             cnt[K_R] += moved_k
             cnt[V_R] += moved_v
 
+    @cuda.jit(device=True, inline="always")
+    def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
+        """Fold K_j, V_j for j < c_i into (m_i, l_i, acc), in one K/V buffer or (STAGES 2)
+        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
+        if STAGES > 1 and c_i > 0:
+            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
+            # arithmetic
+            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
+        for j in range(c_i):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            if STAGES == 1:
+                cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
+                load_KV_j(buf, k, v, bh, key0, n_k, 0, cnt)
+            wait_loads()
+            # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
+            # thread is also done with the other buffer (K_j-1, V_j-1)
+            cuda.syncthreads()
+            if STAGES > 1 and j + 1 < c_i:
+                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j + 1) % STAGES, cnt)  # other buffer
+            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, j % STAGES)
+
+    @cuda.jit(device=True, inline="always")
+    def stream_kv_staggered(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
+        """Fold K_j, V_j for j < c_i into (m_i, l_i, acc) in one K and one V buffer, their
+        loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is."""
+        vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
+        if c_i > 0:
+            # K_0 ahead of the loop
+            moved = load_K_j(buf, k, bh, 0, min(BC, n_k), 0)
+            if COUNT:
+                cnt[K_R] += moved
+        for j in range(c_i):
+            key0 = j * BC
+            bc = min(BC, n_k - key0)
+            wait_loads()
+            cuda.syncthreads()  # K_j is in shared memory; every thread is done with V_j-1, P_ij-1
+            # V_j: reloaded from HBM by every query block, landing under S_ij
+            moved = load_V_j(buf, v, bh, key0, bc, 0)
+            if COUNT:
+                cnt[V_R] += moved
+            weigh(buf, bc, key0, row0, m_i, l_i, acc, vis)
+            wait_loads()
+            cuda.syncthreads()  # P_ij and V_j are in shared memory; every thread is done with K_j
+            if j + 1 < c_i:
+                # K_j+1: reloaded from HBM by every query block, landing under P_ij V_j
+                moved = load_K_j(buf, k, bh, key0 + BC, min(BC, n_k - key0 - BC), 0)
+                if COUNT:
+                    cnt[K_R] += moved
+            fold(buf, acc, vis)
+
+    fold_tiles = stream_kv_staggered if mk.STAGGERED else stream_kv
+
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
-        i = cuda.blockIdx.x
+        # causal: the query blocks that see the most K/V blocks start first, so the last
+        # CTAs to start are short ones and the SMs finish together
+        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
         bh = cuda.blockIdx.y
         n_q = q.shape[1]
         n_k = k.shape[1]
@@ -96,23 +152,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
             c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        if STAGES > 1 and c_i > 0:
-            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
-            # arithmetic
-            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
-        for j in range(c_i):
-            key0 = j * BC
-            bc = min(BC, n_k - key0)
-            if STAGES == 1:
-                cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
-                load_KV_j(buf, k, v, bh, key0, n_k, 0, cnt)
-            wait_loads()
-            # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
-            # thread is also done with the other buffer (K_j-1, V_j-1)
-            cuda.syncthreads()
-            if STAGES > 1 and j + 1 < c_i:
-                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j + 1) % STAGES, cnt)  # other buffer
-            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, j % STAGES)
+        fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt)
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)

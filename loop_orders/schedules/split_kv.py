@@ -85,7 +85,7 @@ FILLED, WITHIN = 0.8, 0.85
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
-    RM, KN = layout  # noqa: N806
+    RM, KN = layout.rm, layout.kn  # noqa: N806
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
     TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
     sm = shared_layout(BR, BC, D, DV, layout, False)
