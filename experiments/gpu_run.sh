@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, ab,
-# profile, ncu, cp (context parallelism, on every GPU of the machine),
+# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, warm,
+# ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
 # stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
@@ -48,6 +48,18 @@ for arg in "$@"; do
             run cp "$T" python3 -m torch.distributed.run --standalone --nproc_per_node="$(nvidia-smi -L | wc -l)" \
               -m experiments.bench_context_parallel --out "$W/cp" ${CP_ARGS:-} ;;
   ncu)      run ncu "$T" python3 -m experiments.hw_traffic --out "$W/ncu" ${HW_ARGS:-} ;;
+  warm)     # compile kernels ahead, all at once, into the kernel cache (later stages load
+            # them): WARM is ';'-separated argument lists of `loop-orders run` or `traffic
+            # --measure` (uncounted and counted builds), one process each
+            IFS=';' read -ra jobs <<< "${WARM:?}"
+            mkdir -p "$W/warm"
+            t0=$SECONDS
+            for i in "${!jobs[@]}"; do
+              timeout "$T" python3 -m loop_orders ${jobs[$i]} > "$W/warm/$i.log" 2>&1 &
+            done
+            wait
+            echo "== warm: ${#jobs[@]} processes in $((SECONDS - t0)) s; failed: $(grep -L -e '(ok' -e 'equal to the model' "$W"/warm/*.log | tr '\n' ' ')" \
+              | tee -a "$OUT/summary.log" ;;
   ab)       # A/B in one call. AB_VARIANTS: ';'-separated "NAME TREE [VAR=VALUE ...]", TREE
             # "." (this tree) or an older commit's `git archive` in an ignored folder named in
             # carry. Each variant times bench_runtime with BENCH_ARGS; their kernels compile
@@ -83,7 +95,7 @@ for arg in "$@"; do
                 python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
                 --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
             done ;;
-  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|ab|ncu|profile|cp[:SECONDS] ..."
+  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
   esac
 done

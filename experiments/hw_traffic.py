@@ -65,11 +65,11 @@ def ldgsts_metrics(ncu: str) -> dict[str, str]:
             n + ".sum" for n in chosen}
 
 
-def configs(quick: bool, dtypes=None) -> list[dict]:
+def configs(quick: bool, dtypes=None, schedules=None) -> list[dict]:
     ns = SWEEP["n"][:2] if quick else SWEEP["n"]
     blocks = SWEEP["blocks"][:1] if quick else SWEEP["blocks"]
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
-            for s in lo.schedule_names() for (bq, bk) in blocks for n in ns
+            for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
             if t != "tf32" or lo.get_schedule(s).TENSOR_CORES]
 
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtypes", help="comma-separated (default: float32,float16; tf32 is "
                         "float32 inputs at precision tf32)")
+    parser.add_argument("--schedules", help="comma-separated (default: every registered one)")
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -172,7 +173,8 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng()
-    cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None)
+    cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None,
+                   args.schedules.split(",") if args.schedules else None)
     METRICS.update(ldgsts_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     rows = []
