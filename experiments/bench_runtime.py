@@ -500,23 +500,21 @@ def kernel_report(rng) -> dict:
                 bufs.launch(0, count=count)
                 times[count] = time_launches(lambda i, c=count, b=bufs: b.launch(i, count=c))
             kernels = {count: sched.kernels(p, count) for count in (False, True)}
-            shared = {count: sched.shared_bytes(p, count) for count in (False, True)}
             layout = layout_in_effect(sched, p)
         report["counting"].append({"schedule": sched.name, "n": n, "d": d, "ms_off": times[False],
                                    "ms_on": times[True]})
         for count in (False, True):
-            for kernel in kernels[count]:
-                regs, local = kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread()
-                asm = kernel.inspect_asm()
-                for sig in regs:  # each dict is keyed by the compiled argument types
+            for record in kernels[count]:
+                # each build launched (compiled or from the kernel cache), by argument types
+                for build in runtime.launched_builds(record.fn):
+                    asm = build.inspect_asm(runtime.cuda.get_current_device().compute_capability)
                     report["kernels"].append({
-                        "schedule": sched.name, "kernel": kernel.py_func.__name__,
-                        "count": count, "constants": _closure(kernel),
-                        "layout": layout,
-                        "regs": regs[sig],
-                        "local_bytes": local[sig], "shared_bytes": shared[count],
-                        "atomics_in_ptx": asm[sig].count("atom."),
-                        "vector_shared_loads": asm[sig].count("ld.shared.v4")})
+                        "schedule": sched.name, "kernel": record.name, "count": count,
+                        "constants": _closure(record.fn), "layout": layout,
+                        "regs": build.regs_per_thread, "local_bytes": build.local_mem_per_thread,
+                        "shared_bytes": record.shared_bytes,
+                        "atomics_in_ptx": asm.count("atom."),
+                        "vector_shared_loads": asm.count("ld.shared.v4")})
     return report
 
 

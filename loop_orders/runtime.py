@@ -359,10 +359,17 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     launcher(grid + (1,) * (3 - len(grid)), block, shared_bytes, current_stream(), args)
 
 
+def launched_builds(kernel) -> list:
+    """The compiled builds of `kernel` launched so far (compiled here or loaded from the disk
+    cache), one per argument types: Numba's compiled kernels (regs_per_thread,
+    local_mem_per_thread, inspect_asm())."""
+    return [launcher.compiled for (kern, *_), launcher in _launchers.items() if kern is kernel]
+
+
 def launched_resources(kernel) -> dict[str, int]:
     """The most registers and local memory bytes per thread over the builds of `kernel`
-    launched so far (compiled here or loaded from the disk cache): {} if none was."""
-    builds = [launcher.compiled for (kern, *_), launcher in _launchers.items() if kern is kernel]
+    launched so far: {} if none was."""
+    builds = launched_builds(kernel)
     if not builds:
         return {}
     return {"regs": max(b.regs_per_thread for b in builds),
