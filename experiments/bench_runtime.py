@@ -591,6 +591,9 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
     parser.add_argument("--providers", help="comma-separated subset, e.g. q_outer,kv_outer; "
                         "name/dtype for one dtype of a provider, e.g. q_outer/float32")
+    parser.add_argument("--report", action="store_true",
+                        help="only the kernel report (bench_kernels.json): registers, local "
+                        "memory, counting on vs off")
     parser.add_argument("--no-extras", action="store_true",
                         help="skip the block-size sweep and the kernel report")
     parser.add_argument("--layouts", action="store_true",
@@ -648,11 +651,13 @@ def main(argv=None) -> int:
     report_file = args.out / "bench_kernels.json"
     reported = report_file.exists() and \
         json.loads(report_file.read_text())["provenance"]["git_sha"] == PROV["git_sha"]
-    if not args.no_extras and not reported:  # first: counting overhead, compiler's report
+    if (args.report or not args.no_extras) and not reported:  # counting overhead, registers
         report = kernel_report(rng)
         report["provenance"] = PROV
         atomic_write_text(report_file, json.dumps(report, indent=1, default=str))
         print(json.dumps(report["counting"], indent=1), flush=True)
+    if args.report:
+        return 0
     if not args.no_extras:
         run_blocksize(args.out, rng)
     dtypes = tuple(args.dtypes.split(","))

@@ -129,14 +129,9 @@ class Layout(NamedTuple):
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 
 
-# Thread tiles measured fastest at the benchmark's tiles (results/bench_layouts.csv, H200):
-# (block_q, block_k, dv) -> (RM, KN). Elsewhere `thread_layout`'s rule decides.
-TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
-
-
-def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
-    """The tuned thread tile where the sweep measured one (TUNED_LAYOUTS: 8 x 8 at d = 64,
-    16 loads per 256 FMAs, and 8 x 4 at d = 128, both on 255 registers), else KN = 4 keys
+def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None) -> Layout:
+    """The thread tile `tuned` names for these tiles ((block_q, block_k, dv) -> (RM, KN): a
+    schedule's TUNED_LAYOUTS, measured fastest for its loop nest), else KN = 4 keys
     (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose scores and
     accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
     (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
@@ -148,8 +143,8 @@ def thread_layout(block_q: int, block_k: int, dv: int) -> Layout:
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
                              f"block_k={block_k}")
         return lay
-    if (block_q, block_k, dv) in TUNED_LAYOUTS:
-        return Layout(*TUNED_LAYOUTS[block_q, block_k, dv])
+    if tuned and (block_q, block_k, dv) in tuned:
+        return Layout(*tuned[block_q, block_k, dv])
     kn = min(4, block_k)
     fits = [rm for rm in (8, 4, 2, 1)
             if rm <= block_q and Layout(rm, kn).data_registers(block_k, dv) <= DATA_REGISTERS]
@@ -684,6 +679,9 @@ class MicroKernelSchedule(Schedule):
     # 2: the loop nest loads K/V under the arithmetic, in a second K/V buffer on tensor cores,
     # staggered in one on CUDA cores (`Layout`)
     KV_STAGES: ClassVar[int] = 1
+    # (block_q, block_k, dv) -> (RM, KN): CUDA-core thread tiles this loop nest was measured
+    # fastest with (results/bench_layouts.csv); `thread_layout`'s rule elsewhere
+    TUNED_LAYOUTS: ClassVar[dict] = {}
 
     @staticmethod
     @abstractmethod
@@ -700,7 +698,8 @@ class MicroKernelSchedule(Schedule):
         kind = tensor_core_kind(self, p)
         if kind is not None:
             return TensorCores(kind, stages)
-        return thread_layout(p.block_q, p.block_k, p.dv)._replace(stages=stages)
+        lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
+        return lay._replace(stages=stages)
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)

@@ -179,7 +179,12 @@ class QOuter(MicroKernelSchedule):
     BACKWARD = "q_outer"
     RELOAD = False
     TENSOR_CORES = True
-    KV_STAGES = 2  # on tensor cores, K_j+1 and V_j+1 arrive while K_j, V_j are folded in
+    KV_STAGES = 2  # K/V loads under the arithmetic: double-buffered (tensor cores), staggered
+    # 8 x 8 at d = 64 (16 shared loads per 256 FMAs), 8 x 4 at d = 128, both on 255 registers:
+    # the fastest of the H200 sweep (results/bench_layouts.csv at 8bab0b5). kv_outer at 8 x 8
+    # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
+    # results/bench_runtime.csv at 6296e24): it keeps the rule.
+    TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
