@@ -204,6 +204,55 @@ def hw_traffic_tensor_cores(results_dir: Path) -> str:
             f"{r0['block_k']}; ncu's l1tex global load and store bytes:\n\n" + "\n".join(lines))
 
 
+LDGSTS_PROBE = "gpu_logs/ncu_ldgsts_probe_4715661.txt"  # one launch, hw_traffic's first shape
+PROBE_METRICS = ("smsp__inst_executed_op_global_ld.sum", "smsp__inst_executed_op_ldgsts.sum",
+                 "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
+                 "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+                 "lts__t_sectors_srcunit_tex_op_read.sum")
+
+
+def _count(text: str, name: str) -> int:
+    return int(_profile_value(text, name).split()[0].replace(",", ""))
+
+
+def hw_traffic_cp_async(results_dir: Path) -> str:
+    """q_outer's float32 kernel with K/V rows by cp.async (hw_traffic_q_outer.csv): ncu's
+    l1tex bytes against the counted ones, the excess as a share of the cp.async bytes, and
+    the sector probe (LDGSTS_PROBE) that locates it."""
+    path, probe = results_dir / "hw_traffic_q_outer.csv", results_dir / LDGSTS_PROBE
+    rows = _rows(path)
+    if rows is None or not probe.exists():
+        return _missing(path if rows is None else probe)
+    lines = ["| Br × Bc | configurations | model = counted | ncu / counted − 1 | (ncu − counted) "
+             "/ cp.async bytes |", "|---|---|---|---|---|"]
+    for tiles in dict.fromkeys((r["block_q"], r["block_k"]) for r in rows):
+        mine = [r for r in rows if (r["block_q"], r["block_k"]) == tiles]
+        over = [float(r["ncu_vs_counted"]) for r in mine]
+        shares = []
+        for r in mine:  # cp.async moves K and V: the counted loads less Q's (plain loads)
+            q_bytes = int(r["batch"]) * int(r["heads"]) * int(r["n"]) * int(r["d"]) * 4
+            copied = int(r["counted_bytes"]) - int(r["ncu_st_bytes"]) - q_bytes
+            excess = int(r["ncu_ld_bytes"]) + int(r["ncu_st_bytes"]) - int(r["counted_bytes"])
+            shares.append(excess / copied)
+        same = sum(r["model_bytes"] == r["counted_bytes"] for r in mine)
+        lines.append(f"| {tiles[0]} × {tiles[1]} | {len(mine)} | {same} | "
+                     f"{min(over):+.4f} … {max(over):+.4f} | "
+                     f"{min(shares):.5f} … {max(shares):.5f} |")
+    text = probe.read_text()
+    ld, ldgsts, requests, sectors, l2 = (_count(text, m) for m in PROBE_METRICS)
+    first = rows[0]
+    counted_sectors = (int(first["counted_bytes"]) - int(first["ncu_st_bytes"])) // 32
+    lines += ["", f"The probe (`results/{LDGSTS_PROBE}`: B = {first['batch']}, H = "
+              f"{first['heads']}, N = {first['n']}, {first['block_q']} × {first['block_k']}, "
+              "not causal):", "",
+              "| warp loads (4-byte) | warp cp.async (16-byte) | l1tex requests | l1tex sectors "
+              "| (sectors − 4 × loads) / cp.async | L2 sectors from L1 | counted load sectors |",
+              "|---|---|---|---|---|---|---|",
+              f"| {ld:,} | {ldgsts:,} | {requests:,} | {sectors:,} | "
+              f"{(sectors - 4 * ld) / ldgsts:g} | {l2:,} | {counted_sectors:,} |"]
+    return "\n".join(lines)
+
+
 def bench_tuning(results_dir: Path) -> str:
     path = results_dir / "bench_layouts.csv"
     rows = _rows(path)
@@ -509,7 +558,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
                  "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
-                 "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv"):
+                 "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
@@ -536,4 +585,5 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "host-overhead": host_overhead(results_dir),
             "ptxas-kernels": ptxas_kernels(results_dir),
             "tensor-cores": tensor_cores(results_dir), "tc-tiles": tc_tiles(results_dir),
-            "hw-traffic-tensor-cores": hw_traffic_tensor_cores(results_dir)}
+            "hw-traffic-tensor-cores": hw_traffic_tensor_cores(results_dir),
+            "hw-traffic-cp-async": hw_traffic_cp_async(results_dir)}

@@ -153,6 +153,44 @@ def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_c
     assert q_outer.layout(p) == Layout(8, 8, 1)
 
 
+def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
+    """The launch plan as on a GPU (the simulator has no cp.async alignment to keep): k and v
+    at 16-byte aligned addresses launch the staggered cp.async kernel; a k 4 bytes off takes
+    the plain-load kernel; on tensor cores the same k is refused with the reason. Tiles of
+    their own (24 x 12, d = 8), so the kernels built here are no other test's."""
+    import loop_orders as lo
+    from loop_orders import microkernel, runtime
+    from loop_orders.arrays import DeviceView, c_strides
+
+    monkeypatch.setattr(microkernel, "SIMULATOR", False)
+    sched = lo.get_schedule("q_outer")
+    sched._launch_plan.cache_clear()  # plans made as on the simulator; cleared again after
+
+    def at(ptr, p, width, dtype):
+        shape = (p.bh, p.n_q, width)
+        return DeviceView(ptr, shape, c_strides(shape, np.dtype(dtype).itemsize), dtype)
+
+    def launched(p, dtype, k_ptr):
+        q, k, v, o = (at(ptr, p, 8, dtype) for ptr in (1 << 20, k_ptr, 3 << 20, 4 << 20))
+        with runtime.recording_launches() as launches:
+            sched.launch_kernel(p, (p.tr, p.bh), False, 0.25, q, k, v, o)
+        return launches[0][0]
+
+    try:
+        p = lo.make_problem("q_outer", n_q=48, d=8, block_q=24, block_k=12)
+        lay = sched.layout(p)
+        assert lay.stages == 2 and lay.copies_rows(8, 8)
+        staggered = sched.micro_kernel(p, False, lay).fn
+        plain = sched.micro_kernel(p, False, lay._replace(stages=1)).fn
+        assert launched(p, "float32", 2 << 20) is staggered
+        assert launched(p, "float32", (2 << 20) + 4) is plain
+        p16 = lo.make_problem("q_outer", n_q=48, d=8, block_q=24, block_k=12, dtype="float16")
+        with pytest.raises(ValueError, match="k: the tensor-core kernels need its data 16-byte"):
+            launched(p16, "float16", (2 << 20) + 2)
+    finally:
+        sched._launch_plan.cache_clear()
+
+
 def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
     """dense: kernels 1 and 3 on mma.sync for float16 and bfloat16 (a warp per 16 query rows,
     P rounded to 16 bits: one more output rounding), the CUDA-core kernels for float32."""
