@@ -9,6 +9,11 @@
         write O_i = acc_i / l_i                              # once
         write lse_i = m_i + log l_i                          # only with save_lse
 
+When K_j, V_j land (the counts are the same either way): on tensor cores K_j+1, V_j+1 go to a
+second buffer while K_j, V_j are folded in; on CUDA cores, with one K and one V buffer, V_j
+is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`), by
+cp.async where rows are whole 16-byte copies. Causal query blocks start heaviest first.
+
 Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
 Each query block reads the K/V rows it visits: sum_i min(c_i Bc, N_k) (d + dv), which is
 Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2 d^2 / M).
@@ -92,7 +97,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is."""
         vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
         if c_i > 0:
-            # K_0 ahead of the loop
+            # K_0: reloaded from HBM by every query block, ahead of the loop
             moved = load_K_j(buf, k, bh, 0, min(BC, n_k), 0)
             if COUNT:
                 cnt[K_R] += moved
@@ -100,14 +105,16 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             key0 = j * BC
             bc = min(BC, n_k - key0)
             wait_loads()
-            cuda.syncthreads()  # K_j is in shared memory; every thread is done with V_j-1, P_ij-1
+            # K_j (and Q_i) are in shared memory; every thread is done with V_j-1 and P_ij-1
+            cuda.syncthreads()
             # V_j: reloaded from HBM by every query block, landing under S_ij
             moved = load_V_j(buf, v, bh, key0, bc, 0)
             if COUNT:
                 cnt[V_R] += moved
             weigh(buf, bc, key0, row0, m_i, l_i, acc, vis)
             wait_loads()
-            cuda.syncthreads()  # P_ij and V_j are in shared memory; every thread is done with K_j
+            # P_ij and V_j are in shared memory; every thread is done with K_j
+            cuda.syncthreads()
             if j + 1 < c_i:
                 # K_j+1: reloaded from HBM by every query block, landing under P_ij V_j
                 moved = load_K_j(buf, k, bh, key0 + BC, min(BC, n_k - key0 - BC), 0)
