@@ -592,13 +592,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @cuda.jit(device=True, inline="always")
     def load_k_async(buf, k, bh, key0, n_keys, stage):
-        copy_k_rows(buf, uint64(K), k, bh, key0, n_keys)  # HBM -> shared, 16 bytes a copy
-        return n_keys * D if cuda.threadIdx.x == 0 else 0  # thread 0 counts the tile
+        return copy_k_rows(buf, uint64(K), k, bh, key0, n_keys)  # HBM -> shared, 16 B a copy
 
     @cuda.jit(device=True, inline="always")
     def load_v_async(buf, v, bh, key0, n_keys, stage):
-        copy_v_rows(buf, uint64(V), v, bh, key0, n_keys)  # HBM -> shared, 16 bytes a copy
-        return n_keys * DV if cuda.threadIdx.x == 0 else 0  # thread 0 counts the tile
+        return copy_v_rows(buf, uint64(V), v, bh, key0, n_keys)  # HBM -> shared, 16 B a copy
 
     @cuda.jit(device=True, inline="always")
     def wait_plain():
@@ -762,10 +760,12 @@ class MicroKernelSchedule(Schedule):
         get the CUDA-core kernel with plain loads, or are refused on tensor cores."""
         forced = (os.environ.get("LOOP_ORDERS_LAYOUT"), os.environ.get("LOOP_ORDERS_KV_STAGES"))
         plan = self._launch_plan(p, count, forced)
-        copied = {name: a for name, a in zip("qkv", args[:3], strict=True) if name in plan.aligned}
-        if any(data_pointer(a) % 16 for a in copied.values()):
-            if plan.falls_back:
-                plan = self._launch_plan(p, count, forced, plain=True)
-            else:
-                check_aligned(**copied)  # refused, with the reason
+        if plan.aligned:  # cp.async copies some inputs: they must be 16-byte aligned
+            copied = {name: a for name, a in zip("qkv", args[:3], strict=True)
+                      if name in plan.aligned}
+            if any(data_pointer(a) % 16 for a in copied.values()):
+                if plan.falls_back:
+                    plan = self._launch_plan(p, count, forced, plain=True)
+                else:
+                    check_aligned(**copied)  # refused, with the reason
         launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

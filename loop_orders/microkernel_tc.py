@@ -257,8 +257,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
             @cuda.jit(device=True, inline="always")
             def load(src, bh, row0, n_rows, stage):
                 at = uint64(AT) + uint64(stage) * uint64(STAGE)
-                copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 bytes a copy
-                return n_rows * C if cuda.threadIdx.x == 0 else 0
+                return copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
 
             return load
 

@@ -122,7 +122,8 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
     r STRIDE + c] by cp.async, HBM -> shared without passing through registers; rows past
     n_rows are filled with zeros. The copies run asynchronously, as one commit group: the
     caller waits for them (`intrinsics.cp_async_wait_all`) before its barrier. src must be
-    16-byte aligned (`microkernel_tc.check_aligned`). Every thread of the CTA calls it."""
+    16-byte aligned (`microkernel_tc.check_aligned`). Every thread of the CTA calls it;
+    returns the elements this thread counts (thread 0 counts the tile's n_rows COLS)."""
     CH = COLS // PER  # noqa: N806 - 16-byte copies per row
     TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
 
@@ -138,6 +139,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
                 cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
                            src, bh, src_row, PER * c, 16 if inside else 0)
         cp_async_commit()
+        return n_rows * COLS if t == 0 else 0
 
     return copy_rows
 

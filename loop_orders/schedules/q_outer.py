@@ -58,16 +58,27 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
-    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
-        """K_j, V_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K/V buffer `stage`,
-        counted; every thread calls it."""
-        bc = min(BC, n_k - key0)
-        # K_j, V_j: reloaded from HBM by every query block
-        moved_k = load_K_j(buf, k, bh, key0, bc, stage)
-        moved_v = load_V_j(buf, v, bh, key0, bc, stage)
+    def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+        """K_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K buffer `stage`, counted;
+        every thread calls it."""
+        # K_j: reloaded from HBM by every query block
+        moved = load_K_j(buf, k, bh, key0, min(BC, n_k - key0), stage)
         if COUNT:
-            cnt[K_R] += moved_k
-            cnt[V_R] += moved_v
+            cnt[K_R] += moved
+
+    @cuda.jit(device=True, inline="always")
+    def load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+        """V_j, as load_K_j_counted."""
+        # V_j: reloaded from HBM by every query block
+        moved = load_V_j(buf, v, bh, key0, min(BC, n_k - key0), stage)
+        if COUNT:
+            cnt[V_R] += moved
+
+    @cuda.jit(device=True, inline="always")
+    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+        """K_j and V_j into K/V buffer `stage`, counted; every thread calls it."""
+        load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
+        load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
 
     @cuda.jit(device=True, inline="always")
     def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
@@ -97,29 +108,20 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is."""
         vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
         if c_i > 0:
-            # K_0: reloaded from HBM by every query block, ahead of the loop
-            moved = load_K_j(buf, k, bh, 0, min(BC, n_k), 0)
-            if COUNT:
-                cnt[K_R] += moved
+            load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)  # K_0 ahead of the loop
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             wait_loads()
             # K_j (and Q_i) are in shared memory; every thread is done with V_j-1 and P_ij-1
             cuda.syncthreads()
-            # V_j: reloaded from HBM by every query block, landing under S_ij
-            moved = load_V_j(buf, v, bh, key0, bc, 0)
-            if COUNT:
-                cnt[V_R] += moved
+            load_V_j_counted(buf, v, bh, key0, n_k, 0, cnt)  # lands under S_ij
             weigh(buf, bc, key0, row0, m_i, l_i, acc, vis)
             wait_loads()
             # P_ij and V_j are in shared memory; every thread is done with K_j
             cuda.syncthreads()
             if j + 1 < c_i:
-                # K_j+1: reloaded from HBM by every query block, landing under P_ij V_j
-                moved = load_K_j(buf, k, bh, key0 + BC, min(BC, n_k - key0 - BC), 0)
-                if COUNT:
-                    cnt[K_R] += moved
+                load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
     fold_tiles = stream_kv_staggered if mk.STAGGERED else stream_kv
