@@ -26,7 +26,7 @@ ANCHORS = [
      "def model("),
     ("FA-2 forward: load Q_i once", "loop_orders/schedules/q_outer.py", "# Q_i"),
     ("FA-2 forward: K_j, V_j per query block", "loop_orders/schedules/q_outer.py",
-     "# K_j, V_j: reloaded from HBM"),
+     "# K_j: reloaded from HBM"),
     ("FA-2 forward: write O_i once", "loop_orders/schedules/q_outer.py", "# O_i: written"),
     ("FA-2 forward, q_outer traffic model", "loop_orders/schedules/q_outer.py", "def model("),
     ("Shared micro-kernel (S = Q K^T, online softmax, P V)", "loop_orders/microkernel.py",
