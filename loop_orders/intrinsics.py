@@ -29,7 +29,9 @@ column (or key) in the low half; lane = 4 g + t.
         row g, columns 2t, 2t+1 of each matrix (transposed: rows 2t, 2t+1 of column g)
     cp_async16(tile, e, src, bh, row, col, n_bytes)
                                                   16 bytes src[bh, row, col:] -> tile[e:],
-        asynchronously, the bytes past n_bytes (0 or 16) zero-filled; then
+        asynchronously, the bytes past n_bytes (0 or 16) zero-filled; col may run past the
+        row's end into the next rows (src's rows are contiguous: the kernels' inputs are
+        C-contiguous), so a copier can step rows by a constant column offset; then
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
 
@@ -220,9 +222,10 @@ if SIMULATOR:
         return _ldmatrix(tile, e, True)
 
     def cp_async16(tile, e, src, bh, row, col, n_bytes):
-        per = 16 // tile.itemsize
+        per, width = 16 // tile.itemsize, src.shape[2]
         for u in range(per):
-            tile[e + u] = src[bh, row, col + u] if u * tile.itemsize < n_bytes else 0
+            r, c = divmod(int(col) + u, width)  # a column past the row's end: the next rows
+            tile[e + u] = src[bh, row + r, c] if u * tile.itemsize < n_bytes else 0
 
     def cp_async_commit():
         pass
@@ -382,8 +385,14 @@ else:
         def codegen(context, builder, sig, args):
             dst = _element_pointer(context, builder, sig.args[0], args[0], [args[1]],
                                    [sig.args[1]])
-            srcp = _element_pointer(context, builder, sig.args[2], args[2], args[3:6],
-                                    sig.args[3:6])
+            # src[bh, row, 0], then col elements on (into the next rows where col passes
+            # the row's end): col stays an offset the compiler can fold into the copy
+            row_start = _element_pointer(context, builder, sig.args[2], args[2],
+                                         [*args[3:5], context.get_constant(types.intp, 0)],
+                                         [*sig.args[3:5], types.intp])
+            col = context.cast(builder, args[5], sig.args[5], types.uint64)
+            item = context.get_abi_sizeof(context.get_data_type(sig.args[2].dtype))
+            srcp = builder.add(row_start, builder.mul(col, ir.Constant(ir.IntType(64), item)))
             nb = context.cast(builder, args[6], sig.args[6], types.uint32)
             text = ("{ " + _TO_SHARED.format("$0")
                     + " cp.async.cg.shared.global [a32], [$1], 16, $2; }")

@@ -126,18 +126,32 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
     returns the elements this thread counts (thread 0 counts the tile's n_rows COLS)."""
     CH = COLS // PER  # noqa: N806 - 16-byte copies per row
     TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
+    # Whether every trip of the CTA copies whole rows, the same column for each thread: then
+    # a full tile's trips differ only by constant offsets (row steps of RSTEP)
+    STEADY = CH > 0 and THREADS % CH == 0 and ROWS * CH % THREADS == 0  # noqa: N806
+    RSTEP = THREADS // max(CH, 1)  # noqa: N806 - rows a trip advances, when STEADY
 
     @cuda.jit(device=True, inline="always")
     def copy_rows(tile, at, src, bh, row0, n_rows):
         t = uint32(cuda.threadIdx.x)
-        for u in range(TRIPS):
-            e = t + uint32(u * THREADS)
-            if e < uint32(ROWS * CH):
-                r, c = e // uint32(CH), e % uint32(CH)
-                inside = r < uint32(n_rows)
-                src_row = row0 + (r if inside else uint32(0))
-                cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
-                           src, bh, src_row, PER * c, 16 if inside else 0)
+        if STEADY and n_rows == ROWS:  # a full tile
+            r0, c = uint64(t // uint32(CH)), uint64(t % uint32(CH))
+            dst = at + r0 * uint64(STRIDE) + uint64(PER) * c
+            col = r0 * uint64(COLS) + uint64(PER) * c
+            for u in range(TRIPS):
+                # row r0 + u RSTEP as columns past row0's (src's rows are contiguous): the
+                # addresses are the first trip's plus constants, no arithmetic per copy
+                cp_async16(tile, dst + uint64(u * RSTEP * STRIDE), src, bh, row0,
+                           col + uint64(u * RSTEP * COLS), 16)
+        else:  # a tail tile, or rows the CTA does not cover a whole number of times a trip
+            for u in range(TRIPS):
+                e = t + uint32(u * THREADS)
+                if e < uint32(ROWS * CH):
+                    r, c = e // uint32(CH), e % uint32(CH)
+                    inside = r < uint32(n_rows)
+                    src_row = row0 + (r if inside else uint32(0))  # a row that exists
+                    cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
+                               src, bh, src_row, PER * c, 16 if inside else 0)
         cp_async_commit()
         return n_rows * COLS if t == 0 else 0
 

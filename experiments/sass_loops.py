@@ -1,0 +1,211 @@
+"""Where a kernel's instructions go: the loops of its SASS and the blocks that copy tiles.
+
+    python -m experiments.sass_loops [--schedule q_outer] [--n 4096] [--d 64 128]
+        [--block-q 128] [--block-k 64] [--causal no|yes|both] [--dtype float32 ...]
+        [--count] [--out results/sass_loops.json]
+
+On a machine without a GPU (as `ptx_check`: libNVVM and ptxas from the CUDA toolkit) each
+kernel of each problem's forward call (B = 4, H = 16, dv = d) is built for sm_90a and
+disassembled with nvdisasm (the CUDA toolkit's, or PyPI's nvidia-cuda-nvdisasm). An FMA
+kernel limited by issue slots runs at best at the share of FFMA among the instructions it
+issues, so this prints, per kernel:
+
+    loops:   each backward branch's body (first and last address), its instructions, FFMA,
+             shared loads, and the loops nested in it: the hot loops over S_ij's and
+             P_ij V_j's chunks, the K/V loop around them
+    copies:  each basic block holding cp.async (LDGSTS) instructions: its instructions per
+             copy, the address arithmetic a tile load costs
+
+Counts are static (one trip of a loop, both sides of a branch); a trip's share of FFMA is the
+issue-slot bound of that loop. With --out the rows go to a JSON file with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import NamedTuple
+
+INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+
+
+class Instruction(NamedTuple):
+    address: int
+    text: str
+
+    @property
+    def opcode(self) -> str:
+        """The opcode without its guard predicate and modifiers (FFMA, LDS, BRA, ...)."""
+        body = re.sub(r"^@!?U?P[T0-9]+\s+", "", self.text)
+        return body.split()[0].split(".")[0]
+
+
+class Block(NamedTuple):
+    label: str
+    instructions: list
+
+
+class Loop(NamedTuple):
+    start: int
+    end: int
+    instructions: int
+    ffma: int
+    shared_loads: int
+    nested: int
+
+
+def parse(sass: str) -> tuple[list[Instruction], dict[str, int], list[Block]]:
+    """nvdisasm's text as instructions, each label's address and the basic blocks (split at
+    labels)."""
+    instructions, labels, blocks = [], {}, [Block("entry", [])]
+    pending = []
+    for line in sass.splitlines():
+        if m := LABEL.match(line):
+            pending.append(m.group(1))
+            blocks.append(Block(m.group(1), []))
+        elif m := INSTRUCTION.match(line):
+            ins = Instruction(int(m.group(1), 16), m.group(2))
+            for name in pending:
+                labels[name] = ins.address
+            pending = []
+            instructions.append(ins)
+            blocks[-1].instructions.append(ins)
+    return instructions, labels, [b for b in blocks if b.instructions]
+
+
+def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]:
+    """One loop per backward branch: the instructions from its target to the branch."""
+    spans = []
+    for ins in instructions:
+        m = BRANCH_TARGET.search(ins.text)
+        if ins.opcode == "BRA" and m and labels.get(m.group(1), ins.address + 1) <= ins.address:
+            spans.append((labels[m.group(1)], ins.address))
+    found = []
+    for start, end in spans:
+        body = Counter(i.opcode for i in instructions if start <= i.address <= end)
+        nested = sum(1 for s, e in spans if (s, e) != (start, end) and start <= s and e <= end)
+        found.append(Loop(start, end, sum(body.values()), body["FFMA"], body["LDS"], nested))
+    return found
+
+
+def copy_blocks(blocks: list[Block]) -> list[dict]:
+    """The basic blocks issuing cp.async copies: instructions per copy."""
+    rows = []
+    for b in blocks:
+        copies = sum(1 for i in b.instructions if i.opcode == "LDGSTS")
+        if copies:
+            rows.append({"label": b.label, "start": f"{b.instructions[0].address:#x}",
+                         "instructions": len(b.instructions), "copies": copies,
+                         "per_copy": round(len(b.instructions) / copies, 1)})
+    return rows
+
+
+def nvdisasm() -> str:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
+    for root in getattr(nvidia, "__path__", []):
+        for path in Path(root).glob("cu*/bin/nvdisasm"):
+            return str(path)
+    raise SystemExit("sass_loops: no nvdisasm (the CUDA toolkit's, or pip install "
+                     "nvidia-cuda-nvdisasm)")
+
+
+def disassemble(ptx: str) -> tuple[str, str]:
+    """(ptxas -v report, SASS text) of PTX built for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        built = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
+                               capture_output=True, text=True, check=True)
+        sass = subprocess.run([nvdisasm(), "-c", "-g", str(cubin)], capture_output=True,
+                              text=True, check=True)
+    return built.stdout + built.stderr, sass.stdout
+
+
+def report(kernel, args) -> dict:
+    from numba import cuda
+
+    from experiments import ptx_check
+    from loop_orders import runtime
+
+    sig = tuple(runtime._numba_type(a) for a in args)
+    options = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **options)
+    built, sass = disassemble(ptx)
+    instructions, labels, blocks = parse(sass)
+    registers = re.search(r"Used (\d+) registers", built)
+    return {"kernel": kernel.py_func.__name__, "registers": int(registers.group(1)),
+            "spill_stores": ptx_check.ptxas(ptx)["spill_stores"],
+            "instructions": len(instructions),
+            "loops": [{**lp._asdict(), "start": f"{lp.start:#x}", "end": f"{lp.end:#x}",
+                       "ffma_share": round(lp.ffma / lp.instructions, 3)}
+                      for lp in loops(instructions, labels) if lp.ffma],
+            "copies": copy_blocks(blocks)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedule", default="q_outer")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--block-q", type=int, default=128)
+    parser.add_argument("--block-k", type=int, default=64)
+    parser.add_argument("--causal", choices=["no", "yes", "both"], default="no")
+    parser.add_argument("--dtype", nargs="+", default=["float32"],
+                        help="float32, float16, bfloat16, or tf32 (float32 at precision tf32)")
+    parser.add_argument("--count", action="store_true", help="the counted builds")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+
+    from experiments import ptx_check  # first: it sets up compiling without a device
+
+    lo, sched = ptx_check.lo, ptx_check.lo.get_schedule(args.schedule)
+    rows = []
+    for dtype in args.dtype:
+        for d in args.d:
+            for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
+                p = lo.make_problem(args.schedule, n_q=args.n, d=d, block_q=args.block_q,
+                                    block_k=args.block_k, causal=causal, batch=4, heads=16,
+                                    **ptx_check.input_kind(dtype))
+                for kernel, *_, launch_args in ptx_check.recorded(sched, p, args.count, False):
+                    row = {"schedule": args.schedule, "n": args.n, "d": d, "dtype": dtype,
+                           "causal": causal, "count": args.count,
+                           **report(kernel, launch_args)}
+                    print_row(row)
+                    rows.append(row)
+    if args.out:
+        from loop_orders.results import atomic_write_json, provenance
+
+        atomic_write_json(args.out, {"provenance": provenance(ptxas="sm_90a", cc="9.0"),
+                                     "tiles": [args.block_q, args.block_k], "kernels": rows})
+    return 0
+
+
+def print_row(row: dict) -> None:
+    print(f"{row['kernel']} d={row['d']} {row['dtype']} causal={row['causal']}: "
+          f"{row['registers']} registers, {row['spill_stores']} B spilled, "
+          f"{row['instructions']} instructions")
+    for lp in row["loops"]:
+        print(f"  loop {lp['start']}-{lp['end']}: {lp['instructions']} instructions, "
+              f"{lp['ffma']} FFMA ({lp['ffma_share']:.0%}), {lp['shared_loads']} LDS, "
+              f"{lp['nested']} nested")
+    for cp in row["copies"]:
+        print(f"  copies at {cp['start']}: {cp['copies']} cp.async in {cp['instructions']} "
+              f"instructions ({cp['per_copy']} a copy)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
