@@ -533,6 +533,31 @@ def host_overhead(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def sass_loops(results_dir: Path) -> str:
+    """The float32 kernel's SASS, now and at the commits kept in gpu_logs
+    (`experiments.sass_loops`): static counts per kernel build."""
+    paths = [*sorted((results_dir / "gpu_logs").glob("sass_loops_*.json")),
+             results_dir / "sass_loops.json"]
+    runs = [json.loads(p.read_text()) for p in paths if p.exists()]
+    if not runs:
+        return ("*Not measured yet: `sass_loops.json` is written by `python -m experiments."
+                "sass_loops --out results/sass_loops.json`.*")
+    lines = ["| commit | d | dtype | causal | registers | K/V loop: instructions, FFMA | inner "
+             "loops: FFMA share | cheapest cp.async block: instructions a copy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        sha = run["provenance"]["git_sha"][:7]
+        for r in run["kernels"]:
+            outer = max(r["loops"], key=lambda lp: lp["instructions"])  # the K/V loop
+            hot = [lp for lp in r["loops"] if not lp["nested"] and lp["ffma"] >= 256]
+            cheapest = min((c["per_copy"] for c in r["copies"]), default=None)
+            lines.append(f"| {sha} | {r['d']} | {r['dtype']} | {r['causal']} | "
+                         f"{r['registers']} | {outer['instructions']}, {outer['ffma']} | "
+                         + (" / ".join(f"{lp['ffma_share']:.0%}" for lp in hot) or "—") + " | "
+                         + ("—" if cheapest is None else f"{cheapest:g}") + " |")
+    return "\n".join(lines)
+
+
 def ptxas_kernels(results_dir: Path) -> str:
     path = results_dir / "kernels_ptxas.json"
     if not path.exists():
@@ -566,7 +591,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
             out.append((name, {**rows[0], "git_sha": shas, "date": dates,
                                "versions": json.loads(rows[0]["versions"])}))
     for name in ("bench_kernels.json", "host_overhead.json", "train_tiny.json",
-                 "kernels_ptxas.json", "tensor_core_ceiling.json"):
+                 "kernels_ptxas.json", "tensor_core_ceiling.json", "sass_loops.json"):
         path = results_dir / name
         if path.exists():
             out.append((name, json.loads(path.read_text())["provenance"]))
@@ -583,7 +608,7 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "backward-bench": backward_bench(results_dir),
             "train-summary": train_summary(results_dir), "fig2-setting": fig2_table(results_dir),
             "host-overhead": host_overhead(results_dir),
-            "ptxas-kernels": ptxas_kernels(results_dir),
+            "ptxas-kernels": ptxas_kernels(results_dir), "sass-loops": sass_loops(results_dir),
             "tensor-cores": tensor_cores(results_dir), "tc-tiles": tc_tiles(results_dir),
             "hw-traffic-tensor-cores": hw_traffic_tensor_cores(results_dir),
             "hw-traffic-cp-async": hw_traffic_cp_async(results_dir)}
