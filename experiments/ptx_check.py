@@ -60,12 +60,15 @@ def backward_variants(sched) -> list:
     return [v.options for v in grad_variants() if v.schedule == sched.BACKWARD]
 
 
-def ptxas(ptx: str) -> dict:
+def ptxas(ptx: str, cubin: Path | None = None) -> dict:
+    """Registers, stack and spills from `ptxas -arch=sm_90a -v` on ptx; the built cubin is
+    kept at `cubin` when given (for a disassembler)."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         proc = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
-                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+                               str(cubin or Path(tmp) / "k.cubin")], capture_output=True,
+                              text=True)
     text = proc.stdout + proc.stderr
     if proc.returncode:
         raise RuntimeError(text)
@@ -76,12 +79,18 @@ def ptxas(ptx: str) -> dict:
     return found
 
 
-def check(kernel, args) -> dict:
+def kernel_ptx(kernel, args) -> str:
+    """The PTX of kernel compiled for a launch's args (their types), for sm_90."""
     from numba import cuda
 
     sig = tuple(runtime._numba_type(a) for a in args)
     options = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **options)
+    return ptx
+
+
+def check(kernel, args) -> dict:
+    ptx = kernel_ptx(kernel, args)
     return {"ptx_lines": ptx.count("\n"), "atomics": ptx.count("atom."),
             "ld_shared_v4": ptx.count("ld.shared.v4"), **ptxas(ptx)}
 

@@ -123,33 +123,18 @@ def nvdisasm() -> str:
                      "nvidia-cuda-nvdisasm)")
 
 
-def disassemble(ptx: str) -> tuple[str, str]:
-    """(ptxas -v report, SASS text) of PTX built for sm_90a."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        src.write_text(ptx)
-        built = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(cubin)],
-                               capture_output=True, text=True, check=True)
-        sass = subprocess.run([nvdisasm(), "-c", "-g", str(cubin)], capture_output=True,
-                              text=True, check=True)
-    return built.stdout + built.stderr, sass.stdout
-
-
 def report(kernel, args) -> dict:
-    from numba import cuda
-
     from experiments import ptx_check
-    from loop_orders import runtime
 
-    sig = tuple(runtime._numba_type(a) for a in args)
-    options = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **options)
-    built, sass = disassemble(ptx)
+    ptx = ptx_check.kernel_ptx(kernel, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        built = ptx_check.ptxas(ptx, cubin)
+        sass = subprocess.run([nvdisasm(), "-c", "-g", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout
     instructions, labels, blocks = parse(sass)
-    registers = re.search(r"Used (\d+) registers", built)
-    return {"kernel": kernel.py_func.__name__, "registers": int(registers.group(1)),
-            "spill_stores": ptx_check.ptxas(ptx)["spill_stores"],
-            "instructions": len(instructions),
+    return {"kernel": kernel.py_func.__name__, "registers": built["registers"],
+            "spill_stores": built["spill_stores"], "instructions": len(instructions),
             "loops": [{**lp._asdict(), "start": f"{lp.start:#x}", "end": f"{lp.end:#x}",
                        "ffma_share": round(lp.ffma / lp.instructions, 3)}
                       for lp in loops(instructions, labels) if lp.ffma],
