@@ -578,6 +578,61 @@ def mma_ceiling(dtype: str) -> dict:
             "chains": CEILING_CHAINS}
 
 
+FFMA_CHAINS, FFMA_ITERS, FFMA_THREADS = 16, 4096, 256
+SGEMM_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096)]  # (m, n, k) of cuBLAS's float32 GEMM
+
+
+def ffma_kernel():
+    """A register-only loop of float32 FMAs, FFMA_CHAINS independent ones per thread (enough
+    in flight to fill the pipe); it writes one sum per thread so the compiler keeps the loop."""
+    from numba import float32
+
+    chains, iters, threads = FFMA_CHAINS, FFMA_ITERS, FFMA_THREADS
+
+    @runtime.cuda.jit
+    def ffma_ceiling(out):
+        t = runtime.cuda.threadIdx.x
+        x = float32(1.0) - float32(t) * float32(1e-6)
+        acc = runtime.cuda.local.array(chains, float32)
+        for c in range(chains):
+            acc[c] = float32(c) * float32(1e-3)
+        for _ in range(iters):
+            for c in range(chains):
+                acc[c] = acc[c] * x + float32(1e-3)  # one FFMA
+        total = float32(0.0)
+        for c in range(chains):
+            total += acc[c]
+        out[runtime.cuda.blockIdx.x * threads + t] = total
+
+    return ffma_ceiling
+
+
+def fma_ceiling() -> dict:
+    """What float32 on CUDA cores can reach here, in the same run as the schedules: our own
+    register-only FFMA loop (4 CTAs of 256 threads an SM), and cuBLAS's float32 GEMM with
+    TF32 off (torch.matmul; the best an FMA GEMM from NVIDIA's library reaches)."""
+    import torch
+
+    kernel = ffma_kernel()
+    ctas = 4 * runtime.multiprocessor_count()
+    out = runtime.device_empty(ctas * FFMA_THREADS, np.float32)
+    ms = time_launches(lambda i: kernel[ctas, FFMA_THREADS](out))
+    ffma = {"ms_median": round(ms, 4), "ctas": ctas, "threads": FFMA_THREADS,
+            "tflops": round(2 * ctas * FFMA_THREADS * FFMA_ITERS * FFMA_CHAINS / ms / 1e9, 1)}
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # cuBLAS's FMA kernels, not TF32
+    sgemm = []
+    try:
+        for m, n, k in SGEMM_SHAPES:
+            a, b = (torch.randn(r, c, device="cuda") for r, c in ((m, k), (k, n)))
+            ms = time_launches(lambda i, a=a, b=b: torch.matmul(a, b))
+            sgemm.append({"m": m, "n": n, "k": k, "ms_median": round(ms, 4),
+                          "tflops": round(2 * m * n * k / ms / 1e9, 1)})
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    return {"ffma_loop": ffma, "cublas_sgemm": sgemm}
+
+
 PROV: dict = {}
 
 
@@ -666,6 +721,11 @@ def main(argv=None) -> int:
         print(f"tensor-core ceiling: {ceilings}", flush=True)
         atomic_write_text(args.out / "tensor_core_ceiling.json",
                           json.dumps({"provenance": PROV, "ceilings": ceilings}, indent=1))
+    if "float32" in dtypes:  # what CUDA cores reach here, in the same run
+        fma = fma_ceiling()
+        print(f"float32 FMA ceiling: {fma}", flush=True)
+        atomic_write_text(args.out / "fma_ceiling.json",
+                          json.dumps({"provenance": PROV, **fma}, indent=1))
     run_sweep(args.out, sweep, only, rng, dtypes)
     print(f"bench_runtime: done in {time.time() - t0:.0f} s")
     return 0
