@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, flops, input_kind, write_csv
+from experiments.gpu_common import Buffers, check_output, flops, input_kind, runs, write_csv
 from loop_orders import runtime
 from loop_orders.microkernel_tc import TensorCores
 from loop_orders.results import atomic_write_text, provenance
@@ -147,8 +147,8 @@ def blank_row(name, dtype, what, p, status="ok") -> dict:
 
 def layout_in_effect(sched, p) -> str:
     """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout), mma.f16,
-    mma.bf16 or mma.tf32 for the tensor-core one (dense's too), "" for CUDA-core kernels of
-    their own."""
+    mma.bf16, mma.tf32 or mma.tf32x3 for the tensor-core one (dense's too), "" for CUDA-core
+    kernels of their own."""
     if not sched.uses_micro_kernel:
         lay = sched.layout(p) if sched.TENSOR_CORES else None
         return "" if lay is None else str(lay)
@@ -204,7 +204,7 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
     done = finished_rows(path)
     rows, last_ms = list(done.values()), {}
     providers = [(s.name, dtype, s) for dtype in dtypes for s in lo.all_schedules()
-                 if dtype != "tf32" or s.TENSOR_CORES] + PROVIDERS
+                 if runs(s, dtype)] + PROVIDERS
     providers = [pr for pr in providers
                  if only is None or pr[0] in only or f"{pr[0]}/{pr[1]}" in only]
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
@@ -662,8 +662,8 @@ def main(argv=None) -> int:
                         help="schedules the tuning sweep times (comma-separated)")
     parser.add_argument("--dtypes", default="float32",
                         help="input dtypes the schedules run in (comma-separated; float16 "
-                             "and bfloat16 run on tensor cores, and tf32 is float32 inputs "
-                             "at precision tf32)")
+                             "and bfloat16 run on tensor cores; tf32 and tf32x3 are float32 "
+                             "inputs at that precision)")
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
@@ -716,7 +716,9 @@ def main(argv=None) -> int:
     if not args.no_extras:
         run_blocksize(args.out, rng)
     dtypes = tuple(args.dtypes.split(","))
-    ceilings = [mma_ceiling(dt) for dt in dtypes if dt in ("float16", "bfloat16", "tf32")]
+    # (tf32x3 runs on the tf32 mma: its ceiling is tf32's)
+    ceilings = [mma_ceiling(dt) for dt in dict.fromkeys(
+        "tf32" if dt == "tf32x3" else dt for dt in dtypes) if dt in MMA_FLOPS]
     if ceilings:  # the tensor cores' ceiling, in the same run as the schedules
         print(f"tensor-core ceiling: {ceilings}", flush=True)
         atomic_write_text(args.out / "tensor_core_ceiling.json",

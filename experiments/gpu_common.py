@@ -28,14 +28,22 @@ from loop_orders.reference import (
 from loop_orders.results import atomic_write_text, provenance
 
 CHECK_ROWS = 128  # query rows per checked head
-# The pseudo-dtype "tf32" of the experiments' dtype lists and results: float32 inputs
-# multiplied on TF32 tensor cores (precision="tf32"), for the schedules with TENSOR_CORES
-TF32 = {"dtype": "float32", "precision": "tf32"}
+# The pseudo-dtypes of the experiments' dtype lists and results, for the schedules with
+# TENSOR_CORES: float32 inputs multiplied on TF32 tensor cores at that precision ("tf32", or
+# "tf32x3": 3xTF32)
+TC_PRECISIONS = ("tf32", "tf32x3")
 
 
 def input_kind(label: str) -> dict:
     """make_problem's dtype (and precision) for a dtype label of the experiments."""
-    return TF32 if label == "tf32" else {"dtype": label}
+    return {"dtype": "float32", "precision": label} if label in TC_PRECISIONS else \
+        {"dtype": label}
+
+
+def runs(sched, label: str) -> bool:
+    """Whether `sched` runs inputs of this dtype label (a TF32 precision needs its
+    tensor cores)."""
+    return label not in TC_PRECISIONS or sched.TENSOR_CORES
 
 
 def flops(p: lo.Problem) -> float:
@@ -80,9 +88,9 @@ def check_output(sched, p, q, k, v, out_host, rng) -> float:
     ref = reference_rows(q, k, v, heads, rows, p.causal)
     got = np.stack([out_host[h, rows] for h in heads])
     err = relative_error(got, ref)
-    if p.precision == "tf32":
+    if p.precision != "ieee":
         tol = tf32_tolerance(host_values(q)[heads][:, rows], host_values(k)[heads],
-                             host_values(v)[heads], ref, causal=False)
+                             host_values(v)[heads], ref, causal=False, precision=p.precision)
     else:
         tol = tolerance(p.dtype, sched.output_roundings(p), host_values(v), ref)
     if not err <= tol:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, input_kind, write_csv
+from experiments.gpu_common import Buffers, check_output, input_kind, runs, write_csv
 from loop_orders import runtime
 from loop_orders.results import provenance
 
@@ -71,7 +71,7 @@ def configs(quick: bool, dtypes=None, schedules=None) -> list[dict]:
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
             for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
-            if t != "tf32" or lo.get_schedule(s).TENSOR_CORES]
+            if runs(lo.get_schedule(s), t)]
 
 
 def kernel_regex(cfgs: list[dict]) -> str:
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtypes", help="comma-separated (default: float32,float16; tf32 is "
-                        "float32 inputs at precision tf32)")
+    parser.add_argument("--dtypes", help="comma-separated (default: float32,float16; tf32 "
+                        "and tf32x3 are float32 inputs at that precision)")
     parser.add_argument("--schedules", help="comma-separated (default: every registered one)")
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)

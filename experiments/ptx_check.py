@@ -33,7 +33,7 @@ from numba.cuda import dispatcher  # noqa: E402
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
 
 import loop_orders as lo  # noqa: E402
-from experiments.gpu_common import input_kind  # noqa: E402
+from experiments.gpu_common import input_kind, runs  # noqa: E402
 from experiments.gpu_common import recorded_launches as recorded  # noqa: E402
 from loop_orders import runtime  # noqa: E402
 from loop_orders.backward_schedule import grad_variants  # noqa: E402
@@ -51,6 +51,9 @@ PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "tf32"),  # float32 inputs at precision tf32
     (4096, 128, 128, 128, 64, True, "tf32"),
     (77, 38, 20, 48, 40, True, "tf32"),
+    (4096, 64, 64, 128, 64, False, "tf32x3"),  # float32 inputs at precision tf32x3 (3xTF32)
+    (4096, 128, 128, 128, 64, True, "tf32x3"),
+    (77, 38, 20, 48, 40, True, "tf32x3"),
 ]
 GRAD_TILES = {64: (64, 64), 128: (64, 64), 40: (32, 32), 36: (32, 32), 38: (32, 32)}
 
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     for name in names:
         sched = lo.get_schedule(name)
         for n, d, dv, bq, bk, causal, dtype in PROBLEMS:
-            if dtype == "tf32" and not sched.TENSOR_CORES:
+            if not runs(sched, dtype):
                 continue
             for count in (False, True):
                 sizes = {"n_q": n, "d": d, "dv": dv, "causal": causal, **input_kind(dtype),

@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-k", type=int, default=64)
     parser.add_argument("--causal", choices=["no", "yes", "both"], default="no")
     parser.add_argument("--dtype", nargs="+", default=["float32"],
-                        help="float32, float16, bfloat16, or tf32 (float32 at precision tf32)")
+                        help="float32, float16, bfloat16, or tf32, tf32x3 (float32 at that "
+                        "precision)")
     parser.add_argument("--count", action="store_true", help="the counted builds")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)

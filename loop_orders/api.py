@@ -101,13 +101,13 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
 def _check_precision(sched: Schedule, precision, dtype: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision: got {precision!r}, allowed {list(PRECISIONS)}")
-    if precision == "tf32" and dtype != "float32":
-        raise ValueError(f"precision: 'tf32' is for float32 inputs (got {dtype}, which runs "
-                         f"on tensor cores already)")
-    if precision == "tf32" and not sched.TENSOR_CORES:
+    if precision != "ieee" and dtype != "float32":
+        raise ValueError(f"precision: {precision!r} is for float32 inputs (got {dtype}, which "
+                         f"runs on tensor cores already)")
+    if precision != "ieee" and not sched.TENSOR_CORES:
         with_tc = [s.name for s in all_schedules() if s.TENSOR_CORES]
-        raise ValueError(f"precision: {sched.name} has no tensor-core path; 'tf32' runs "
-                         f"{with_tc}")
+        raise ValueError(f"precision: {sched.name} has no tensor-core path; {precision!r} "
+                         f"runs {with_tc}")
     return precision
 
 
@@ -444,7 +444,9 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     kernels runs and `Result.counts` holds the measured Ledger. `options` are the schedule's
     (`lo.schedule_options(schedule)`); `timed` fills `Result.ms`. `precision="tf32"` runs
     float32 inputs on TF32 tensor cores (10 mantissa bits per operand: errors near 1e-3
-    instead of 1e-6; the schedules with TENSOR_CORES) instead of exact float32 FMA.
+    instead of 1e-6; the schedules with TENSOR_CORES) instead of exact float32 FMA, and
+    `precision="tf32x3"` on them with each operand split into a TF32 head and tail (3xTF32,
+    three products: about float32's accuracy, as SDPA's float32 efficient backend does).
 
     Numerics (README "Limits and numerics"): the running row max is subtracted before every
     exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that

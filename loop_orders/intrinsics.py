@@ -22,6 +22,10 @@ column (or key) in the low half; lane = 4 g + t.
                                                   or their bits as uint32):
         a0 = A[g, t], a1 = A[g+8, t], a2 = A[g, t+4], a3 = A[g+8, t+4]; b0 = B[t, g],
         b1 = B[t+4, g]; C, D as above
+    tf32_round(x)                                 float32 x rounded to TF32's 10 mantissa bits
+                                                  (nearest, ties away: cvt.rna.tf32.f32), as a
+                                                  float32 whose last 13 bits are zero: the head
+                                                  of x, whose tail x - head is exact (3xTF32)
     pack_f16x2(lo, hi), pack_bf16x2(lo, hi)       two float32 -> one register (round to nearest)
     ldmatrix_x4(tile, e), ldmatrix_x4_trans(tile, e)
                                                   four 8x8 16-bit matrices from shared memory:
@@ -184,6 +188,13 @@ if SIMULATOR:
 
         return _lane_of(_warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), product))
 
+    def tf32_round(x):
+        x = np.float32(x)
+        if not np.isfinite(x):
+            return x  # inf stays inf, NaN stays NaN
+        bits = (int(x.view(np.uint32)) + 0x1000) & 0xFFFFE000  # half of the dropped bits' ulp
+        return np.uint32(bits).view(np.float32)
+
     def pack_f16x2(lo, hi):
         return int(np.array([lo, hi], dtype=np.float16).view(np.uint32)[0])
 
@@ -297,6 +308,19 @@ else:
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS, "r")
     mma_tf32 = _mma_intrinsic("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 " + _OPERANDS,
                               "r")
+
+    @intrinsic
+    def tf32_round(typingctx, x):
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value = context.cast(builder, args[0], sig.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;",
+                               "=r,f")
+            return builder.bitcast(builder.call(asm, [value]), _F32)
+
+        return types.float32(x), codegen
 
     def _pack_intrinsic(kind: str):
         @intrinsic

@@ -79,6 +79,7 @@ from .tiles import (
     make_row_copier,
     make_tile_loader,
     make_tile_storer,
+    unrolled,
 )
 
 NEG_INF = float32(-math.inf)
@@ -120,9 +121,10 @@ class Layout(NamedTuple):
         """Registers a thread's scores and accumulators take (RM KN + RM 4 XH)."""
         return self.rm * self.kn + self.accumulators(block_k, dv)
 
-    def registers(self, block_k: int, dv: int) -> int:
+    def registers(self, block_k: int, dv: int, reload: bool = False) -> int:
         """The register cap to compile with: 128 (two CTAs of 256 threads per SM) unless
-        the thread's scores and accumulators alone take more than 64 registers."""
+        the thread's scores and accumulators alone take more than 64 registers (whether the
+        loop nest reloads O_i, `reload`, does not change that here)."""
         return 255 if self.data_registers(block_k, dv) > DATA_REGISTERS else 128
 
 
@@ -152,32 +154,6 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     while lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
         lay = Layout(2 * lay.rm, lay.kn) if lay.rm <= lay.kn else Layout(lay.rm, 2 * lay.kn)
     return lay
-
-
-@cache
-def unrolled(step, n: int, arity: int, by: int):
-    """A device function run(a_1 .. a_arity) that calls step(i, a_1 .. a_arity) for
-    i = 0 .. n-1, `by` calls per trip of a loop with a 32-bit counter (by = n: no loop).
-
-    Numba lowers `for i in range(n)` to a 64-bit counter with a compare, two selects and a
-    64-bit add per trip, 14 instructions per trip of a hot loop; a `while` over a uint32
-    counter takes a compare and an add, and unrolling `by` calls in straight-line code lets
-    the compiler give the loads of one call constant offsets from the previous call's."""
-    args = ", ".join(f"a{k}" for k in range(arity))
-    by = max(1, min(by, n))
-    trips = n // by
-    lines = [f"def run({args}):"]
-    if trips > 1:
-        lines += ["    i = uint32(0)", f"    while i < uint32({trips * by}):"]
-        lines += [f"        step(i + uint32({k}), {args})" for k in range(by)]
-        lines += [f"        i += uint32({by})"]
-    elif trips == 1:
-        lines += [f"    step(uint32({k}), {args})" for k in range(by)]
-    lines += [f"    step(uint32({i}), {args})" for i in range(trips * by, n)]
-    lines += ["    return"]
-    scope = {"step": step, "uint32": uint32}
-    exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
-    return cuda.jit(device=True, inline="always")(scope["run"])
 
 
 def _round4(n: int) -> int:
@@ -636,13 +612,14 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
-    """The tensor cores' operand type for p ('float16', 'bfloat16' or 'tf32'), or None where
-    p runs on CUDA cores (float32 at precision "ieee", or a schedule without TENSOR_CORES)."""
+    """The tensor cores' operand type for p ('float16', 'bfloat16', or for float32 inputs its
+    precision 'tf32' or 'tf32x3'), or None where p runs on CUDA cores (float32 at precision
+    "ieee", or a schedule without TENSOR_CORES)."""
     if not sched.TENSOR_CORES:
         return None
     if p.dtype in TENSOR_CORE_DTYPES:
         return p.dtype
-    return "tf32" if p.precision == "tf32" else None
+    return None if p.precision == "ieee" else p.precision
 
 
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
@@ -688,8 +665,8 @@ class MicroKernelSchedule(Schedule):
 
     def layout(self, p: Problem) -> Layout | TensorCores:
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
-        float32 ones with precision "tf32", where the schedule has them, else the CUDA-core
-        thread layout."""
+        float32 ones at precision "tf32" or "tf32x3", where the schedule has them, else the
+        CUDA-core thread layout."""
         # tuning: LOOP_ORDERS_KV_STAGES=1 turns off a loop nest's double-buffered (tensor
         # cores) or staggered (CUDA cores) K/V loads, where it has them
         stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))

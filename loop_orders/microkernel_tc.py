@@ -37,6 +37,12 @@ m16n8k8 over float32 tiles (cp.async 4 floats a copy), fragments by plain shared
 P's A fragment straight from the S accumulators by reading its 8 keys in the order the lanes
 hold them (`make_tc_operands`, accumulate_tf32). The hardware reads each float32 operand's
 top 19 bits: Q, K, P and V each lose up to 2^-10 of themselves (`reference.tf32_tolerance`).
+
+3xTF32 (`TensorCores("tf32x3")`, precision "tf32x3", what SDPA's efficient backend does with
+float32 inputs): the same loop, each operand x split in registers into a TF32 head
+h = round(x) and tail x - h (exact), and each product taken as three, tail x head +
+head x tail + head x head; only tail x tail (2^-22 of the product) and the tails' own TF32
+truncation (2^-21 each) are lost, about float32's accuracy for three times the mma.
 """
 
 from __future__ import annotations
@@ -59,9 +65,10 @@ from .intrinsics import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor,
+    tf32_round,
 )
 from .runtime import SIMULATOR, cuda, data_pointer
-from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer
+from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer, unrolled
 
 NEG_INF = float32(-math.inf)
 WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
@@ -70,16 +77,23 @@ DATA_REGISTERS = 64  # scores + accumulators per thread that fit beside the rest
 
 class TensorCores(NamedTuple):
     """The tensor-core micro-kernel for one operand type with `stages` K/V buffers: 'float16'
-    or 'bfloat16' inputs (m16n8k16), or 'tf32', float32 inputs multiplied as TF32 (m16n8k8,
-    the opt-in `precision="tf32"`): the counterpart of `microkernel.Layout` (which picks the
-    CUDA-core one)."""
+    or 'bfloat16' inputs (m16n8k16), or float32 inputs on m16n8k8 TF32: 'tf32' (each operand
+    as TF32, the opt-in `precision="tf32"`) or 'tf32x3' (each operand split into a TF32 head
+    and tail, three products: about float32's accuracy, `precision="tf32x3"`): the
+    counterpart of `microkernel.Layout` (which picks the CUDA-core one)."""
 
     dtype: str
     stages: int = 1
 
     @property
     def tf32(self) -> bool:
-        return self.dtype == "tf32"
+        """float32 tiles multiplied on m16n8k8 TF32 (one product or three)."""
+        return self.dtype in ("tf32", "tf32x3")
+
+    @property
+    def split(self) -> bool:
+        """Each float32 operand as a TF32 head and tail, three products (3xTF32)."""
+        return self.dtype == "tf32x3"
 
     @property
     def itemsize(self) -> int:
@@ -102,17 +116,21 @@ class TensorCores(NamedTuple):
     def threads(self, block_q: int, block_k: int) -> int:
         return 32 * self.warps(block_q)
 
-    def registers(self, block_k: int, dv: int) -> int:
-        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) on 16-bit
-        operands while a thread's S (Bc/2) and O (dv/2) accumulators take at most
-        DATA_REGISTERS, else 255. Measured (results/gpu_logs/tensor_cores_ab_2026-12-01.txt):
-        q_outer float16 at d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against
-        1.308 capped; TF32's scalar fragment loads need more (kv_outer spills under 128)."""
+    def registers(self, block_k: int, dv: int, reload: bool = False) -> int:
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) while a
+        thread's S (Bc/2) and O (dv/2) accumulators take at most DATA_REGISTERS, else 255.
+        Measured (results/gpu_logs/tensor_cores_ab_2026-12-01.txt): q_outer float16 at
+        d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against 1.308 capped. TF32's
+        scalar fragment loads need more (kv_outer spills under 128); 3xTF32's fit in a loop
+        nest that writes O_i once (q_outer at d = 64: 127 registers, no spill, by ptxas) but
+        not in one that reloads it (`reload`: kv_outer spills 56 bytes)."""
         data = _up(block_k, 16) // 2 + _up(dv, 16) // 2
-        return 128 if data <= DATA_REGISTERS and not self.tf32 else 255
+        fits = not self.tf32 or (self.split and not reload)
+        return 128 if data <= DATA_REGISTERS and fits else 255
 
     def __str__(self) -> str:
-        kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32"}[self.dtype]
+        kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32", "tf32x3": "tf32x3"}[
+            self.dtype]
         return f"mma.{kind}" + ("" if self.stages == 1 else f"x{self.stages}")
 
 
@@ -121,8 +139,10 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
     simulator's emulation costs (`api.simulated_seconds`)."""
     kp = _up(block_k, 16)
     nkt, dvt = kp // 8, _up(dv, 16) // 8
-    if spec.tf32:  # plain shared loads; an mma per 8 head dims and 8 keys, 8 keys and 8 dims
-        return _up(d, 8) // 8 * nkt + 4 + nkt * dvt
+    if spec.tf32:  # plain shared loads; an mma (three split) per 8 head dims and 8 keys, 8
+        # keys and 8 dims
+        products = 3 if spec.split else 1
+        return products * (_up(d, 8) // 8 * nkt + nkt * dvt) + 4
     dk = _up(d, 16) // 16
     return dk + dk * nkt // 2 * 3 + 4 + kp // 16 * dvt // 2 * 3
 
@@ -222,7 +242,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
-    TF32, BF16 = SPEC.tf32, SPEC.dtype == "bfloat16"  # noqa: N806
+    TF32, SPLIT, BF16 = SPEC.tf32, SPEC.split, SPEC.dtype == "bfloat16"  # noqa: N806
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
     ELEMENT = _tile_type(SPEC.dtype)  # noqa: N806
@@ -324,11 +344,46 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
                         p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
 
+    # tf32_operand and mma_f32 are plain device functions, inlined by LLVM: the same code as
+    # Numba's own inlining (inline="always"), which at 3xTF32's 400-odd calls a kernel took
+    # minutes to compile
+    @cuda.jit(device=True)
+    def tf32_operand(x):
+        """A float32 operand as (head, tail): split (tf32x3) into its TF32 head and the tail
+        x - head (exact; the hardware keeps the tail's top 19 bits), else x itself, whose
+        top 19 bits the hardware reads as TF32, with no tail."""
+        if SPLIT:
+            head = tf32_round(x)
+            return head, x - head
+        return x, float32(0.0)
+
+    @cuda.jit(device=True)
+    def mma_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """C + A B on m16n8k8 TF32 from (head, tail) operands (`tf32_operand`; fragments as
+        mma_tf32's): split, three products, the two small cross terms first (tail x head,
+        head x tail; only tail x tail is dropped, 2^-22 of the product), then head x head."""
+        if SPLIT:
+            c0, c1, c2, c3 = mma_tf32(a0[1], a1[1], a2[1], a3[1], b0[0], b1[0], c0, c1, c2, c3)
+            c0, c1, c2, c3 = mma_tf32(a0[0], a1[0], a2[0], a3[0], b0[1], b1[1], c0, c1, c2, c3)
+        return mma_tf32(a0[0], a1[0], a2[0], a3[0], b0[0], b1[0], c0, c1, c2, c3)
+
+    @cuda.jit(device=True, inline="always")
+    def scores_ntile(n, a0, a1, a2, a3, tile, s, k_at):
+        """s's n-tile n (keys 8 n .. 8 n + 7) += Q_i's A fragment a0 .. a3 times K_j's B
+        fragment at the same 8 head dims (k_at: lane's key g, head dim t of those)."""
+        kb = k_at + uint64(8 * n) * uint64(KS)
+        s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma_f32(
+            a0, a1, a2, a3, tf32_operand(tile[kb]), tf32_operand(tile[kb + uint64(4)]),
+            s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+
+    # the n-tiles in straight-line code (s is indexed by n: a loop LLVM left rolled, as it
+    # does once 3xTF32's three products pass its unroll threshold, sends s to local memory)
+    scores_ntiles = unrolled(scores_ntile, NKT, 7, NKT)
+
     @cuda.jit(device=True, inline="always")
     def scores_tf32(tile, s, w, lane, k_at):
         """s = Q_i K_j^T on m16n8k8 TF32: lane 4 g + t gives Q's rows g, g + 8 and K's key g
-        at head dims t and t + 4 of each 8 (plain shared loads; the hardware reads float32
-        bits as TF32, dropping the last 13 mantissa bits)."""
+        at head dims t and t + 4 of each 8 (plain shared loads; each operand split once)."""
         for e in range(NS):
             s[e] = float32(0.0)
         g, t = lane >> uint32(2), lane & uint32(3)
@@ -336,28 +391,39 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
         k_row = k_at + uint64(g) * uint64(KS) + uint64(t)
         for kk in range(D8):
             qa = q_at + uint64(8 * kk)
-            a0, a2 = tile[qa], tile[qa + uint64(4)]
-            a1, a3 = tile[qa + uint64(8 * QS)], tile[qa + uint64(8 * QS + 4)]
-            for n in range(NKT):
-                kb = k_row + uint64(8 * n) * uint64(KS) + uint64(8 * kk)
-                s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3] = mma_tf32(
-                    a0, a1, a2, a3, tile[kb], tile[kb + uint64(4)],
-                    s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+            a0, a2 = tf32_operand(tile[qa]), tf32_operand(tile[qa + uint64(4)])
+            a1 = tf32_operand(tile[qa + uint64(8 * QS)])
+            a3 = tf32_operand(tile[qa + uint64(8 * QS + 4)])
+            scores_ntiles(a0, a1, a2, a3, tile, s, k_row + uint64(8 * kk))
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate_mtile(m, p0, p1, p2, p3, tile, acc, v_at):
+        """acc's n-tile m (dims 8 m .. 8 m + 7) += P's A fragment p0 .. p3 times V_j's B
+        fragment of the same 8 keys (v_at: lane's key 2 t, dim g of those)."""
+        vb = v_at + uint64(8 * m)
+        acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3] = mma_f32(
+            p0, p1, p2, p3, tf32_operand(tile[vb]), tf32_operand(tile[vb + uint64(VS)]),
+            acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3])
+
+    accumulate_mtiles = unrolled(accumulate_mtile, DVT, 7, DVT)  # acc is indexed by m
+
+    @cuda.jit(device=True, inline="always")
+    def accumulate_ntile(n, tile, s, acc, v_row):
+        """acc += P's keys 8 n .. 8 n + 7 times V_j's rows of them: the lane holds keys
+        2 t, 2 t + 1 of each 8, so k-index t is key 2 t and t + 4 is key 2 t + 1 (a sum over
+        keys in any order), and V's B fragment follows: rows 2 t, 2 t + 1, column g."""
+        p0, p1 = tf32_operand(s[4 * n]), tf32_operand(s[4 * n + 2])
+        p2, p3 = tf32_operand(s[4 * n + 1]), tf32_operand(s[4 * n + 3])
+        accumulate_mtiles(p0, p1, p2, p3, tile, acc, v_row + uint64(8 * n) * uint64(VS))
+
+    accumulate_ntiles = unrolled(accumulate_ntile, NKT, 4, NKT)  # s is indexed by n
 
     @cuda.jit(device=True, inline="always")
     def accumulate_tf32(tile, s, acc, lane, v_at):
-        """acc += P V_j on m16n8k8 TF32, P's A fragment straight from s: the lane holds keys
-        2 t, 2 t + 1 of each 8, so k-index t is key 2 t and t + 4 is key 2 t + 1 (a sum over
-        keys in any order), and V's B fragment follows: rows 2 t, 2 t + 1, column g."""
+        """acc += P V_j on m16n8k8 TF32, P's A fragment straight from s
+        (`accumulate_ntile`)."""
         g, t = lane >> uint32(2), lane & uint32(3)
-        v_row = v_at + uint64(2 * t) * uint64(VS) + uint64(g)
-        for n in range(NKT):
-            for m in range(DVT):
-                vb = v_row + uint64(8 * n) * uint64(VS) + uint64(8 * m)
-                acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3] = mma_tf32(
-                    s[4 * n], s[4 * n + 2], s[4 * n + 1], s[4 * n + 3],
-                    tile[vb], tile[vb + uint64(VS)],
-                    acc[4 * m], acc[4 * m + 1], acc[4 * m + 2], acc[4 * m + 3])
+        accumulate_ntiles(tile, s, acc, v_at + uint64(2 * t) * uint64(VS) + uint64(g))
 
     if TF32:
         scores, accumulate = scores_tf32, accumulate_tf32
@@ -549,8 +615,9 @@ def _tile_type(dtype: str):
     as a NumPy dtype on the simulator and a Numba type on the GPU."""
     if SIMULATOR:
         return {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-                "tf32": np.dtype(np.float32)}[dtype]
+                "tf32": np.dtype(np.float32), "tf32x3": np.dtype(np.float32)}[dtype]
     from numba.core import types
 
-    return {"float16": types.float16, "bfloat16": uint16, "tf32": float32}[dtype]
+    return {"float16": types.float16, "bfloat16": uint16, "tf32": float32,
+            "tf32x3": float32}[dtype]
 

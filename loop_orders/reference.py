@@ -116,32 +116,41 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
 
 
 TF32_UNIT = 2.0**-10  # TF32 keeps 10 mantissa bits of float32; the hardware drops the rest
+# The most a product of two float32 operands loses, relative to |a b|, at each tensor-core
+# precision: "tf32" truncates both operands (2^-10 each); "tf32x3" splits each into a head
+# rounded to TF32 (|tail| <= 2^-11 |x|) and a tail the hardware truncates (2^-10 of it) and
+# drops tail x tail: 2 (1 + 2^-11) 2^-21 + 2^-22 < 1.25 2^-20.
+PRODUCT_LOSS = {"tf32": 2 * TF32_UNIT + TF32_UNIT**2, "tf32x3": 1.25 * 2.0**-20}
 
 
-def tf32_score_shift(q, k, *, scale: float | None = None, causal: bool = False) -> float:
-    """The most a score can move at precision "tf32": both operands of each product lose
-    less than 2^-10 of themselves, so |scale| 2^-9 max_(r,c) sum_x |q_rx| |k_cx| (over the
-    visible pairs when causal). A row's lse moves by at most as much."""
+def tf32_score_shift(q, k, *, scale: float | None = None, causal: bool = False,
+                     precision: str = "tf32") -> float:
+    """The most a score can move at a TF32 `precision` ("tf32", "tf32x3"): each product
+    loses at most PRODUCT_LOSS of itself, so |scale| PRODUCT_LOSS max_(r,c) sum_x
+    |q_rx| |k_cx| (over the visible pairs when causal). A row's lse moves by at most as much."""
     q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     worst = np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k))
     if causal:
         worst = np.tril(worst)
-    return abs(scale) * 2 * TF32_UNIT * float(worst.max())
+    return abs(scale) * PRODUCT_LOSS[precision] * float(worst.max())
 
 
-def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False) -> float:
-    """Largest acceptable `relative_error` of a float32 call at precision "tf32", a bound
+def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False,
+                   precision: str = "tf32") -> float:
+    """Largest acceptable `relative_error` of a float32 call at a TF32 `precision`, a bound
     that follows from the rounding alone (it holds for any inputs, and is loose).
 
     A score moves by at most D = `tf32_score_shift`, so each softmax weight by a factor
-    within exp(+-2 D), and the output by at most expm1(2 D) max|V|; P itself is truncated
-    before P V (2^-10 max|V| more). Relative to max|ref|, over float32's own.
+    within exp(+-2 D), and the output by at most expm1(2 D) max|V|; each product P_rc V_cx
+    loses PRODUCT_LOSS of itself, and a row's weights sum to 1 (PRODUCT_LOSS max|V| more).
+    Relative to max|ref|, over float32's own.
     """
     v, ref = (np.asarray(x, dtype=np.float64) for x in (v, ref))
-    shift = tf32_score_shift(q, k, scale=scale, causal=causal)
+    shift = tf32_score_shift(q, k, scale=scale, causal=causal, precision=precision)
     ratio = float(np.abs(v).max()) / float(np.abs(ref).max())
-    return tolerance("float32", 0, v, ref) + (math.expm1(2 * shift) + TF32_UNIT) * ratio
+    return tolerance("float32", 0, v, ref) + (math.expm1(2 * shift)
+                                              + PRODUCT_LOSS[precision]) * ratio
 
 
 def grad_tolerance(dtype, roundings: int) -> float:

@@ -35,8 +35,10 @@ MAX_BLOCK_K = 512
 KERNEL_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
                  "bfloat16": np.dtype(np.uint16)}
 SUPPORTED_DTYPES = tuple(KERNEL_DTYPES)
-# "ieee": float32 inputs multiplied exactly in float32 (FMA); "tf32": on TF32 tensor cores
-PRECISIONS = ("ieee", "tf32")
+# How float32 inputs are multiplied: "ieee" exactly in float32 (FMA, on CUDA cores); on TF32
+# tensor cores, "tf32" each operand as TF32 (10 mantissa bits), "tf32x3" each split into a
+# TF32 head and tail, three products (3xTF32: about float32's accuracy)
+PRECISIONS = ("ieee", "tf32", "tf32x3")
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Problem:
     save_lse: bool = False
     dtype: str = "float32"
     options: tuple = ()
-    precision: str = "ieee"  # "tf32": float32 inputs multiplied on TF32 tensor cores
+    precision: str = "ieee"  # "tf32", "tf32x3": float32 inputs on TF32 tensor cores
 
     @property
     def bh(self) -> int:

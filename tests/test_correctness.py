@@ -97,20 +97,28 @@ TF32_CASES = [(1, 2, 13, 5, 3, 16, 8, True), (1, 1, 24, 12, 20, 16, 16, False)]
 
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if lo.get_schedule(s).TENSOR_CORES])
 @pytest.mark.parametrize("case", TF32_CASES, ids=lambda c: "B{}H{}N{}d{}dv{}-{}x{}-{}".format(*c))
-def test_tf32_precision_on_float32_inputs(schedule, case, rng):
-    """precision="tf32": float32 in and out, the products on TF32 tensor cores. The error is
-    TF32's (above float32's 1e-6, within the bound the rounding gives, `tf32_tolerance`);
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+def test_tf32_precisions_on_float32_inputs(schedule, case, precision, rng):
+    """precision="tf32" or "tf32x3": float32 in and out, the products on TF32 tensor cores,
+    within the bound each one's rounding gives (`tf32_tolerance`): TF32's error (above
+    float32's 1e-6), or with each operand split into TF32 head and tail (3xTF32) float32's;
     lse moves by at most the scores' shift; counters == model (precision moves no element)."""
-    from loop_orders.reference import tf32_score_shift, tf32_tolerance
+    from loop_orders.reference import FLOAT32_TOLERANCE, tf32_score_shift, tf32_tolerance
 
     b, h, n, d, dv, bq, bk, causal = case
     q, k, v = random_qkv(rng, b, h, n, d, dv)
     res = lo.attention(q, k, v, schedule=schedule, block_q=bq, block_k=bk, causal=causal,
-                       save_lse=True, count=True, precision="tf32")
+                       save_lse=True, count=True, precision=precision)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
-    assert res.out.dtype == np.float32 and res.problem.precision == "tf32"
+    sched = lo.get_schedule(schedule)
+    assert res.out.dtype == np.float32 and res.problem.precision == precision
+    assert str(sched.layout(res.problem)).startswith(f"mma.{precision}")
     err = relative_error(res.out, ref)
-    assert 1e-6 < err <= tf32_tolerance(q, k, v, ref, causal=causal)
-    shift = tf32_score_shift(q, k)  # over all pairs, masked or not
+    assert err <= tf32_tolerance(q, k, v, ref, causal=causal, precision=precision)
+    if precision == "tf32":
+        assert err > 1e-6  # TF32's own rounding shows: the tensor cores took the products
+    else:
+        assert err <= FLOAT32_TOLERANCE
+    shift = tf32_score_shift(q, k, precision=precision)  # over all pairs, masked or not
     assert np.abs(res.lse - ref_lse).max() <= shift + 1e-5
-    assert res.counts == lo.get_schedule(schedule).model(res.problem)
+    assert res.counts == sched.model(res.problem)

@@ -195,7 +195,10 @@ def test_numpy_strided_host_arrays_are_copied_not_refused(qkv):
     ({"count": "no"}, TypeError, "count: must be True or False"),
     ({"schedule": None}, ValueError, "schedule: unknown schedule None; known schedules"),
     ({"schedule": "Q_OUTER"}, ValueError, "schedule: unknown schedule 'Q_OUTER'"),
-    ({"precision": "fp8"}, ValueError, r"precision: got 'fp8', allowed \['ieee', 'tf32'\]"),
+    ({"precision": "fp8"}, ValueError,
+     r"precision: got 'fp8', allowed \['ieee', 'tf32', 'tf32x3'\]"),
+    ({"precision": "tf32x3", "schedule": "split_kv"}, ValueError,
+     "precision: split_kv has no tensor-core path; 'tf32x3' runs"),
     ({"precision": "tf32", "schedule": "split_kv"}, ValueError,
      "precision: split_kv has no tensor-core path"),
 ])

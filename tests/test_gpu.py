@@ -162,6 +162,33 @@ def test_tf32_at_scale_beside_torch(schedule, causal, rng):
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if lo.get_schedule(s).TENSOR_CORES])
+def test_tf32x3_at_scale_beside_sdpa_efficient(schedule, d, causal, rng):
+    """precision="tf32x3" at N = 1000 (tails): float32's accuracy from TF32 tensor cores,
+    within twice the error of torch SDPA's float32 efficient backend (which is 3xTF32 too)
+    on the same inputs and within our own float32 FMA path's tolerance; counters == model."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from loop_orders.reference import FLOAT32_TOLERANCE
+
+    q, k, v = random_qkv(rng, 1, 4, 1000, d, d)
+    res = lo.attention(q, k, v, schedule=schedule, causal=causal, count=True,
+                       precision="tf32x3")
+    ref, _ = lo.attention_reference(q, k, v, causal=causal)
+    ours = relative_error(res.out, ref)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        theirs = relative_error(torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_numpy(x).cuda() for x in (q, k, v)), is_causal=causal).cpu(), ref)
+    print(f"{schedule} d={d} causal={causal} tf32x3: ours {ours:.2e}, SDPA efficient "
+          f"{theirs:.2e}")
+    assert ours <= max(2 * theirs, 1e-6) and ours <= FLOAT32_TOLERANCE
+    assert res.counts == lo.get_schedule(schedule).model(res.problem)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("schedule, options", _backward_variants())
 def test_gradients_beside_torch_autograd(schedule, options, dtype):

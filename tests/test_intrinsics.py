@@ -77,6 +77,50 @@ def test_mma_m16n8k8_tf32(as_bits, rng):
     assert 0 < err <= 8 * 2.0**-11  # TF32, not float32 (which would give about 1e-7)
 
 
+def _tf32_rna(x):
+    """float32 -> the nearest TF32 (10 mantissa bits; ties away from zero), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x1000) & 0xFFFFE000).astype(np.uint32)).view(np.float32)
+
+
+def test_tf32_round_and_the_3xtf32_split(rng):
+    """tf32_round is round-to-nearest (ties away) to 10 mantissa bits; the tail x - head is
+    exact, and three m16n8k8 products of heads and tails (what precision "tf32x3" takes)
+    give A B + C to about float32's accuracy, a thousand times closer than one TF32 product."""
+
+    @cuda.jit
+    def kernel(x, heads, a, b, c, d):
+        lane = cuda.threadIdx.x
+        heads[lane] = ptx.tf32_round(x[lane])
+        g, t = lane // 4, lane % 4
+        ops = (a[g, t], a[g + 8, t], a[g, t + 4], a[g + 8, t + 4], b[t, g], b[t + 4, g])
+        hd = (ptx.tf32_round(ops[0]), ptx.tf32_round(ops[1]), ptx.tf32_round(ops[2]),
+              ptx.tf32_round(ops[3]), ptx.tf32_round(ops[4]), ptx.tf32_round(ops[5]))
+        tl = (ops[0] - hd[0], ops[1] - hd[1], ops[2] - hd[2], ops[3] - hd[3], ops[4] - hd[4],
+              ops[5] - hd[5])
+        d0, d1, d2, d3 = ptx.mma_tf32(tl[0], tl[1], tl[2], tl[3], hd[4], hd[5], c[g, 2 * t],
+                                      c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d0, d1, d2, d3 = ptx.mma_tf32(hd[0], hd[1], hd[2], hd[3], tl[4], tl[5], d0, d1, d2, d3)
+        d0, d1, d2, d3 = ptx.mma_tf32(hd[0], hd[1], hd[2], hd[3], hd[4], hd[5], d0, d1, d2, d3)
+        d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = d0, d1, d2, d3
+
+    # random values, and ties: the dropped 13 bits exactly half an ulp of TF32 (away: up)
+    x = rng.standard_normal(32).astype(np.float32)
+    x[:4] = (np.array([1.0, -1.0, 3.0, -5.0], np.float32).view(np.uint32) + 0x1000).view(
+        np.float32)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    heads, d = to_device(np.zeros(32, np.float32)), to_device(np.zeros((16, 8), np.float32))
+    kernel[1, 32](to_device(x), heads, to_device(a), to_device(b), to_device(c), d)
+    got = heads.copy_to_host()
+    np.testing.assert_array_equal(got, _tf32_rna(x))
+    assert (np.abs(got[:4]) > np.abs(x[:4])).all()  # ties go away from zero
+    expect = a.astype(np.float64) @ b + c
+    err = np.abs(d.copy_to_host() - expect).max() / np.abs(expect).max()
+    assert err <= 2.0**-18  # one TF32 product: about 2^-11 (test_mma_m16n8k8_tf32)
+
+
 @pytest.mark.parametrize("trans", [False, True])
 def test_ldmatrix_x4(trans, rng):
     """Four 8x8 float16 matrices (rows 8 apart in a padded tile): lane 4g + t gets row g,

@@ -9,9 +9,9 @@ from loop_orders.microkernel import (
     make_micro_kernel,
     shared_layout,
     thread_layout,
-    unrolled,
 )
 from loop_orders.runtime import cuda
+from loop_orders.tiles import unrolled
 
 
 @pytest.fixture(autouse=True)

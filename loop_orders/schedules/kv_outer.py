@@ -88,7 +88,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
                 if COUNT:
                     cnt[LSE_W] += 1
 
-    @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
+    @cuda.jit(**kernel_options(NT, MK.registers(BC, DV, reload=True)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
         n_q = q.shape[1]
