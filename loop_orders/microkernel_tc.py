@@ -122,8 +122,8 @@ class TensorCores(NamedTuple):
         Measured (results/gpu_logs/tensor_cores_ab_2026-12-01.txt): q_outer float16 at
         d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against 1.308 capped. TF32's
         scalar fragment loads need more (kv_outer spills under 128); 3xTF32's fit in a loop
-        nest that writes O_i once (q_outer at d = 64: 127 registers, no spill, by ptxas) but
-        not in one that reloads it (`reload`: kv_outer spills 56 bytes)."""
+        nest that writes O_i once (q_outer at d = 64: 128 registers and 4 bytes spilled, by
+        ptxas) but not in one that reloads it (`reload`: kv_outer spills 56 bytes)."""
         data = _up(block_k, 16) // 2 + _up(dv, 16) // 2
         fits = not self.tf32 or (self.split and not reload)
         return 128 if data <= DATA_REGISTERS and fits else 255
@@ -237,6 +237,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
     NS = 4 * NKT  # noqa: N806 - a thread's scores
+    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators of O
     PER = SPEC.per_copy  # noqa: N806 - elements of one 16-byte copy
     VEC = SPEC.copies_rows(D, DV)  # noqa: N806 - rows in whole 16-byte copies
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
@@ -421,9 +422,22 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     @cuda.jit(device=True, inline="always")
     def accumulate_tf32(tile, s, acc, lane, v_at):
         """acc += P V_j on m16n8k8 TF32, P's A fragment straight from s
-        (`accumulate_ntile`)."""
+        (`accumulate_ntile`). 3xTF32 sums the tile's products apart, from zero, and adds them
+        to acc in float32: carried through every tile's mma, acc drifted with the keys
+        (1.1e-4 at N = 16384, d = 64, against SDPA efficient's 2.7e-6 in the same run,
+        results/gpu_logs/tf32x3_169473f.log), as the mma's own float32 sums are not float32
+        adds (in TF32 alone its operand rounding hides that)."""
         g, t = lane >> uint32(2), lane & uint32(3)
-        accumulate_ntiles(tile, s, acc, v_at + uint64(2 * t) * uint64(VS) + uint64(g))
+        v_row = v_at + uint64(2 * t) * uint64(VS) + uint64(g)
+        if SPLIT:
+            acc_j = cuda.local.array(NACC, float32)  # P_ij V_j of this tile alone
+            for e in range(NACC):
+                acc_j[e] = float32(0.0)
+            accumulate_ntiles(tile, s, acc_j, v_row)
+            for e in range(NACC):
+                acc[e] += acc_j[e]
+        else:
+            accumulate_ntiles(tile, s, acc, v_row)
 
     if TF32:
         scores, accumulate = scores_tf32, accumulate_tf32
