@@ -78,28 +78,86 @@ def hw_traffic(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _label(provider: str, dtype: str) -> str:
+    """A provider's column name: its dtype named where it is not float32 FMA (tf32x3)."""
+    return provider if dtype == "float32" else f"{provider} {dtype}"
+
+
 def bench_summary(results_dir: Path) -> str:
     path = results_dir / "bench_runtime.csv"
     rows = _rows(path)
     if rows is None:
         return _missing(path)
     ok = [r for r in rows if r["status"] == "ok"]
-    at = {(r["provider"], r["d"], r["causal"]): r for r in ok if r["n"] == REFERENCE["n"]}
-    providers = list(dict.fromkeys(r["provider"] for r in ok))
-    lines = ["| d | causal | " + " | ".join(providers) + " | q_outer / SDPA efficient |",
-             "|---|---|" + "---|" * (len(providers) + 1)]
+    at = {(r["provider"], r["dtype"], r["d"], r["causal"]): r for r in ok
+          if r["n"] == REFERENCE["n"]}
+    providers = list(dict.fromkeys((r["provider"], r["dtype"]) for r in ok))
+
+    def commits(provider, dtype):
+        return {r["git_sha"] for r in ok if (r["provider"], r["dtype"]) == (provider, dtype)}
+
+    # q_outer beside SDPA where both come from one run (float32_paths has the other path's)
+    ours = [q for q in providers if q[0] == "q_outer"
+            and commits(*q) <= commits("torch_sdpa_efficient", "float32")]
+    lines = ["| d | causal | " + " | ".join(_label(*p) for p in providers) + " | "
+             + " | ".join(f"{_label(*q)} / SDPA efficient" for q in ours) + " |",
+             "|---|---|" + "---|" * (len(providers) + len(ours))]
     for d, causal in sorted({(r["d"], r["causal"]) for r in ok}, key=lambda x: (int(x[0]), x[1])):
         cells = []
-        for p in providers:
-            r = at.get((p, d, causal))
+        for p, dt in providers:
+            r = at.get((p, dt, d, causal))
             cells.append(f"{float(r['ms_median']):.2f} ms ({float(r['tflops']):.1f})" if r else "—")
-        q, s = at.get(("q_outer", d, causal)), at.get(("torch_sdpa_efficient", d, causal))
-        ratio = f"{float(s['ms_median']) / float(q['ms_median']):.3f}×" if q and s else "—"
-        lines.append(f"| {d} | {causal} | " + " | ".join(cells) + f" | {ratio} |")
+        sdpa = at.get(("torch_sdpa_efficient", "float32", d, causal))
+        ratios = [_ratio(sdpa, at.get((*q, d, causal))) for q in ours]
+        lines.append(f"| {d} | {causal} | " + " | ".join(cells + ratios) + " |")
     r0 = next(iter(at.values()))
     return (f"N = {REFERENCE['n']}, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}"
             f" (B = {r0['batch']}, H = {r0['heads']}); median ms (TFLOP/s):\n\n"
             + "\n".join(lines))
+
+
+def float32_paths(results_dir: Path) -> str:
+    """q_outer's two float32 paths over the N sweep, each beside SDPA efficient float32 of its
+    own run: exact FMA on CUDA cores (bench_runtime.csv) and 3xTF32 on tensor cores
+    (bench_tf32x3.csv), with the float32 FMA ceiling measured beside the first."""
+    paths = [("float32", results_dir / "bench_runtime.csv"),
+             ("tf32x3", results_dir / "bench_tf32x3.csv")]
+    runs = {}
+    for dtype, path in paths:
+        rows = _rows(path)
+        if rows is None:
+            return _missing(path)
+        ok = [r for r in rows if r["status"] == "ok"]
+        ours = {(r["n"], r["d"], r["causal"]): r for r in ok
+                if (r["provider"], r["dtype"]) == ("q_outer", dtype)}
+        sdpa = {(r["n"], r["d"], r["causal"]): r for r in ok
+                if r["provider"] == "torch_sdpa_efficient" and r["git_sha"] == next(
+                    iter(ours.values()))["git_sha"]}
+        runs[dtype] = (ours, sdpa)
+    lines = ["| d | causal | N | FMA ms | SDPA ms | FMA / SDPA | 3xTF32 ms | SDPA ms | "
+             "3xTF32 / SDPA | error FMA, 3xTF32, SDPA |", "|---" * 10 + "|"]
+    fma, tf32x3 = runs["float32"], runs["tf32x3"]
+    shapes = sorted(set(fma[0]) & set(tf32x3[0]), key=lambda k: (int(k[1]), k[2], int(k[0])))
+    for key in shapes:
+        (f, fs), (x, xs) = ((run[0].get(key), run[1].get(key)) for run in (fma, tf32x3))
+        errors = ", ".join(r["rel_error"] if r else "—" for r in (f, x, xs))
+        lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {_row_ms(f)} | {_row_ms(fs)} | "
+                     f"{_ratio(fs, f)} | {_row_ms(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
+                     f"{errors} |")
+    head = ("B·H·N = 262144, tiles 128 × 64, median ms, kernels alone; FMA (q_outer float32 "
+            f"at {next(iter(fma[0].values()))['git_sha'][:7]}) and 3xTF32 (precision "
+            f"\"tf32x3\", {next(iter(tf32x3[0].values()))['git_sha'][:7]}) each beside SDPA's "
+            "float32 efficient backend timed in the same run:")
+    ceiling = results_dir / "fma_ceiling.json"
+    tail = ""
+    if ceiling.exists():
+        c = json.loads(ceiling.read_text())
+        tail = ("\n\nThe float32 FMA ceiling of this GPU, measured in the FMA run "
+                f"(`bench_runtime.fma_ceiling`, {c['provenance']['git_sha'][:7]}): a "
+                f"register-only FFMA loop {c['ffma_loop']['tflops']} TFLOP/s, cuBLAS SGEMM "
+                "(TF32 off) " + ", ".join(f"{g['tflops']} TFLOP/s at {g['m']}³"
+                                          for g in c["cublas_sgemm"]) + ".")
+    return head + "\n\n" + "\n".join(lines) + tail
 
 
 def _row_ms(r: dict | None) -> str:
@@ -583,7 +641,8 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     for name in ("hw_traffic.csv", "bench_runtime.csv", "bench_layouts.csv",
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
                  "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
-                 "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv"):
+                 "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv",
+                 "bench_tf32x3.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
@@ -591,7 +650,8 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
             out.append((name, {**rows[0], "git_sha": shas, "date": dates,
                                "versions": json.loads(rows[0]["versions"])}))
     for name in ("bench_kernels.json", "host_overhead.json", "train_tiny.json",
-                 "kernels_ptxas.json", "tensor_core_ceiling.json", "sass_loops.json"):
+                 "kernels_ptxas.json", "tensor_core_ceiling.json", "sass_loops.json",
+                 "fma_ceiling.json"):
         path = results_dir / name
         if path.exists():
             out.append((name, json.loads(path.read_text())["provenance"]))
@@ -600,6 +660,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
 
 def blocks(results_dir: Path) -> dict[str, str]:
     return {"hw-traffic": hw_traffic(results_dir), "bench-summary": bench_summary(results_dir),
+            "float32-paths": float32_paths(results_dir),
             "bench-tuning": bench_tuning(results_dir),
             "bench-kernels": bench_kernels(results_dir),
             "bench-blocksize": bench_blocksize(results_dir),

@@ -22,13 +22,12 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
                                          squeeze=False)
     for col, (d, causal) in enumerate(panels):
         sel = [r for r in ok if int(r["d"]) == d and r["causal"] == causal]
-        for provider in dict.fromkeys(r["provider"] for r in sel):
+        for provider, dtype in dict.fromkeys((r["provider"], r["dtype"]) for r in sel):
             pts = sorted((int(r["n"]), float(r["ms_median"]), float(r["tflops"]))
-                         for r in sel if r["provider"] == provider)
+                         for r in sel if (r["provider"], r["dtype"]) == (provider, dtype))
             n, ms, tf = zip(*pts, strict=True)
-            dtype = next(r["dtype"] for r in sel if r["provider"] == provider)
             axes[0, col].loglog(n, ms, "o-", label=f"{provider} ({dtype})", base=2)
-            axes[1, col].loglog(n, tf, "o-", label=provider, base=2)
+            axes[1, col].loglog(n, tf, "o-", label=f"{provider} ({dtype})", base=2)
         axes[0, col].set_title(f"d={d}, causal={causal}, batch*heads*N = 262144")
         axes[0, col].set_ylabel("median ms per forward")
         axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")

@@ -425,8 +425,9 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
         (`accumulate_ntile`). 3xTF32 sums the tile's products apart, from zero, and adds them
         to acc in float32: carried through every tile's mma, acc drifted with the keys
         (1.1e-4 at N = 16384, d = 64, against SDPA efficient's 2.7e-6 in the same run,
-        results/gpu_logs/tf32x3_169473f.log), as the mma's own float32 sums are not float32
-        adds (in TF32 alone its operand rounding hides that)."""
+        results/gpu_logs/bench_169473f.log); apart, 1.7e-6 there (bench_43b6f05.log): the
+        mma's own float32 sums are not float32 adds (in TF32 alone its operand rounding hides
+        that)."""
         g, t = lane >> uint32(2), lane & uint32(3)
         v_row = v_at + uint64(2 * t) * uint64(VS) + uint64(g)
         if SPLIT:
