@@ -18,16 +18,21 @@ from experiments import common
 def plot(rows: list[dict], out: Path) -> list[Path]:
     ok = [r for r in rows if r["status"] == "ok"]
     panels = sorted({(int(r["d"]), r["causal"]) for r in ok})
-    fig, axes = common.pyplot().subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5),
-                                         squeeze=False)
+    plt = common.pyplot()
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False)
+    # one colour per provider and dtype in every panel
+    lines = dict.fromkeys((r["provider"], r["dtype"]) for r in ok)
+    colour = {line: plt.get_cmap("tab10")(i % 10) for i, line in enumerate(lines)}
     for col, (d, causal) in enumerate(panels):
         sel = [r for r in ok if int(r["d"]) == d and r["causal"] == causal]
         for provider, dtype in dict.fromkeys((r["provider"], r["dtype"]) for r in sel):
             pts = sorted((int(r["n"]), float(r["ms_median"]), float(r["tflops"]))
                          for r in sel if (r["provider"], r["dtype"]) == (provider, dtype))
             n, ms, tf = zip(*pts, strict=True)
-            axes[0, col].loglog(n, ms, "o-", label=f"{provider} ({dtype})", base=2)
-            axes[1, col].loglog(n, tf, "o-", label=f"{provider} ({dtype})", base=2)
+            style = {"label": f"{provider} ({dtype})", "base": 2,
+                     "color": colour[provider, dtype]}
+            axes[0, col].loglog(n, ms, "o-", **style)
+            axes[1, col].loglog(n, tf, "o-", **style)
         axes[0, col].set_title(f"d={d}, causal={causal}, batch*heads*N = 262144")
         axes[0, col].set_ylabel("median ms per forward")
         axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")
