@@ -33,7 +33,7 @@ from typing import NamedTuple
 from numba import float32, uint32, uint64
 
 from .intrinsics import exp2
-from .runtime import MAX_THREADS_PER_BLOCK, cuda
+from .runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
 from .tiles import LOG2E
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
@@ -223,7 +223,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
     DX4, DVX4 = -(-D // 4), -(-DV // 4)  # noqa: N806 - 4-wide chunks of the head dims
     NS = RM * KN  # noqa: N806
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def coords():
         t = uint32(cuda.threadIdx.x)
         return t // uint32(TC), t % uint32(TC)
@@ -244,7 +244,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
                 if r >= n_rows or c >= n_cols:
                     buf[off + r * stride + c] = float32(0.0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def dot_chunks(out, buf, a_base, a_stride, b_base, b_stride, chunks, tr, tc):
         """out[a KN + b] = sum over 4-wide chunks of A[row a] . B[key b]."""
         for e in range(NS):
@@ -302,7 +302,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
         al = acc_layout(M, N, NT)
         TM, TN, RA, XH = al  # noqa: N806
 
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def acc_fn(buf, acc):
             t = uint32(cuda.threadIdx.x)
             tm, tn = t // uint32(TN), t % uint32(TN)
@@ -331,7 +331,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
         al = acc_layout(M, N, NT)
         TM, TN, RA, XH = al  # noqa: N806
 
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def write(buf, acc, factor):
             t = uint32(cuda.threadIdx.x)
             tm, tn = t // uint32(TN), t % uint32(TN)

@@ -62,7 +62,7 @@ import threading
 
 import numpy as np
 
-from .runtime import SIMULATOR, cuda
+from .runtime import SIMULATOR, cuda, inlined
 
 FULL_MASK = 0xFFFFFFFF
 
@@ -268,7 +268,7 @@ else:
 
         return types.float32(x), codegen
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def exp2(x):
         return _ex2_approx_ftz(x)
 
@@ -444,6 +444,6 @@ else:
     cp_async_commit = _void_asm("cp.async.commit_group;")
     cp_async_wait_all = _void_asm("cp.async.wait_all;")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def shfl_xor(x, lanes):
         return cuda.shfl_xor_sync(FULL_MASK, x, lanes)

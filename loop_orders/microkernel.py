@@ -69,6 +69,7 @@ from .runtime import (
     cuda,
     data_pointer,
     dynamic_shared_limit,
+    inlined,
     launch,
 )
 from .schedule import Kernel, Problem, Schedule
@@ -312,29 +313,29 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
     OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def coords():
         """(tr, tc) of this thread, unsigned."""
         t = uint32(cuda.threadIdx.x)
         return t // uint32(TC), t % uint32(TC)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def red_at(tr, tc):
         """Index of the thread's RM partials in the reduction rows (a row's TC threads'
         partials contiguous)."""
         return uint64(RED) + (uint64(tr) * uint64(TC) + uint64(tc)) * uint64(RM)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def q_at(tr, a):
         """Index of row a of the thread in a Br-row tile of stride QS at 0."""
         return (uint64(tr) + uint64(a * TR)) * uint64(QS)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def dim(tc, h, w):
         """Head dim of the thread's w-th element of chunk h."""
         return (uint64(tc) + uint64(h * TC)) * uint64(4) + uint64(w)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def visible(row, key0, n_keys):
         """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
         if CAUSAL:
@@ -346,7 +347,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         for e in range(cuda.threadIdx.x, SIZE, NT):
             buf[e] = float32(0.0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scores_row(a, x4, s, buf, tr, tc):
         """s[a KN + b] += Q_i[row a] . K_j[key b] over head dims 4 x4 .. 4 x4 + 3."""
         qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
@@ -361,14 +362,14 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     scores_chunk = unrolled(scores_row, RM, 5, RM)
     scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scores(s, buf, tr, tc):
         """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim."""
         for e in range(NS):
             s[e] = float32(0.0)
         scores_chunks(s, buf, tr, tc)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def rescale(m, l, acc, a, new_max):  # noqa: E741
         """Raise row a's running max to new_max: scale l and acc by 2^(m - new_max)."""
         if new_max > m[a]:  # skipped whenever the max is unchanged (most tiles)
@@ -378,7 +379,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 acc[a * XN + y] *= alpha
             m[a] = new_max
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate_row(a, c4, buf, acc, tr, tc):
         """acc[row a] += P_ij[row a] V_j over keys 4 c4 .. 4 c4 + 3."""
         pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
@@ -392,7 +393,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     accumulate_chunk = unrolled(accumulate_row, RM, 5, RM)  # rows in straight-line code
     accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate_row_seen(a, c4, buf, acc, tr, tc, vis):
         """accumulate_row over the keys of chunk c4 that row a sees: all four of them, some
         (one at a time), or none; a key the row does not see is never multiplied in."""
@@ -411,7 +412,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     accumulate_chunk_seen = unrolled(accumulate_row_seen, RM, 6, RM)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate_seen(buf, acc, tr, tc, vis):
         """acc += P_ij V_j, each row over the keys it sees (a tail tile or the causal
         diagonal), four keys at a time up to the last row's (which sees the most)."""
@@ -421,7 +422,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             accumulate_chunk_seen(c4, buf, acc, tr, tc, vis)
             c4 += uint32(1)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reduce_rows(buf, tr, out, is_max):
         """out[a] = the max or sum of row a's partials over its TC threads (from the
         reduction rows; a thread's RM partials are contiguous, so they load 16 bytes at a
@@ -434,14 +435,14 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 y = buf[base + uint64(c * RM + a)]
                 out[a] = max(out[a], y) if is_max else out[a] + y
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def shuffle_max(x):
         """Max of x over the TC lanes of one row (every lane of the warp takes part)."""
         for k in range(LOG_TC):
             x = max(x, cuda.shfl_xor_sync(uint32(0xFFFFFFFF), x, 1 << k))
         return x
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def weigh(buf, n_keys, key0, row0, m, l, acc, vis):  # noqa: E741
         """The first half of online_update: S_ij, the row maxima, l_i and acc_i rescaled, and
         P_ij into shared memory; vis[a] = the keys row a sees. P_ij is complete for all rows
@@ -480,7 +481,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
                     + uint64(b * TC)] = p
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def fold(buf, acc, vis):
         """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
         sees (vis, from weigh)."""
@@ -506,7 +507,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         cuda.syncthreads()  # every thread's partial row sums are in shared memory
         reduce_rows(buf, tr, l_row, False)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def give_o(buf, acc, factor):
         tr, tc = coords()
         for a in range(RM):
@@ -516,12 +517,12 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                     if x < DV:
                         buf[uint64(OUT) + q_at(tr, a) + x] = acc[a * XN + 4 * h + w] * factor[a]
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reciprocal(x, out):
         for a in range(RM):
             out[a] = float32(1.0) / x[a]
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
         tr, tc = coords()
         for a in range(RM):
@@ -535,7 +536,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                     o = buf[uint64(O) + q_at(tr, a) + x] if x < DV else float32(0.0)
                     acc[a * XN + 4 * h + w] = o * l_row[a]
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def keep_stats(buf, l_row, m):
         tr, tc = coords()
         if tc == 0:
@@ -554,46 +555,46 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
     store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_q(buf, q, bh, row0, n_rows, scale_log2):
         return load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_k_plain(buf, k, bh, key0, n_keys, stage):
         return load_k_tile(buf, k, bh, key0, n_keys, 0, D)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_v_plain(buf, v, bh, key0, n_keys, stage):
         return load_v_tile(buf, v, bh, key0, n_keys, 0, DV)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_k_async(buf, k, bh, key0, n_keys, stage):
         return copy_k_rows(buf, uint64(K), k, bh, key0, n_keys)  # HBM -> shared, 16 B a copy
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_v_async(buf, v, bh, key0, n_keys, stage):
         return copy_v_rows(buf, uint64(V), v, bh, key0, n_keys)  # HBM -> shared, 16 B a copy
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def wait_plain():
         return  # the copies are plain loads and stores: done when they return
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def wait_async():
         cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
 
     load_k, load_v = (load_k_async, load_v_async) if ASYNC else (load_k_plain, load_v_plain)
     wait_loads = wait_async if ASYNC else wait_plain
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_o(buf, o, bh, row0, n_rows):
         return load_o_tile(buf, o, bh, row0, n_rows, 0, DV)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_o(buf, o, bh, row0, n_rows):
         return store_o_tile(buf, o, bh, row0, n_rows, 0, DV)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_lse(lse, bh, row0, n_rows, m, l_row):
         tr, tc = coords()
         moved = 0

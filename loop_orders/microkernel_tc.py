@@ -67,7 +67,7 @@ from .intrinsics import (
     shfl_xor,
     tf32_round,
 )
-from .runtime import SIMULATOR, cuda, data_pointer
+from .runtime import SIMULATOR, cuda, data_pointer, inlined
 from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer, unrolled
 
 NEG_INF = float32(-math.inf)
@@ -345,10 +345,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
                         p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
 
-    # tf32_operand and mma_f32 are plain device functions, inlined by LLVM: the same code as
-    # Numba's own inlining (inline="always"), which at 3xTF32's 400-odd calls a kernel took
-    # minutes to compile
-    @cuda.jit(device=True)
+    @inlined
     def tf32_operand(x):
         """A float32 operand as (head, tail): split (tf32x3) into its TF32 head and the tail
         x - head (exact; the hardware keeps the tail's top 19 bits), else x itself, whose
@@ -358,7 +355,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
             return head, x - head
         return x, float32(0.0)
 
-    @cuda.jit(device=True)
+    @inlined
     def mma_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """C + A B on m16n8k8 TF32 from (head, tail) operands (`tf32_operand`; fragments as
         mma_tf32's): split, three products, the two small cross terms first (tail x head,

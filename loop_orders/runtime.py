@@ -127,6 +127,24 @@ SHARED_F32 = np.dtype(np.float32) if SIMULATOR else numba.float32
 SHARED_ALIGN = None if SIMULATOR else 16
 
 
+def inlined(fn):
+    """`fn` as a device function inlined into every caller: on a GPU by LLVM (numba-cuda's
+    `forceinline`, NVVM's alwaysinline) rather than by Numba itself (`inline="always"`), which
+    types the callee again at every call site. The CUDA-core micro-kernel, the intrinsics,
+    the backward's tiles and `tiles.unrolled` take it: each of 68 builds (all schedules,
+    forward and backward, float32, 16-bit and TF32, tails; sm_90a) kept its SASS instruction
+    count, registers and stack, the hot loops instruction for instruction (elsewhere some
+    compares inverted along with the predicates that use them, one prologue reordered),
+    while the 68 compiled in 206 s instead of 1119 and q_outer's float32 kernel in 8 s
+    instead of 72 (on a CPU without a GPU). The tensor-core micro-kernel, the tile
+    loaders and the loop nests' own helpers keep Numba's inlining: under LLVM's, q_outer's
+    float16 and kv_outer's TF32 kernels came out rescheduled, which no timing has checked; and
+    a function returning an array it made must be inlined by Numba. The simulator calls it."""
+    if SIMULATOR:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
 def kernel_options(threads: int, registers: int = 128) -> dict:
     """`cuda.jit` options for a kernel of `threads` threads per CTA (none on the simulator).
 

@@ -22,7 +22,7 @@ from numba import float32, int64, uint32, uint64
 
 from .intrinsics import cp_async16, cp_async_commit, narrow, widen
 from .ledger import n_slots
-from .runtime import cuda
+from .runtime import cuda, inlined
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -218,4 +218,4 @@ def unrolled(step, n: int, arity: int, by: int):
     lines += ["    return"]
     scope = {"step": step, "uint32": uint32}
     exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
-    return cuda.jit(device=True, inline="always")(scope["run"])
+    return inlined(scope["run"])
