@@ -13,7 +13,9 @@ predicted launch time (4x the previous N's) exceeds POINT_BUDGET_S is recorded a
 
 Writes bench_runtime.csv (provider,dtype,batch,heads,n,d,causal,block_q,block_k,ms_median,
 tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and bench_kernels.json
-(registers, local memory, counting overhead), each with provenance.
+(registers, local memory, counting overhead), and the ceilings measured in the same run:
+tensor_core_ceiling.json (mma.sync, for the tensor-core dtypes) and fma_ceiling.json (float32:
+a register-only FFMA loop and cuBLAS SGEMM), each with provenance.
 """
 
 from __future__ import annotations
