@@ -255,18 +255,26 @@ else:
 
     _F32, _I32 = ir.FloatType(), ir.IntType(32)
 
-    @intrinsic
-    def _ex2_approx_ftz(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
+    def _float_asm(text: str, out: str = "f"):
+        """An intrinsic f(x) -> float32 of one PTX instruction on float32 x, whose result is a
+        float register (`out` 'f') or the bits of one ('r': a .b32, such as a TF32 value)."""
 
-        def codegen(context, builder, sig, args):
-            arg = context.cast(builder, args[0], sig.args[0], types.float32)
-            asm = ir.InlineAsm(ir.FunctionType(_F32, [_F32]), "ex2.approx.ftz.f32 $0, $1;",
-                               "=f,f")
-            return builder.call(asm, [arg])
+        @intrinsic
+        def op(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
 
-        return types.float32(x), codegen
+            def codegen(context, builder, sig, args):
+                value = context.cast(builder, args[0], sig.args[0], types.float32)
+                fnty = ir.FunctionType(_F32 if out == "f" else _I32, [_F32])
+                result = builder.call(ir.InlineAsm(fnty, text, f"={out},f"), [value])
+                return result if out == "f" else builder.bitcast(result, _F32)
+
+            return types.float32(x), codegen
+
+        return op
+
+    _ex2_approx_ftz = _float_asm("ex2.approx.ftz.f32 $0, $1;")
 
     @inlined
     def exp2(x):
@@ -309,18 +317,7 @@ else:
     mma_tf32 = _mma_intrinsic("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 " + _OPERANDS,
                               "r")
 
-    @intrinsic
-    def tf32_round(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
-
-        def codegen(context, builder, sig, args):
-            value = context.cast(builder, args[0], sig.args[0], types.float32)
-            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32]), "cvt.rna.tf32.f32 $0, $1;",
-                               "=r,f")
-            return builder.bitcast(builder.call(asm, [value]), _F32)
-
-        return types.float32(x), codegen
+    tf32_round = _float_asm("cvt.rna.tf32.f32 $0, $1;", out="r")
 
     def _pack_intrinsic(kind: str):
         @intrinsic
