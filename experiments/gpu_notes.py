@@ -125,15 +125,15 @@ def float32_paths(results_dir: Path) -> str:
     runs = {}
     for dtype, path in paths:
         rows = _rows(path)
-        if rows is None:
+        ours = {(r["n"], r["d"], r["causal"]): r for r in rows or ()
+                if r["status"] == "ok" and (r["provider"], r["dtype"]) == ("q_outer", dtype)}
+        if not ours:
             return _missing(path)
-        ok = [r for r in rows if r["status"] == "ok"]
-        ours = {(r["n"], r["d"], r["causal"]): r for r in ok
-                if (r["provider"], r["dtype"]) == ("q_outer", dtype)}
-        sdpa = {(r["n"], r["d"], r["causal"]): r for r in ok
-                if r["provider"] == "torch_sdpa_efficient" and r["git_sha"] == next(
-                    iter(ours.values()))["git_sha"]}
-        runs[dtype] = (ours, sdpa)
+        sha = next(iter(ours.values()))["git_sha"]  # SDPA's rows of the same run
+        sdpa = {(r["n"], r["d"], r["causal"]): r for r in rows
+                if r["status"] == "ok" and r["provider"] == "torch_sdpa_efficient"
+                and r["git_sha"] == sha}
+        runs[dtype] = (ours, sdpa, sha)
     lines = ["| d | causal | N | FMA ms | SDPA ms | FMA / SDPA | 3xTF32 ms | SDPA ms | "
              "3xTF32 / SDPA | error FMA, 3xTF32, SDPA |", "|---" * 10 + "|"]
     fma, tf32x3 = runs["float32"], runs["tf32x3"]
@@ -144,10 +144,11 @@ def float32_paths(results_dir: Path) -> str:
         lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {_row_ms(f)} | {_row_ms(fs)} | "
                      f"{_ratio(fs, f)} | {_row_ms(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
                      f"{errors} |")
-    head = ("B·H·N = 262144, tiles 128 × 64, median ms, kernels alone; FMA (q_outer float32 "
-            f"at {next(iter(fma[0].values()))['git_sha'][:7]}) and 3xTF32 (precision "
-            f"\"tf32x3\", {next(iter(tf32x3[0].values()))['git_sha'][:7]}) each beside SDPA's "
-            "float32 efficient backend timed in the same run:")
+    r0 = fma[0][shapes[0]]
+    head = (f"B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
+            f"{r0['block_q']} × {r0['block_k']}, median ms, kernels alone; FMA (q_outer "
+            f"float32 at {fma[2][:7]}) and 3xTF32 (precision \"tf32x3\", {tf32x3[2][:7]}) each "
+            "beside SDPA's float32 efficient backend timed in the same run:")
     ceiling = results_dir / "fma_ceiling.json"
     tail = ""
     if ceiling.exists():

@@ -129,8 +129,7 @@ class TensorCores(NamedTuple):
         return 128 if data <= DATA_REGISTERS and fits else 255
 
     def __str__(self) -> str:
-        kind = {"float16": "f16", "bfloat16": "bf16", "tf32": "tf32", "tf32x3": "tf32x3"}[
-            self.dtype]
+        kind = {"float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         return f"mma.{kind}" + ("" if self.stages == 1 else f"x{self.stages}")
 
 
@@ -246,7 +245,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     TF32, SPLIT, BF16 = SPEC.tf32, SPEC.split, SPEC.dtype == "bfloat16"  # noqa: N806
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
-    ELEMENT = _tile_type(SPEC.dtype)  # noqa: N806
+    ELEMENT = _tile_type("float32" if TF32 else SPEC.dtype)  # noqa: N806
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -627,9 +626,8 @@ def _tile_type(dtype: str):
     as a NumPy dtype on the simulator and a Numba type on the GPU."""
     if SIMULATOR:
         return {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-                "tf32": np.dtype(np.float32), "tf32x3": np.dtype(np.float32)}[dtype]
+                "float32": np.dtype(np.float32)}[dtype]
     from numba.core import types
 
-    return {"float16": types.float16, "bfloat16": uint16, "tf32": float32,
-            "tf32x3": float32}[dtype]
+    return {"float16": types.float16, "bfloat16": uint16, "float32": float32}[dtype]
 
