@@ -30,8 +30,9 @@ multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
 Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
 multiplied into acc (on a diagonal or tail tile each row goes four keys at a time over the
-chunks it sees whole, key by key over the one it sees in part, and skips the rest), so a NaN
-in a masked row of K or V cannot reach the output.
+chunks it sees whole, key by key over the one it sees in part, and skips the rest, with each
+chunk's V rows loaded once for all of a thread's rows), so a NaN in a masked row of K or V
+cannot reach the output.
 
 Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij and the row
 reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
@@ -301,6 +302,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
     XN = 4 * XH  # noqa: N806 - accumulators per row
     NS = RM * KN  # noqa: N806 - scores per thread
+    VN = 4 * XN  # noqa: N806 - a 4-key chunk of V_j at a thread's head dims
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     FAST = BC % 4 == 0  # noqa: N806 - full tiles go four keys at a time
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
@@ -394,33 +396,51 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
 
     @inlined
-    def accumulate_row_seen(a, c4, buf, acc, tr, tc, vis):
-        """accumulate_row over the keys of chunk c4 that row a sees: all four of them, some
-        (one at a time), or none; a key the row does not see is never multiplied in."""
+    def v_chunk(c4, buf, tc, vv):
+        """vv[u XN + y] = V_j[key 4 c4 + u] at the thread's y-th head dim: a chunk's V rows,
+        loaded once for all RM rows (their branches would each load them again). Keys past
+        Bc (the last chunk of a Bc not a multiple of 4) read key Bc - 1: never weighed in."""
+        for u in range(4):
+            key = uint32(4) * c4 + uint32(u)
+            if not FAST:
+                key = min(key, uint32(BC - 1))
+            vc = uint64(V) + uint64(key) * uint64(VS)
+            for h in range(XH):
+                for w in range(4):
+                    vv[u * XN + 4 * h + w] = buf[vc + dim(tc, h, w)]
+
+    @inlined
+    def accumulate_row_seen(a, c4, buf, acc, tr, tc, vis, vv):
+        """acc[row a] += P_ij[row a] V_j over the keys of chunk c4 (V rows in vv) that row a
+        sees: all four of them, some (one at a time), or none; a key the row does not see
+        is never multiplied in."""
         key, seen = uint32(4) * c4, uint32(vis[a])
+        pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(key)
         if key + uint32(4) <= seen:
-            accumulate_row(a, c4, buf, acc, tr, tc)
+            for u in range(4):
+                p = buf[pa + uint64(u)]
+                for y in range(XN):
+                    acc[a * XN + y] += p * vv[u * XN + y]
         elif key < seen:
-            pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(key)
             for u in range(3):  # at most three keys of a chunk the row does not see whole
                 if key + uint32(u) < seen:
-                    vc = uint64(V) + uint64(key + uint32(u)) * uint64(VS)
                     p = buf[pa + uint64(u)]
-                    for h in range(XH):
-                        for w in range(4):
-                            acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
+                    for y in range(XN):
+                        acc[a * XN + y] += p * vv[u * XN + y]
 
-    accumulate_chunk_seen = unrolled(accumulate_row_seen, RM, 6, RM)
+    accumulate_chunk_seen = unrolled(accumulate_row_seen, RM, 7, RM)
 
     @inlined
     def accumulate_seen(buf, acc, tr, tc, vis):
         """acc += P_ij V_j, each row over the keys it sees (a tail tile or the causal
         diagonal), four keys at a time up to the last row's (which sees the most)."""
+        vv = cuda.local.array(VN, float32)  # one chunk's V rows at the thread's dims
         n_chunks = (uint32(vis[RM - 1]) + uint32(3)) // uint32(4)
         c4 = uint32(0)
         while c4 < n_chunks:
-            accumulate_chunk_seen(c4, buf, acc, tr, tc, vis)
-            c4 += uint32(1)
+            v_chunk(c4, buf, tc, vv)
+            accumulate_chunk_seen(c4, buf, acc, tr, tc, vis, vv)
+            c4 = uint32(c4 + uint32(1))
 
     @inlined
     def reduce_rows(buf, tr, out, is_max):
