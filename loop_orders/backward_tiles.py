@@ -34,7 +34,7 @@ from numba import float32, uint32, uint64
 
 from .intrinsics import exp2
 from .runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
-from .tiles import LOG2E
+from .tiles import LOG2E, make_clear
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
 SCORES_PER_THREAD = 16
@@ -228,10 +228,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
         t = uint32(cuda.threadIdx.x)
         return t // uint32(TC), t % uint32(TC)
 
-    @cuda.jit(device=True)
-    def clear(buf):
-        for e in range(cuda.threadIdx.x, SIZE, NT):
-            buf[e] = float32(0.0)
+    clear = make_clear(SIZE, NT)
 
     @cuda.jit(device=True)
     def zero_outside(buf, off, stride, n_rows, n_cols, rows, cols):

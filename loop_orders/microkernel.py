@@ -78,6 +78,7 @@ from .tiles import (
     LN2,
     LOG2E,
     counter_slots,
+    make_clear,
     make_row_copier,
     make_tile_loader,
     make_tile_storer,
@@ -344,10 +345,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             return max(0, min(n_keys, row - key0 + 1))
         return n_keys
 
-    @cuda.jit(device=True)
-    def clear(buf):
-        for e in range(cuda.threadIdx.x, SIZE, NT):
-            buf[e] = float32(0.0)
+    clear = make_clear(SIZE, NT)
 
     @inlined
     def scores_row(a, x4, s, buf, tr, tc):

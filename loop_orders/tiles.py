@@ -158,6 +158,42 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
     return copy_rows
 
 
+@cache
+def make_clear(SIZE: int, THREADS: int):  # noqa: N803
+    """Device function zeroing a CTA's shared buffer of SIZE floats, once per CTA, so the
+    tiles' padding and rows past N stay zero. The threads take 16-byte chunks in turn, one
+    st.shared.v4 each, the CTA's whole rounds in straight-line code, then the chunks and
+    floats left over. A Numba range over single floats took about 14 instructions a float:
+    3,000 a thread per CTA at q_outer's 128 x 64 tiles (d = 64). (The tensor-core
+    micro-kernel keeps that range: under its 128-register cap at d = 64 these straight-line
+    rounds made ptxas spill 116 B in the causal 3xTF32 kernel's hot loop, against 4 B.)"""
+    CHUNKS, REST = divmod(SIZE, 4)  # noqa: N806
+    ROUNDS, LAST = divmod(CHUNKS, THREADS)  # noqa: N806
+
+    @inlined
+    def zero_chunk(c, buf):
+        for w in range(4):
+            buf[uint64(4) * uint64(c) + uint64(w)] = float32(0.0)
+
+    @inlined
+    def zero_round(k, buf):
+        zero_chunk(uint32(cuda.threadIdx.x) + k * uint32(THREADS), buf)
+
+    rounds = unrolled(zero_round, ROUNDS, 1, ROUNDS)  # straight-line code
+
+    @inlined
+    def clear(buf):
+        rounds(buf)
+        t = uint32(cuda.threadIdx.x)
+        if t < uint32(LAST):
+            zero_chunk(t + uint32(ROUNDS * THREADS), buf)
+        for r in range(REST):  # the floats past the last whole chunk
+            if t == uint32(r % THREADS):
+                buf[uint64(4 * CHUNKS + r)] = float32(0.0)
+
+    return clear
+
+
 @cuda.jit(device=True)
 def zero_counts(cnt):
     for s in range(cnt.shape[0]):

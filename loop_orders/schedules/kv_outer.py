@@ -106,6 +106,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         if COUNT:
             zero_counts(cnt)
         clear(buf)  # padding stays zero; the O_i stage starts as O = 0, l = 0, m = -inf
+        cuda.syncthreads()  # the buffer is clear (by other threads) before m_i's rows are set
         for r in range(cuda.threadIdx.x, ROWS, NT):
             buf[STATS + ROWS + r] = float32(-math.inf)
         cuda.syncthreads()  # the initial O_i, l_i, m_i are in shared memory
