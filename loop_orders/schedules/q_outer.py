@@ -33,11 +33,13 @@ from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_opt
 from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import counter_slots, counts_flusher, zero_counts
 
-# Chunks per trip of the micro-kernel's hot loops. Measured on the H200 (B=4, H=16, N=4096,
-# 128 x 64 tiles, launches back to back; results/gpu_logs/ab_variants_2026-11-30.txt): at
-# d = 64, 1, 2, 4 gave 7.57, 7.41, 7.49 ms (at 2 ptxas keeps 16 bytes of stack, in the K/V
-# loop's control, not the hot loops); at d = 128, 2 gave 16.4 ms against 17.9 for 1.
-UNROLL = 2
+# Chunks per trip of the micro-kernel's hot loops, per head dim (else 2). Measured on the H200
+# (B=4, H=16, N=4096, 128 x 64 tiles): at d = 64, 1, 2, 4 gave 7.57, 7.41, 7.49 ms
+# (results/gpu_logs/ab_variants_2026-11-30.txt) and at 10f5e3d 4 against 2 still lost, 6.69
+# against 6.65 ms (causal 4.00 against 3.82); at d = 128, 2 gave 16.4 ms against 17.9 for 1,
+# and at 10f5e3d 4 gave 13.55 against 13.79 ms (causal 7.43 against 7.63;
+# results/gpu_logs/ab_unroll_10f5e3d.log).
+UNROLL = {128: 4}
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
@@ -45,7 +47,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL)
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, 2))
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES = mk.STAGES  # noqa: N806 - K/V buffers
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
