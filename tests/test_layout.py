@@ -11,7 +11,7 @@ from loop_orders.microkernel import (
     thread_layout,
 )
 from loop_orders.runtime import cuda
-from loop_orders.tiles import unrolled
+from loop_orders.tiles import make_clear, unrolled
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +106,29 @@ def test_unrolled_calls_every_step_once_in_order(n, by):
     out, pos = np.full(n + 1, -1, np.int64), np.zeros(1, np.int64)
     kernel[1, 1](out, pos)
     assert out.tolist() == [*range(n), -1] and pos[0] == n
+
+
+@pytest.mark.parametrize("size, threads", [(3, 1), (5, 8), (23, 2), (37, 4), (64, 16),
+                                           (100, 3), (131, 32)])
+def test_make_clear_zeroes_every_float_of_the_buffer_and_nothing_past_it(size, threads):
+    """Whole rounds of 16-byte chunks, the chunks left over, then the floats past the last
+    chunk, with fewer threads than those floats too."""
+    clear = make_clear(size, threads)
+
+    @cuda.jit
+    def kernel(out):
+        buf = cuda.shared.array(136, np.float32)
+        for e in range(cuda.threadIdx.x, 136, threads):
+            buf[e] = np.float32(7.0)
+        cuda.syncthreads()
+        clear(buf)
+        cuda.syncthreads()
+        for e in range(cuda.threadIdx.x, 136, threads):
+            out[e] = buf[e]
+
+    out = np.full(136, -1.0, np.float32)
+    kernel[1, threads](out)
+    assert (out[:size] == 0).all() and (out[size:] == 7).all()
 
 
 def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it():
