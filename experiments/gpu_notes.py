@@ -18,7 +18,8 @@ from loop_orders.backward_schedule import backward_of
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
 # Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles
 PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", "8 × 4", 4),
-                ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", "8 × 8", 1)]
+                ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", "8 × 8", 1),
+                ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", "8 × 8", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -159,6 +160,74 @@ def float32_paths(results_dir: Path) -> str:
                 "(TF32 off) " + ", ".join(f"{g['tflops']} TFLOP/s at {g['m']}³"
                                           for g in c["cublas_sgemm"]) + ".")
     return head + "\n\n" + "\n".join(lines) + tail
+
+
+def causal_tiles(results_dir: Path) -> str:
+    """Causal q_outer at small N with 64 x 64 tiles (bench_causal_tiles.csv) beside the
+    benchmark's 128 x 64 (bench_runtime.csv for FMA, bench_tf32x3.csv for 3xTF32), each
+    against SDPA efficient float32 timed in its own run."""
+    path = results_dir / "bench_causal_tiles.csv"
+    small = _rows(path)
+    if small is None:
+        return _missing(path)
+    big = {"float32": _rows(results_dir / "bench_runtime.csv") or [],
+           "tf32x3": _rows(results_dir / "bench_tf32x3.csv") or []}
+
+    def runs(rows: list[dict], dtype: str) -> dict:
+        """(n, d) -> (ours, SDPA of the same run) for q_outer in dtype, causal."""
+        ours = {(r["n"], r["d"]): r for r in rows if r["status"] == "ok"
+                and (r["provider"], r["dtype"], r["causal"]) == ("q_outer", dtype, "True")}
+        sdpa = {(r["n"], r["d"], r["git_sha"]): r for r in rows if r["status"] == "ok"
+                and r["provider"] == "torch_sdpa_efficient" and r["causal"] == "True"}
+        return {k: (r, sdpa.get((*k, r["git_sha"]))) for k, r in ours.items()}
+
+    lines = ["| d | N | path | 128 × 64 ms | / SDPA | 64 × 64 ms | / SDPA | commits |",
+             "|---|---|---|---|---|---|---|---|"]
+    for dtype, label in (("float32", "FMA"), ("tf32x3", "3xTF32")):
+        tiles64, tiles128 = runs(small, dtype), runs(big[dtype], dtype)
+        for key in sorted(tiles64, key=lambda k: (int(k[1]), int(k[0]))):
+            (s, ss), (b, bs) = tiles64[key], tiles128.get(key, (None, None))
+            shas = " / ".join(r["git_sha"][:7] for r in (b, s) if r)
+            lines.append(f"| {key[1]} | {key[0]} | {label} | {_row_ms(b)} | {_ratio(bs, b)} | "
+                         f"{_row_ms(s)} | {_ratio(ss, s)} | {shas} |")
+    r0 = small[0]
+    return (f"Causal, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, median "
+            "ms of the kernels alone; each time over SDPA efficient float32's in the same run "
+            "(FMA thread tiles: 64 × 64 takes the layout rule's, "
+            + ", ".join(sorted({f"d = {r['d']}: {r['layout']}" for r in small
+                                if r["dtype"] == "float32" and r["provider"] == "q_outer"}))
+            + "):\n\n" + "\n".join(lines))
+
+
+def hw_traffic_float32_paths(results_dir: Path) -> str:
+    """ncu bytes of q_outer's float32 paths at this round's kernels (hw_traffic_float32_paths.csv)
+    beside the same configurations measured earlier: FMA in hw_traffic_q_outer.csv, 3xTF32
+    beside plain TF32 (same loads) in hw_traffic_tensor_cores.csv."""
+    path = results_dir / "hw_traffic_float32_paths.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    earlier = {"float32": (_rows(results_dir / "hw_traffic_q_outer.csv") or [], "float32"),
+               "tf32x3": (_rows(results_dir / "hw_traffic_tensor_cores.csv") or [], "tf32")}
+    columns = ("schedule", "n", "causal", "block_q", "block_k", "batch", "heads", "d")
+    lines = ["| dtype | N | causal | model = counted | ncu loads + stores | ncu / counted − 1 | "
+             "earlier row (dtype, commit) | same ncu bytes |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        before, as_dtype = earlier[r["dtype"]]
+        match = next((e for e in before if e["dtype"] == as_dtype
+                      and all(e[c] == r[c] for c in columns)), None)
+        ncu = int(r["ncu_ld_bytes"]) + int(r["ncu_st_bytes"])
+        same = "—" if match is None else \
+            ("yes" if (match["ncu_ld_bytes"], match["ncu_st_bytes"])
+             == (r["ncu_ld_bytes"], r["ncu_st_bytes"]) else "no")
+        where = f"{as_dtype}, {match['git_sha'][:7]}" if match else "—"
+        lines.append(f"| {r['dtype']} | {r['n']} | {r['causal']} | "
+                     f"{r['model_bytes'] == r['counted_bytes']} | {ncu:,} | "
+                     f"{float(r['ncu_vs_counted']):+.4f} | {where} | {same} |")
+    r0 = rows[0]
+    return (f"q_outer at {r0['git_sha'][:7]}, B = {r0['batch']}, H = {r0['heads']}, d = "
+            f"{r0['d']}, tiles {r0['block_q']} × {r0['block_k']}; ncu's l1tex global load and "
+            "store bytes:\n\n" + "\n".join(lines))
 
 
 def _row_ms(r: dict | None) -> str:
@@ -643,7 +712,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
                  "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
                  "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv",
-                 "bench_tf32x3.csv"):
+                 "bench_tf32x3.csv", "bench_causal_tiles.csv", "hw_traffic_float32_paths.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
@@ -662,6 +731,8 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
 def blocks(results_dir: Path) -> dict[str, str]:
     return {"hw-traffic": hw_traffic(results_dir), "bench-summary": bench_summary(results_dir),
             "float32-paths": float32_paths(results_dir),
+            "causal-tiles": causal_tiles(results_dir),
+            "hw-traffic-float32-paths": hw_traffic_float32_paths(results_dir),
             "bench-tuning": bench_tuning(results_dir),
             "bench-kernels": bench_kernels(results_dir),
             "bench-blocksize": bench_blocksize(results_dir),
