@@ -16,6 +16,21 @@ from loop_orders.reference import (
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_q_outer_float32_at_the_benchmarks_tiles(d, causal, rng):
+    """The benchmark's build of the FMA path (128 x 64 tiles: the tuned 8 x 8 and 8 x 4
+    thread tiles, staggered cp.async K/V, 4 chunks a trip at d = 128), with tail blocks:
+    float32 accuracy, and the counted build equal to the model."""
+    q, k, v = random_qkv(rng, 2, 3, 1000, d, d)
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal,
+                       count=True)
+    ref, _ = lo.attention_reference(q, k, v, causal=causal)
+    assert relative_error(res.out, ref) <= 1e-5
+    assert res.counts == lo.get_schedule("q_outer").model(res.problem)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("schedule", SCHEDULES)
