@@ -43,6 +43,11 @@ def _missing(path: Path) -> str:
             "experiments).*")
 
 
+def _bhn(row: dict) -> int:
+    """B·H·N of a results row (the benchmarks hold it fixed over N)."""
+    return int(row["batch"]) * int(row["heads"]) * int(row["n"])
+
+
 def _gb(x) -> str:
     return f"{int(x) / 1e9:.3f}"
 
@@ -112,9 +117,20 @@ def bench_summary(results_dir: Path) -> str:
         ratios = [_ratio(sdpa, at.get((*q, d, causal))) for q in ours]
         lines.append(f"| {d} | {causal} | " + " | ".join(cells + ratios) + " |")
     r0 = next(iter(at.values()))
-    return (f"N = {REFERENCE['n']}, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}"
+    return (f"N = {REFERENCE['n']}, B·H·N = {_bhn(r0)}"
             f" (B = {r0['batch']}, H = {r0['heads']}); median ms (TFLOP/s):\n\n"
             + "\n".join(lines))
+
+
+def _beside_sdpa(rows: list[dict], dtype: str) -> dict:
+    """(n, d, causal) -> (q_outer's row in `dtype`, SDPA efficient's row of the same run, by
+    commit, or None) over a bench file's rows that ran."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    sdpa = {(r["n"], r["d"], r["causal"], r["git_sha"]): r for r in ok
+            if r["provider"] == "torch_sdpa_efficient"}
+    return {(r["n"], r["d"], r["causal"]): (r, sdpa.get((r["n"], r["d"], r["causal"],
+                                                          r["git_sha"])))
+            for r in ok if (r["provider"], r["dtype"]) == ("q_outer", dtype)}
 
 
 def float32_paths(results_dir: Path) -> str:
@@ -125,30 +141,24 @@ def float32_paths(results_dir: Path) -> str:
              ("tf32x3", results_dir / "bench_tf32x3.csv")]
     runs = {}
     for dtype, path in paths:
-        rows = _rows(path)
-        ours = {(r["n"], r["d"], r["causal"]): r for r in rows or ()
-                if r["status"] == "ok" and (r["provider"], r["dtype"]) == ("q_outer", dtype)}
-        if not ours:
+        runs[dtype] = _beside_sdpa(_rows(path) or [], dtype)
+        if not runs[dtype]:
             return _missing(path)
-        sha = next(iter(ours.values()))["git_sha"]  # SDPA's rows of the same run
-        sdpa = {(r["n"], r["d"], r["causal"]): r for r in rows
-                if r["status"] == "ok" and r["provider"] == "torch_sdpa_efficient"
-                and r["git_sha"] == sha}
-        runs[dtype] = (ours, sdpa, sha)
     lines = ["| d | causal | N | FMA ms | SDPA ms | FMA / SDPA | 3xTF32 ms | SDPA ms | "
              "3xTF32 / SDPA | error FMA, 3xTF32, SDPA |", "|---" * 10 + "|"]
     fma, tf32x3 = runs["float32"], runs["tf32x3"]
-    shapes = sorted(set(fma[0]) & set(tf32x3[0]), key=lambda k: (int(k[1]), k[2], int(k[0])))
+    shapes = sorted(set(fma) & set(tf32x3), key=lambda k: (int(k[1]), k[2], int(k[0])))
     for key in shapes:
-        (f, fs), (x, xs) = ((run[0].get(key), run[1].get(key)) for run in (fma, tf32x3))
+        (f, fs), (x, xs) = fma[key], tf32x3[key]
         errors = ", ".join(r["rel_error"] if r else "—" for r in (f, x, xs))
         lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {_row_ms(f)} | {_row_ms(fs)} | "
                      f"{_ratio(fs, f)} | {_row_ms(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
                      f"{errors} |")
-    r0 = fma[0][shapes[0]]
-    head = (f"B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
+    r0, x0 = fma[shapes[0]][0], tf32x3[shapes[0]][0]
+    head = (f"B·H·N = {_bhn(r0)}, tiles "
             f"{r0['block_q']} × {r0['block_k']}, median ms, kernels alone; FMA (q_outer "
-            f"float32 at {fma[2][:7]}) and 3xTF32 (precision \"tf32x3\", {tf32x3[2][:7]}) each "
+            f"float32 at {r0['git_sha'][:7]}) and 3xTF32 (precision \"tf32x3\", "
+            f"{x0['git_sha'][:7]}) each "
             "beside SDPA's float32 efficient backend timed in the same run:")
     ceiling = results_dir / "fma_ceiling.json"
     tail = ""
@@ -175,11 +185,8 @@ def causal_tiles(results_dir: Path) -> str:
 
     def runs(rows: list[dict], dtype: str) -> dict:
         """(n, d) -> (ours, SDPA of the same run) for q_outer in dtype, causal."""
-        ours = {(r["n"], r["d"]): r for r in rows if r["status"] == "ok"
-                and (r["provider"], r["dtype"], r["causal"]) == ("q_outer", dtype, "True")}
-        sdpa = {(r["n"], r["d"], r["git_sha"]): r for r in rows if r["status"] == "ok"
-                and r["provider"] == "torch_sdpa_efficient" and r["causal"] == "True"}
-        return {k: (r, sdpa.get((*k, r["git_sha"]))) for k, r in ours.items()}
+        return {(n, d): pair for (n, d, causal), pair in _beside_sdpa(rows, dtype).items()
+                if causal == "True"}
 
     lines = ["| d | N | path | 128 × 64 ms | / SDPA | 64 × 64 ms | / SDPA | commits |",
              "|---|---|---|---|---|---|---|---|"]
@@ -191,7 +198,7 @@ def causal_tiles(results_dir: Path) -> str:
             lines.append(f"| {key[1]} | {key[0]} | {label} | {_row_ms(b)} | {_ratio(bs, b)} | "
                          f"{_row_ms(s)} | {_ratio(ss, s)} | {shas} |")
     r0 = small[0]
-    return (f"Causal, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, median "
+    return (f"Causal, B·H·N = {_bhn(r0)}, median "
             "ms of the kernels alone; each time over SDPA efficient float32's in the same run "
             "(FMA thread tiles: 64 × 64 takes the layout rule's, "
             + ", ".join(sorted({f"d = {r['d']}: {r['layout']}" for r in small
@@ -274,7 +281,7 @@ def tensor_cores(results_dir: Path) -> str:
                     f"{_row_ms(g('torch_sdpa_efficient', 'float32'))} | {_ratio(q32, qt)} | "
                     f"{qt['rel_error'] if qt else '—'} |")
     r0 = rows[0]
-    head = (f"N = 4096, B·H·N = {int(r0['batch']) * int(r0['heads']) * int(r0['n'])}, tiles "
+    head = (f"N = 4096, B·H·N = {_bhn(r0)}, tiles "
             f"{r0['block_q']}×{r0['block_k']}; median ms, kernels alone, each checked against "
             "float64 first (the error: max relative on sampled rows). 16-bit inputs:")
     ceiling = results_dir / "tensor_core_ceiling.json"
