@@ -5,20 +5,27 @@ device functions; only the loops around them differ, so measured differences com
 loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
     thread t = (tr, tc), tr = t // TC, tc = t % TC;  TR = ceil(Br / RM), TC = ceil(Bc / KN)
-    its RM query rows:   tr + a TR         (a < RM)
+    its RM query rows:   G tr + (a mod G) + (a // G) G TR  (a < RM; G = 4 where RM allows:
+                         groups of 4 consecutive rows, `row_of`)
     its KN keys of S:    tc + b TC         (b < KN)        -> RM x KN scores in registers
     its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
-    S = Q_i K_j^T:  for each 4 dims x: RM + KN 16-byte shared loads feed 4 RM KN FMAs
+    S = Q_i K_j^T:  for each 4 dims: RM + KN 16-byte shared loads, then one dim at a time
+                    over every (row, key): 4 RM KN FMAs
     row max:        each thread's partial max of its KN keys, combined over the row's TC
                     threads: a shuffle butterfly on a GPU, shared memory on the simulator
-    P:              2^(S - m) written to shared (P_ij never leaves the chip)
-    acc += P V_j:   for each 4 keys c: RM loads of P and 4 XH of V feed 16 RM XH FMAs
+    P:              2^(S - m) written to shared, transposed (P_ij^T: a row per key; P_ij
+                    never leaves the chip), one 16-byte store a key and group of 4 rows
+    acc += P V_j:   for each key: RM / 4 loads of P_ij^T and XH of V feed 4 RM XH FMAs
 
 With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
 owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
-The two hot loops (over the chunks of S and of P V) go UNROLL chunks per trip of a 32-bit
-counter (`unrolled`): Numba's own `range` loops cost 14 instructions of loop control per trip.
+In S each 16-byte load of Q_i or K_j holds four dims of one row or key; in P V_j each load
+of P_ij^T holds one key's weights for four rows, so a key's operands are RM + 4 XH floats
+rather than four keys' 4 (RM + 4 XH), and the loads of the next key can go out under the
+FMAs of this one. The two hot loops (over the chunks of S and the keys of P V) go UNROLL
+4-wide chunks per trip of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14
+instructions of loop control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
 differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
@@ -29,14 +36,14 @@ multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
     m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
 Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
-multiplied into acc (on a diagonal or tail tile each row goes four keys at a time over the
-chunks it sees whole, key by key over the one it sees in part, and skips the rest, with each
-chunk's V rows loaded once for all of a thread's rows), so a NaN in a masked row of K or V
-cannot reach the output.
+multiplied into acc (on a diagonal or tail tile P V_j goes key by key up to the last key
+any of the thread's rows sees, each row multiplying in only the keys it sees), so a NaN in
+a masked row of K or V cannot reach the output.
 
-Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij and the row
+Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij^T and the row
 reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
-number of 16-byte chunks so that a warp's loads of different rows hit different banks; the
+number of 16-byte chunks so that a warp's loads (and P_ij^T's stores) of different rows hit
+different banks; the
 padding columns are zero (the buffer is cleared once per CTA), so the dot products can run
 over whole 4-wide chunks. All indices are unsigned (no negative-index fix-ups) and every loop
 over a thread's scores, accumulators and statistics has a compile-time trip count, so they
@@ -178,7 +185,7 @@ class SharedLayout(NamedTuple):
     ks: int
     v: int  # V_j, Bc rows
     vs: int
-    p: int  # P_ij, Br rows
+    p: int  # P_ij^T, Bc rows (a key's weights for every query row)
     ps: int
     red: int  # per-thread row partials (max, then sums), RM per thread
     o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij's place
@@ -203,8 +210,8 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     qs = _stride(max(D, DV))
     ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
-    ps = _stride(keys)
-    sizes = [rows * qs, keys * ks, BC * vs, rows * max(ps, qs if reload else 0),
+    ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
+    sizes = [rows * qs, keys * ks, BC * vs, max(keys * ps, rows * qs if reload else 0),
              tr * tc * lay.rm, 2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, p if reload else 0, stats, size)
@@ -232,6 +239,7 @@ class MicroKernel(NamedTuple):
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
     coords()                          this thread's place in the layout
+    row(tr, a)                        the tile row of the thread's row a (uint64)
     load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys, stage),
     load_v(buf, v, bh, key0, n_keys, stage)
                                       HBM -> the tile (rows past n_rows as the micro-kernel
@@ -284,6 +292,7 @@ class MicroKernel(NamedTuple):
     STAGGERED: bool = False
     weigh: object = None
     fold: object = None
+    row: object = None
 
 
 @cache
@@ -303,9 +312,12 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
     XN = 4 * XH  # noqa: N806 - accumulators per row
     NS = RM * KN  # noqa: N806 - scores per thread
-    VN = 4 * XN  # noqa: N806 - a 4-key chunk of V_j at a thread's head dims
+    RN = 4 * RM  # noqa: N806 - a 4-wide chunk of the thread's rows of Q_i
+    # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
+    # group and key when G = 4), the groups G TR rows apart
+    G = 4 if RM % 4 == 0 else (2 if RM % 2 == 0 else 1)  # noqa: N806
+    KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
-    FAST = BC % 4 == 0  # noqa: N806 - full tiles go four keys at a time
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
     # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
     # whole rows of threads (TC | 32, and no partial warp); else, and on the simulator (no
@@ -329,9 +341,14 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return uint64(RED) + (uint64(tr) * uint64(TC) + uint64(tc)) * uint64(RM)
 
     @inlined
+    def row_of(tr, a):
+        """The tile row of the thread's row a: G tr + (a mod G) in group a // G."""
+        return uint64((a // G) * G * TR + a % G) + uint64(G) * uint64(tr)
+
+    @inlined
     def q_at(tr, a):
         """Index of row a of the thread in a Br-row tile of stride QS at 0."""
-        return (uint64(tr) + uint64(a * TR)) * uint64(QS)
+        return row_of(tr, a) * uint64(QS)
 
     @inlined
     def dim(tc, h, w):
@@ -348,18 +365,45 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     clear = make_clear(SIZE, NT)
 
     @inlined
-    def scores_row(a, x4, s, buf, tr, tc):
-        """s[a KN + b] += Q_i[row a] . K_j[key b] over head dims 4 x4 .. 4 x4 + 3."""
-        qa = uint64(Q) + q_at(tr, a) + uint64(4 * x4)
-        for b in range(KN):
-            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4 * x4)
+    def q_chunk(x4, buf, tr, qq):
+        """qq[a 4 + u] = Q_i[row a, dim 4 x4 + u]: the thread's rows at one 4-wide chunk of
+        head dims, one 16-byte load a row."""
+        for a in range(RM):
+            qa = uint64(Q) + q_at(tr, a) + uint64(4) * uint64(x4)
             for u in range(4):
-                s[a * KN + b] += buf[qa + uint64(u)] * buf[kb + uint64(u)]
+                qq[a * 4 + u] = buf[qa + uint64(u)]
 
-    # the rows in straight-line code: a loop over them (which LLVM leaves rolled once the
-    # nest passes its unroll threshold) indexes s and acc by a variable, sending them to
-    # local memory
-    scores_chunk = unrolled(scores_row, RM, 5, RM)
+    @inlined
+    def k_chunk(x4, buf, tc, kk):
+        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys."""
+        for b in range(KN):
+            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4) * uint64(x4)
+            for u in range(4):
+                kk[b * 4 + u] = buf[kb + uint64(u)]
+
+    @inlined
+    def scores_row(a, u, s, qq, kk):
+        """s[a KN + b] += Q_i[row a, dim u] K_j[key b, dim u] for every key b of the thread:
+        one operand in KN FMAs in a row, which the register reuse cache then reads once."""
+        for b in range(KN):
+            s[a * KN + b] += qq[a * 4 + u] * kk[b * 4 + u]
+
+    # the rows (and dims) in straight-line code: a loop over them (which LLVM leaves rolled
+    # once the nest passes its unroll threshold) indexes s and acc by a variable, sending them
+    # to local memory
+    scores_dim = unrolled(scores_row, RM, 4, RM)
+    scores_dims = unrolled(scores_dim, 4, 3, 4)
+
+    @inlined
+    def scores_chunk(x4, s, buf, tr, tc):
+        """s += the outer products of one 4-wide chunk of head dims: all operands loaded
+        first, then one dim at a time over every (row, key)."""
+        qq = cuda.local.array(RN, float32)
+        kk = cuda.local.array(KN4, float32)
+        q_chunk(x4, buf, tr, qq)
+        k_chunk(x4, buf, tc, kk)
+        scores_dims(s, qq, kk)
+
     scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
 
     @inlined
@@ -380,65 +424,64 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             m[a] = new_max
 
     @inlined
-    def accumulate_row(a, c4, buf, acc, tr, tc):
-        """acc[row a] += P_ij[row a] V_j over keys 4 c4 .. 4 c4 + 3."""
-        pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(4 * c4)
+    def p_key(key, buf, tr, pp):
+        """pp[a] = P_ij[row a, key]: the weights of the thread's rows for one key, one 16-byte
+        load of P_ij^T a group of G = 4 rows."""
+        at = uint64(P) + uint64(key) * uint64(PS)
+        for a in range(RM):
+            pp[a] = buf[at + row_of(tr, a)]
+
+    @inlined
+    def v_key(key, buf, tc, vv):
+        """vv[y] = V_j[key] at the thread's y-th head dim."""
+        at = uint64(V) + uint64(key) * uint64(VS)
         for h in range(XH):
-            for u in range(4):
-                vc = uint64(V) + uint64((4 * c4 + u) * VS)
-                p = buf[pa + uint64(u)]
-                for w in range(4):
-                    acc[a * XN + 4 * h + w] += p * buf[vc + dim(tc, h, w)]
-
-    accumulate_chunk = unrolled(accumulate_row, RM, 5, RM)  # rows in straight-line code
-    accumulate_full = unrolled(accumulate_chunk, BC // 4, 4, UNROLL)  # every key visible
+            for w in range(4):
+                vv[4 * h + w] = buf[at + dim(tc, h, w)]
 
     @inlined
-    def v_chunk(c4, buf, tc, vv):
-        """vv[u XN + y] = V_j[key 4 c4 + u] at the thread's y-th head dim: a chunk's V rows,
-        loaded once for all RM rows (their branches would each load them again). Keys past
-        Bc (the last chunk of a Bc not a multiple of 4) read key Bc - 1: never weighed in."""
-        for u in range(4):
-            key = uint32(4) * c4 + uint32(u)
-            if not FAST:
-                key = min(key, uint32(BC - 1))
-            vc = uint64(V) + uint64(key) * uint64(VS)
-            for h in range(XH):
-                for w in range(4):
-                    vv[u * XN + 4 * h + w] = buf[vc + dim(tc, h, w)]
+    def accumulate_row(a, acc, pp, vv):
+        """acc[row a] += P_ij[row a, key] V_j[key]: one weight in XN FMAs in a row."""
+        for y in range(XN):
+            acc[a * XN + y] += pp[a] * vv[y]
+
+    accumulate_rows = unrolled(accumulate_row, RM, 3, RM)  # rows in straight-line code
 
     @inlined
-    def accumulate_row_seen(a, c4, buf, acc, tr, tc, vis, vv):
-        """acc[row a] += P_ij[row a] V_j over the keys of chunk c4 (V rows in vv) that row a
-        sees: all four of them, some (one at a time), or none; a key the row does not see
-        is never multiplied in."""
-        key, seen = uint32(4) * c4, uint32(vis[a])
-        pa = uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(key)
-        if key + uint32(4) <= seen:
-            for u in range(4):
-                p = buf[pa + uint64(u)]
-                for y in range(XN):
-                    acc[a * XN + y] += p * vv[u * XN + y]
-        elif key < seen:
-            for u in range(3):  # at most three keys of a chunk the row does not see whole
-                if key + uint32(u) < seen:
-                    p = buf[pa + uint64(u)]
-                    for y in range(XN):
-                        acc[a * XN + y] += p * vv[u * XN + y]
+    def accumulate_key(key, buf, acc, tr, tc):
+        """acc += P_ij[:, key] V_j[key]: the key's operands loaded first (RM + XN floats),
+        then every row."""
+        pp = cuda.local.array(RM, float32)
+        vv = cuda.local.array(XN, float32)
+        p_key(key, buf, tr, pp)
+        v_key(key, buf, tc, vv)
+        accumulate_rows(acc, pp, vv)
 
-    accumulate_chunk_seen = unrolled(accumulate_row_seen, RM, 7, RM)
+    accumulate_full = unrolled(accumulate_key, BC, 4, 4 * UNROLL)  # every key visible
+
+    @inlined
+    def accumulate_row_seen(a, key, acc, pp, vv, vis):
+        """accumulate_row where row a sees the key: a key the row does not see is never
+        multiplied in."""
+        if key < uint32(vis[a]):
+            for y in range(XN):
+                acc[a * XN + y] += pp[a] * vv[y]
+
+    accumulate_rows_seen = unrolled(accumulate_row_seen, RM, 5, RM)
 
     @inlined
     def accumulate_seen(buf, acc, tr, tc, vis):
         """acc += P_ij V_j, each row over the keys it sees (a tail tile or the causal
-        diagonal), four keys at a time up to the last row's (which sees the most)."""
-        vv = cuda.local.array(VN, float32)  # one chunk's V rows at the thread's dims
-        n_chunks = (uint32(vis[RM - 1]) + uint32(3)) // uint32(4)
-        c4 = uint32(0)
-        while c4 < n_chunks:
-            v_chunk(c4, buf, tc, vv)
-            accumulate_chunk_seen(c4, buf, acc, tr, tc, vis, vv)
-            c4 = uint32(c4 + uint32(1))
+        diagonal), key by key up to the last row's (which sees the most)."""
+        pp = cuda.local.array(RM, float32)
+        vv = cuda.local.array(XN, float32)
+        n_seen = uint32(vis[RM - 1])
+        key = uint32(0)
+        while key < n_seen:
+            p_key(key, buf, tr, pp)
+            v_key(key, buf, tc, vv)
+            accumulate_rows_seen(key, acc, pp, vv, vis)
+            key = uint32(key + uint32(1))
 
     @inlined
     def reduce_rows(buf, tr, out, is_max):
@@ -470,7 +513,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         row_max = cuda.local.array(RM, float32)
         scores(s, buf, tr, tc)
         for a in range(RM):
-            vis[a] = visible(row0 + int(tr) + a * TR, key0, n_keys)
+            vis[a] = visible(row0 + int(row_of(tr, a)), key0, n_keys)
         full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them
         if not (EXACT and full):
             for a in range(RM):
@@ -495,16 +538,19 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             for b in range(KN):
                 p = exp2(s[a * KN + b] - shift)
                 l[a] += p
-                # P_ij: stays on chip, in shared memory for the P V_j product
-                buf[uint64(P) + (uint64(tr) + uint64(a * TR)) * uint64(PS) + uint64(tc)
-                    + uint64(b * TC)] = p
+                s[a * KN + b] = p
+        for b in range(KN):
+            key_at = uint64(P) + (uint64(tc) + uint64(b * TC)) * uint64(PS)
+            for a in range(RM):
+                # P_ij: stays on chip, in shared memory (transposed) for the P V_j product
+                buf[key_at + row_of(tr, a)] = s[a * KN + b]
 
     @inlined
     def fold(buf, acc, vis):
         """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
         sees (vis, from weigh)."""
         tr, tc = coords()
-        if FAST and vis[0] == BC:
+        if vis[0] == BC:
             accumulate_full(buf, acc, tr, tc)
         else:  # a tail tile or the causal diagonal
             accumulate_seen(buf, acc, tr, tc, vis)
@@ -544,7 +590,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
         tr, tc = coords()
         for a in range(RM):
-            r = uint64(tr) + uint64(a * TR)
+            r = row_of(tr, a)
             l_row[a] = buf[uint64(STATS) + r]
             m[a] = buf[uint64(STATS + ROWS) + r]
             l[a] = l_row[a] if tc == 0 else float32(0.0)  # one partial per row holds it all
@@ -559,7 +605,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         tr, tc = coords()
         if tc == 0:
             for a in range(RM):
-                r = uint64(tr) + uint64(a * TR)
+                r = row_of(tr, a)
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
@@ -618,7 +664,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         moved = 0
         if tc == 0:
             for a in range(RM):
-                local = int(tr) + a * TR  # rows past Br belong to the next block
+                local = int(row_of(tr, a))  # rows past Br belong to the next block
                 if local < n_rows:
                     # lse_i: the row statistic the backward pass needs, written once
                     lse[bh, row0 + local] = (m[a] + math.log2(l_row[a])) * float32(LN2)
@@ -627,7 +673,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS, 1, STAGES > 1, weigh, fold)
+                       NT, RM, XN * RM, ROWS, STATS, 1, STAGES > 1, weigh, fold, row_of)
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:

@@ -77,13 +77,14 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     # row strides: whole 16-byte chunks, an odd number of them (rows start in different banks)
     for stride in (sm.qs, sm.ks, sm.ps):
         assert stride % 4 == 0 and (stride // 4) % 2 == 1
-    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 32
+    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64  # P_ij^T: a row per key
     starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.stats, sm.size]
     assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
     assert sm.k - sm.q == 64 * sm.qs and sm.v - sm.k == 32 * sm.ks
     assert sm.p - sm.v == 32 * sm.vs
-    # kv_outer's O_i stage (stride qs) takes P_ij's place, which grows to hold it
-    assert sm.red - sm.p == 64 * (max(sm.ps, sm.qs) if reload else sm.ps)
+    # kv_outer's O_i stage (64 rows of stride qs) takes P_ij^T's place (32 keys of stride ps),
+    # which grows to hold it
+    assert sm.red - sm.p == max(32 * sm.ps, 64 * sm.qs if reload else 0)
     assert sm.o == (sm.p if reload else 0)
     assert sm.stats - sm.red == lay.threads(64, 32) * lay.rm
     assert sm.size - sm.stats == (128 if reload else 0)
@@ -106,6 +107,29 @@ def test_unrolled_calls_every_step_once_in_order(n, by):
     out, pos = np.full(n + 1, -1, np.int64), np.zeros(1, np.int64)
     kernel[1, 1](out, pos)
     assert out.tolist() == [*range(n), -1] and pos[0] == n
+
+
+@pytest.mark.parametrize("rm, kn", [(8, 8), (8, 4), (4, 4), (6, 2), (3, 4), (2, 8), (1, 4)])
+def test_a_threads_rows_come_in_groups_and_the_threads_cover_every_row_once(rm, kn):
+    """row(tr, a): groups of 4 consecutive rows where RM allows (2, else 1), the groups G TR
+    rows apart; over the CTA every tile row is one thread's, once."""
+    block_q, block_k = 40, 16
+    mk = make_micro_kernel(block_q, block_k, 8, 8, rm, kn, False, False, 2)
+    tr_count, _ = Layout(rm, kn).grid(block_q, block_k)
+    row = mk.row
+
+    @cuda.jit
+    def kernel(out):
+        for tr in range(tr_count):
+            for a in range(rm):
+                out[tr, a] = row(tr, a)
+
+    out = np.full((tr_count, rm), -1, np.int64)
+    kernel[1, 1](out)
+    assert sorted(out.ravel().tolist()) == list(range(tr_count * rm)) == list(range(mk.ROWS))
+    group = 4 if rm % 4 == 0 else 2 if rm % 2 == 0 else 1
+    assert (np.diff(out[:, :group], axis=1) == 1).all()  # consecutive within a group
+    assert (out[:, 0] % group == 0).all()  # a group starts 16-byte aligned (when 4)
 
 
 @pytest.mark.parametrize("size, threads", [(3, 1), (5, 8), (23, 2), (37, 4), (64, 16),

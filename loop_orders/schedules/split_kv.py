@@ -87,13 +87,12 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
     RM, KN = layout.rm, layout.kn  # noqa: N806
     NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
-    TR = layout.grid(BR, BC)[0]  # noqa: N806 - a thread's rows are TR apart
     sm = shared_layout(BR, BC, D, DV, layout, False)
     NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
-    give_o, coords = mk.give_o, mk.coords
+    give_o, coords, row_of = mk.give_o, mk.coords, mk.row
     flush_counts = counts_flusher()
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
@@ -110,7 +109,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         bh = cuda.blockIdx.z
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row0 = i * BR  # this thread's rows: row0 + tr + a TR, a < RM (see microkernel)
+        row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)
         n_rows = min(BR, n_q - row0)
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
@@ -166,7 +165,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         tr, tc = coords()
         if tc == 0:
             for a in range(RM):
-                local = int(tr) + a * TR  # rows past Br belong to the next block
+                local = int(row_of(tr, a))  # rows past Br belong to the next block
                 if local < n_rows:
                     lse_is = float32(-math.inf)  # the row saw no key of the split
                     if l_row[a] != 0:  # (a NaN l passes: NaN in, NaN out)
