@@ -19,7 +19,8 @@ REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16
 # Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles
 PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", "8 × 4", 4),
                 ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", "8 × 8", 1),
-                ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", "8 × 8", 4)]
+                ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", "8 × 8", 4),
+                ("gpu_logs/ncu_profile_q_outer_349917a.txt", "8 × 8", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -207,18 +208,21 @@ def causal_tiles(results_dir: Path) -> str:
 
 
 def hw_traffic_float32_paths(results_dir: Path) -> str:
-    """ncu bytes of q_outer's float32 paths at this round's kernels (hw_traffic_float32_paths.csv)
-    beside the same configurations measured earlier: FMA in hw_traffic_q_outer.csv, 3xTF32
-    beside plain TF32 (same loads) in hw_traffic_tensor_cores.csv."""
+    """ncu bytes of the float32 paths at this round's kernels (hw_traffic_float32_paths.csv:
+    the CUDA-core micro-kernel's schedules, q_outer's 3xTF32) beside the same configurations
+    measured earlier: FMA in hw_traffic_q_outer.csv or hw_traffic.csv, 3xTF32 beside plain
+    TF32 (same loads) in hw_traffic_tensor_cores.csv."""
     path = results_dir / "hw_traffic_float32_paths.csv"
     rows = _rows(path)
     if rows is None:
         return _missing(path)
-    earlier = {"float32": (_rows(results_dir / "hw_traffic_q_outer.csv") or [], "float32"),
+    earlier = {"float32": ([*(_rows(results_dir / "hw_traffic_q_outer.csv") or []),
+                            *(_rows(results_dir / "hw_traffic.csv") or [])], "float32"),
                "tf32x3": (_rows(results_dir / "hw_traffic_tensor_cores.csv") or [], "tf32")}
     columns = ("schedule", "n", "causal", "block_q", "block_k", "batch", "heads", "d")
-    lines = ["| dtype | N | causal | model = counted | ncu loads + stores | ncu / counted − 1 | "
-             "earlier row (dtype, commit) | same ncu bytes |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | dtype | N | causal | commit | model = counted | ncu loads + stores | "
+             "ncu / counted − 1 | earlier row (dtype, commit) | same ncu bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         before, as_dtype = earlier[r["dtype"]]
         match = next((e for e in before if e["dtype"] == as_dtype
@@ -228,13 +232,20 @@ def hw_traffic_float32_paths(results_dir: Path) -> str:
             ("yes" if (match["ncu_ld_bytes"], match["ncu_st_bytes"])
              == (r["ncu_ld_bytes"], r["ncu_st_bytes"]) else "no")
         where = f"{as_dtype}, {match['git_sha'][:7]}" if match else "—"
-        lines.append(f"| {r['dtype']} | {r['n']} | {r['causal']} | "
-                     f"{r['model_bytes'] == r['counted_bytes']} | {ncu:,} | "
-                     f"{float(r['ncu_vs_counted']):+.4f} | {where} | {same} |")
+        name = _with_options(r)
+        lines.append(f"| {name} | {r['dtype']} | {r['n']} | {r['causal']} | "
+                     f"{r['git_sha'][:7]} | {r['model_bytes'] == r['counted_bytes']} | "
+                     f"{ncu:,} | {float(r['ncu_vs_counted']):+.4f} | {where} | {same} |")
     r0 = rows[0]
-    return (f"q_outer at {r0['git_sha'][:7]}, B = {r0['batch']}, H = {r0['heads']}, d = "
-            f"{r0['d']}, tiles {r0['block_q']} × {r0['block_k']}; ncu's l1tex global load and "
-            "store bytes:\n\n" + "\n".join(lines))
+    return (f"B = {r0['batch']}, H = {r0['heads']}, d = {r0['d']}, tiles {r0['block_q']} × "
+            f"{r0['block_k']}; ncu's l1tex global load and store bytes, summed over a "
+            "schedule's kernels:\n\n" + "\n".join(lines))
+
+
+def _with_options(r: dict) -> str:
+    """A results row's schedule with its options, e.g. "split_kv, splits 4"."""
+    options = json.loads(r["options"] or "{}")
+    return r["schedule"] + "".join(f", {k} {v}" for k, v in options.items())
 
 
 def _row_ms(r: dict | None) -> str:
@@ -330,7 +341,8 @@ def hw_traffic_tensor_cores(results_dir: Path) -> str:
              "ncu / counted − 1 | DRAM bytes |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dram = int(r["dram_read_bytes"]) + int(r["dram_write_bytes"])
-        lines.append(f"| {r['schedule']} | {r['dtype']} | {r['n']} | {r['causal']} | "
+        name = _with_options(r)
+        lines.append(f"| {name} | {r['dtype']} | {r['n']} | {r['causal']} | "
                      f"{int(r['counted_bytes']):,} | {int(r['ncu_ld_bytes']):,} | "
                      f"{int(r['ncu_st_bytes']):,} | {float(r['ncu_vs_counted']):+.4f} | "
                      f"{dram:,} |")
