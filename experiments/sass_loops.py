@@ -11,8 +11,8 @@ kernel limited by issue slots runs at best at the share of FFMA among the instru
 issues, so this prints, per kernel:
 
     loops:   each backward branch's body (first and last address), its instructions, FFMA,
-             shared loads, and the loops nested in it: the hot loops over S_ij's and
-             P_ij V_j's chunks, the K/V loop around them
+             shared loads, and the loops nested in it: the hot loops over S_ij's chunks
+             and P_ij V_j's keys, the K/V loop around them
     copies:  each basic block holding cp.async (LDGSTS) instructions: its instructions per
              copy, the address arithmetic a tile load costs
 

@@ -5,8 +5,8 @@ device functions; only the loops around them differ, so measured differences com
 loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
     thread t = (tr, tc), tr = t // TC, tc = t % TC;  TR = ceil(Br / RM), TC = ceil(Bc / KN)
-    its RM query rows:   G tr + (a mod G) + (a // G) G TR  (a < RM; G = 4 where RM allows:
-                         groups of 4 consecutive rows, `row_of`)
+    its RM query rows:   G tr + (a mod G) + (a // G) G TR  (a < RM; `row_of`): groups of
+                         G consecutive rows, G = 4 where 4 divides RM (else 2, else 1)
     its KN keys of S:    tc + b TC         (b < KN)        -> RM x KN scores in registers
     its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
@@ -15,17 +15,17 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
     row max:        each thread's partial max of its KN keys, combined over the row's TC
                     threads: a shuffle butterfly on a GPU, shared memory on the simulator
     P:              2^(S - m) written to shared, transposed (P_ij^T: a row per key; P_ij
-                    never leaves the chip), one 16-byte store a key and group of 4 rows
-    acc += P V_j:   for each key: RM / 4 loads of P_ij^T and XH of V feed 4 RM XH FMAs
+                    never leaves the chip), one store a key and group of G rows
+    acc += P V_j:   for each key: RM / G loads of P_ij^T and XH of V feed 4 RM XH FMAs
 
 With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
 owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
-In S each 16-byte load of Q_i or K_j holds four dims of one row or key; in P V_j each load
-of P_ij^T holds one key's weights for four rows, so a key's operands are RM + 4 XH floats
-rather than four keys' 4 (RM + 4 XH), and the loads of the next key can go out under the
-FMAs of this one. The two hot loops (over the chunks of S and the keys of P V) go UNROLL
-4-wide chunks per trip of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14
-instructions of loop control per trip.
+In S each 16-byte load of Q_i or K_j holds four dims of one row or key; in P V_j each
+16-byte load of P_ij^T holds one key's weights for four rows (G = 4), so a key's operands
+are only RM + 4 XH floats and the loads of the next key can go out under the FMAs of this
+one. The two hot loops go UNROLL 4-wide chunks of dims (S) or 4 UNROLL keys (P V) per trip
+of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14 instructions of loop
+control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
 differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
@@ -43,11 +43,12 @@ a masked row of K or V cannot reach the output.
 Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij^T and the row
 reductions, each at a compile-time offset and row stride. Row strides are padded to an odd
 number of 16-byte chunks so that a warp's loads (and P_ij^T's stores) of different rows hit
-different banks; the
-padding columns are zero (the buffer is cleared once per CTA), so the dot products can run
-over whole 4-wide chunks. All indices are unsigned (no negative-index fix-ups) and every loop
-over a thread's scores, accumulators and statistics has a compile-time trip count, so they
-stay in registers.
+different banks (where 8 or more threads share a row, TC >= 8, as at the benchmark's tiles;
+with fewer, the grouped rows cost 2- to 4-way conflicts on P_ij^T's stores and Q_i's loads,
+speed only); the padding columns are zero (the buffer is cleared once per CTA), so the dot
+products can run over whole 4-wide chunks. All indices are unsigned (no negative-index
+fix-ups) and every loop over a thread's scores, accumulators and statistics has a
+compile-time trip count, so they stay in registers.
 """
 
 from __future__ import annotations
@@ -185,10 +186,10 @@ class SharedLayout(NamedTuple):
     ks: int
     v: int  # V_j, Bc rows
     vs: int
-    p: int  # P_ij^T, Bc rows (a key's weights for every query row)
+    p: int  # P_ij^T, a row per key a thread owns (Bc or a few more), a column per query row
     ps: int
     red: int  # per-thread row partials (max, then sums), RM per thread
-    o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij's place
+    o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij^T's place
     stats: int  # kv_outer only: l_i then m_i of the block's rows
     size: int  # floats in all
 
@@ -202,9 +203,9 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
                   reload: bool) -> SharedLayout:
     """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows. Tiles
     have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
-    shares P_ij's space: O_i is taken before P_ij is written (the caller puts a barrier between:
-    the rows a thread writes of P_ij are other threads' rows of the O_i stage) and given after
-    P V_j."""
+    shares P_ij^T's space: O_i is taken before P_ij^T is written (the caller puts a barrier
+    between: what a thread writes of P_ij^T is other threads' rows of the O_i stage) and given
+    after P V_j."""
     tr, tc = lay.grid(BR, BC)
     rows, keys = tr * lay.rm, tc * lay.kn
     qs = _stride(max(D, DV))
@@ -239,7 +240,8 @@ class MicroKernel(NamedTuple):
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
     coords()                          this thread's place in the layout
-    row(tr, a)                        the tile row of the thread's row a (uint64)
+    row_of(tr, a)                     the tile row of the thread's row a (uint64; CUDA
+                                      cores only)
     load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys, stage),
     load_v(buf, v, bh, key0, n_keys, stage)
                                       HBM -> the tile (rows past n_rows as the micro-kernel
@@ -292,7 +294,7 @@ class MicroKernel(NamedTuple):
     STAGGERED: bool = False
     weigh: object = None
     fold: object = None
-    row: object = None
+    row_of: object = None
 
 
 @cache
@@ -307,7 +309,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     lay = Layout(RM, KN, STAGES)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
-    ROWS = TR * RM  # noqa: N806 - rows of the Q_i, P_ij and O_i tiles (Br or a few more)
+    ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
     sm = shared_layout(BR, BC, D, DV, lay, RELOAD)
     XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
     XN = 4 * XH  # noqa: N806 - accumulators per row

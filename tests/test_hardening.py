@@ -23,8 +23,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 EPS32 = 2.0**-24
 
 # (block_q, block_k): single keys, tails, and diagonal tiles that are partly masked.
-# (4, 8): rows 4..7 see keys 0..3 whole (four at a time) and 4..7 only in part
-BLOCKS = [(4, 4), (3, 5), (1, 1), (8, 3), (4, 8)]
+# (4, 8): rows 4..7 see keys 0..3 whole and 4..7 only in part. (16, 8), clamped to 10 x 8 at
+# n = 10: two threads' rows interleave in groups of 4 (microkernel.row_of: 0-3 and 8-11, 4-7
+# and 12-15), rows 10..15 past N_q
+BLOCKS = [(4, 4), (3, 5), (1, 1), (8, 3), (4, 8), (16, 8)]
 
 
 def scaled_qkv(rng, n, d, score_magnitude, dtype="float32", batch=0, heads=0):

@@ -77,7 +77,8 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     # row strides: whole 16-byte chunks, an odd number of them (rows start in different banks)
     for stride in (sm.qs, sm.ks, sm.ps):
         assert stride % 4 == 0 and (stride // 4) % 2 == 1
-    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64  # P_ij^T: a row per key
+    # P_ij^T: a row per key, a column per query row (64)
+    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64
     starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.stats, sm.size]
     assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
     assert sm.k - sm.q == 64 * sm.qs and sm.v - sm.k == 32 * sm.ks
@@ -116,7 +117,7 @@ def test_a_threads_rows_come_in_groups_and_the_threads_cover_every_row_once(rm, 
     block_q, block_k = 40, 16
     mk = make_micro_kernel(block_q, block_k, 8, 8, rm, kn, False, False, 2)
     tr_count, _ = Layout(rm, kn).grid(block_q, block_k)
-    row = mk.row
+    row = mk.row_of
 
     @cuda.jit
     def kernel(out):
@@ -127,9 +128,12 @@ def test_a_threads_rows_come_in_groups_and_the_threads_cover_every_row_once(rm, 
     out = np.full((tr_count, rm), -1, np.int64)
     kernel[1, 1](out)
     assert sorted(out.ravel().tolist()) == list(range(tr_count * rm)) == list(range(mk.ROWS))
+    # a thread's rows rise with a (row 0 sees the fewest keys of a causal tile, row RM - 1
+    # the most), consecutive within each group, each group starting at a multiple of its size
+    assert (np.diff(out, axis=1) > 0).all()
     group = 4 if rm % 4 == 0 else 2 if rm % 2 == 0 else 1
-    assert (np.diff(out[:, :group], axis=1) == 1).all()  # consecutive within a group
-    assert (out[:, 0] % group == 0).all()  # a group starts 16-byte aligned (when 4)
+    groups = out.reshape(tr_count, rm // group, group)
+    assert (np.diff(groups, axis=2) == 1).all() and (groups[:, :, 0] % group == 0).all()
 
 
 @pytest.mark.parametrize("size, threads", [(3, 1), (5, 8), (23, 2), (37, 4), (64, 16),

@@ -92,7 +92,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
-    give_o, coords, row_of = mk.give_o, mk.coords, mk.row
+    give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
     flush_counts = counts_flusher()
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
@@ -120,7 +120,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             return  # split s holds no K/V block that query block i sees (the whole CTA)
         part = s * cuda.gridDim.z + bh  # (split, head) row of o_part and lse_part
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, P_ij
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, P_ij^T
         acc = cuda.local.array(NACC, float32)
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
