@@ -466,8 +466,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         """accumulate_row where row a sees the key: a key the row does not see is never
         multiplied in."""
         if key < uint32(vis[a]):
-            for y in range(XN):
-                acc[a * XN + y] += pp[a] * vv[y]
+            accumulate_row(a, acc, pp, vv)
 
     accumulate_rows_seen = unrolled(accumulate_row_seen, RM, 5, RM)
 

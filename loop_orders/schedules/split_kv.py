@@ -49,7 +49,7 @@ from numba import float32, int64
 
 from ..intrinsics import narrow
 from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, make_micro_kernel, shared_layout
+from ..microkernel import MicroKernelSchedule, make_micro_kernel
 from ..runtime import (
     SHARED_ALIGN,
     SHARED_F32,
@@ -67,8 +67,6 @@ from ..tiles import (
     LN2,
     counter_slots,
     counts_flusher,
-    make_tile_loader,
-    make_tile_storer,
     zero_counts,
 )
 
@@ -86,18 +84,15 @@ FILLED, WITHIN = 0.8, 0.85
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
     RM, KN = layout.rm, layout.kn  # noqa: N806
-    NT = layout.threads(BR, BC)  # noqa: N806 - threads per CTA
-    sm = shared_layout(BR, BC, D, DV, layout, False)
-    NACC = layout.accumulators(BC, DV)  # noqa: N806 - the thread's accumulators
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+    NT, NACC = mk.NT, mk.NACC  # noqa: N806 - threads per CTA; a thread's accumulators
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
     flush_counts = counts_flusher()
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs), scaled=True)  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.ks))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.vs))  # noqa: N806
-    store_O_is = make_tile_storer(BR, DV, NT, (sm.q, sm.qs))  # noqa: N806 - in Q_i's place
+    # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
+    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v  # noqa: N806
+    store_O_is = mk.store_o  # noqa: N806 - from Q_i's place, where give_o staged it
     NCNT = counter_slots(COUNT)  # noqa: N806
     Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")  # noqa: N806
     OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")  # noqa: N806
@@ -137,7 +132,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         clear(buf)  # padding and rows past N_q stay zero
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
         # Q_i: read from HBM once per visited split
-        moved = load_Q_i(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
         if COUNT:
             cnt[Q_R] += moved
         for j in range(j0, j1):
@@ -145,8 +140,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
             # K_j, V_j: the split's own blocks, each read once per query block
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, bh, key0, bc, 0)
+            moved_v = load_V_j(buf, v, bh, key0, bc, 0)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
@@ -159,7 +154,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         give_o(buf, acc, factor)  # Q_i is done with: its tile stages O_is
         cuda.syncthreads()  # O_is is complete in shared memory
         # O_is: the split's partial output, written to HBM in float32 for the combine
-        moved = store_O_is(buf, o_part, part, row0, n_rows, 0, DV)
+        moved = store_O_is(buf, o_part, part, row0, n_rows)
         if COUNT:
             cnt[OP_W] += moved
         tr, tc = coords()
