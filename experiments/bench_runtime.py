@@ -4,6 +4,7 @@
 
 Declared as data below: schedules from the registry x N x d x causal, batch*heads sized so
 that batch*heads*N stays constant (the chip stays full); torch SDPA baselines in the same run.
+Tiles are BLOCKS' per head dim, or a schedule's own for a short sequence (`short_tiles`).
 Every configuration is checked against the float64 reference (sampled rows, all outputs
 finite) before it is timed; timing is the median of REPS launches queued back to back with a
 CUDA event between consecutive ones (after 3 warm-ups, still running when the first event is
@@ -43,6 +44,9 @@ HEADS = 16
 # (block_q, block_k) per head dim, unless --tune: the fastest q_outer tiles of the tuning
 # sweep (results/bench_layouts.csv)
 BLOCKS = {64: (128, 64), 128: (128, 64)}
+# Whether a schedule's own tiles for short sequences (Schedule.short_tiles) replace BLOCKS in
+# the sweep; --blocks and --tune, which name the tiles, turn it off
+SHORT_TILES = True
 LAYOUTS: dict = {}  # forced thread layout per head dim ("RM,KN"), set by --tune
 BLOCKSIZE_SWEEP = {"schedules": ["q_outer"], "n": 4096, "d": 64,
                    "block_q": [16, 32, 64, 128, 256]}  # block_k from BLOCKS
@@ -200,6 +204,18 @@ def measure(name, dtype, what, p, rng) -> dict:
     return row
 
 
+def sweep_problem(name, what, dtype, n, d, causal) -> lo.Problem:
+    """The sweep's problem for a provider at one point: BLOCKS' tiles, or the schedule's own
+    for a short sequence (SHORT_TILES). A torch backend times q_outer's problem."""
+    batch, heads = shape_for(n)
+    sched = "q_outer" if isinstance(what, str) else name
+    sizes = {"n_q": n, "d": d, "batch": batch, "heads": heads, "causal": causal,
+             **input_kind(dtype)}
+    p = lo.make_problem(sched, block_q=BLOCKS[d][0], block_k=BLOCKS[d][1], **sizes)
+    tiles = SHORT_TILES and not isinstance(what, str) and what.short_tiles(p)
+    return lo.make_problem(sched, block_q=tiles[0], block_k=tiles[1], **sizes) if tiles else p
+
+
 def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
               dtypes: tuple = ("float32",)) -> list[dict]:
     path = out_dir / "bench_runtime.csv"
@@ -210,12 +226,8 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
     providers = [pr for pr in providers
                  if only is None or pr[0] in only or f"{pr[0]}/{pr[1]}" in only]
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
-        batch, heads = shape_for(n)
         for name, dtype, what in providers:
-            p = lo.make_problem(name if not isinstance(what, str) else "q_outer", n_q=n, d=d,
-                                batch=batch, heads=heads, block_q=BLOCKS[d][0],
-                                block_k=BLOCKS[d][1], causal=causal,
-                                **input_kind(dtype))
+            p = sweep_problem(name, what, dtype, n, d, causal)
             key, trend = (name, dtype, str(n), str(d), str(causal)), (name, d, causal)
             if key in done:
                 last_ms[trend] = float(done[key]["ms_median"])
@@ -639,7 +651,7 @@ PROV: dict = {}
 
 
 def main(argv=None) -> int:
-    global PROV
+    global PROV, SHORT_TILES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="N up to 2048 only")
@@ -683,6 +695,7 @@ def main(argv=None) -> int:
              "d": args.d or SWEEP["d"],
              "causal": {"off": [False], "on": [True], "both": SWEEP["causal"]}[args.causal]}
     only = set(args.providers.split(",")) if args.providers else None
+    SHORT_TILES = not (args.blocks or args.tune)
     if args.blocks:
         for d in BLOCKS:
             BLOCKS[d] = tuple(int(b) for b in args.blocks.split(","))

@@ -723,6 +723,9 @@ class MicroKernelSchedule(Schedule):
     # (block_q, block_k, dv) -> (RM, KN): CUDA-core thread tiles this loop nest was measured
     # fastest with (results/bench_layouts.csv); `thread_layout`'s rule elsewhere
     TUNED_LAYOUTS: ClassVar[dict] = {}
+    # (d, causal) -> ((largest N_q, (block_q, block_k)), ...): CUDA-core tiles this loop nest
+    # was measured faster with at short sequences than the benchmark's (`short_tiles`)
+    SHORT_TILES: ClassVar[dict] = {}
 
     @staticmethod
     @abstractmethod
@@ -744,6 +747,15 @@ class MicroKernelSchedule(Schedule):
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
+
+    def short_tiles(self, p: Problem) -> tuple[int, int] | None:
+        """SHORT_TILES' tiles for p's head dim, mask and N_q on CUDA cores, else None."""
+        if tensor_core_kind(self, p) is not None:
+            return None
+        for largest_n, blocks in self.SHORT_TILES.get((p.d, p.causal), ()):
+            if p.n_q <= largest_n:
+                return blocks
+        return None
 
     def warp_exchanges(self, p: Problem) -> int:
         """Warp-collective calls of the forward pass, summed over warps: the tensor-core

@@ -223,6 +223,11 @@ class Schedule(ABC):
         """EXPECTED_SLOPES, for a schedule whose expectations depend on its options."""
         return dict(self.EXPECTED_SLOPES)
 
+    def short_tiles(self, p: Problem) -> tuple[int, int] | None:
+        """(block_q, block_k) measured faster for p's short sequence than the tiles the
+        benchmark takes at every N (experiments/bench_runtime.py BLOCKS), else None."""
+        return None
+
     def ctas(self, p: Problem) -> int:
         """CTAs of the main kernel: how many tile chains run side by side (B H Tr)."""
         return p.bh * p.tr
