@@ -10,6 +10,7 @@ import csv
 import itertools
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import loop_orders as lo
@@ -17,10 +18,11 @@ from loop_orders.backward_schedule import backward_of
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
 # Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles
-PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", "8 × 4", 4),
-                ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", "8 × 8", 1),
-                ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", "8 × 8", 4),
-                ("gpu_logs/ncu_profile_q_outer_349917a.txt", "8 × 8", 4)]
+PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", 64, "8 × 4", 4),
+                ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", 64, "8 × 8", 1),
+                ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", 64, "8 × 8", 4),
+                ("gpu_logs/ncu_profile_q_outer_349917a.txt", 64, "8 × 8", 4),
+                ("gpu_logs/ncu_profile_q_outer_d128_69fa7d6.txt", 128, "8 × 4", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -125,12 +127,14 @@ def bench_summary(results_dir: Path) -> str:
 
 def _beside_sdpa(rows: list[dict], dtype: str) -> dict:
     """(n, d, causal) -> (q_outer's row in `dtype`, SDPA efficient's row of the same run, by
-    commit, or None) over a bench file's rows that ran."""
+    commit and start time, or None) over a bench file's rows that ran."""
     ok = [r for r in rows if r["status"] == "ok"]
-    sdpa = {(r["n"], r["d"], r["causal"], r["git_sha"]): r for r in ok
-            if r["provider"] == "torch_sdpa_efficient"}
-    return {(r["n"], r["d"], r["causal"]): (r, sdpa.get((r["n"], r["d"], r["causal"],
-                                                          r["git_sha"])))
+
+    def point(r: dict) -> tuple:
+        return r["n"], r["d"], r["causal"], r["git_sha"], r["date"]
+
+    sdpa = {point(r): r for r in ok if r["provider"] == "torch_sdpa_efficient"}
+    return {(r["n"], r["d"], r["causal"]): (r, sdpa.get(point(r)))
             for r in ok if (r["provider"], r["dtype"]) == ("q_outer", dtype)}
 
 
@@ -149,15 +153,25 @@ def float32_paths(results_dir: Path) -> str:
              "3xTF32 / SDPA | error FMA, 3xTF32, SDPA |", "|---" * 10 + "|"]
     fma, tf32x3 = runs["float32"], runs["tf32x3"]
     shapes = sorted(set(fma) & set(tf32x3), key=lambda k: (int(k[1]), k[2], int(k[0])))
+
+    def tiles(r: dict) -> str:
+        return f"{r['block_q']} × {r['block_k']}"
+
+    usual = Counter(tiles(runs[dt][key][0]) for dt in runs for key in shapes).most_common(1)[0][0]
+
+    def timed(r: dict) -> str:
+        """ms, and the tiles where they are not the usual ones."""
+        return _row_ms(r) + (f" ({tiles(r)})" if tiles(r) != usual else "")
+
     for key in shapes:
         (f, fs), (x, xs) = fma[key], tf32x3[key]
         errors = ", ".join(r["rel_error"] if r else "—" for r in (f, x, xs))
-        lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {_row_ms(f)} | {_row_ms(fs)} | "
-                     f"{_ratio(fs, f)} | {_row_ms(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
+        lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {timed(f)} | {_row_ms(fs)} | "
+                     f"{_ratio(fs, f)} | {timed(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
                      f"{errors} |")
     r0, x0 = fma[shapes[0]][0], tf32x3[shapes[0]][0]
-    head = (f"B·H·N = {_bhn(r0)}, tiles "
-            f"{r0['block_q']} × {r0['block_k']}, median ms, kernels alone; FMA (q_outer "
+    head = (f"B·H·N = {_bhn(r0)}, tiles {usual} (a time taken with other tiles names them: the "
+            "schedule's `short_tiles`), median ms, kernels alone; FMA (q_outer "
             f"float32 at {r0['git_sha'][:7]}) and 3xTF32 (precision \"tf32x3\", "
             f"{x0['git_sha'][:7]}) each "
             "beside SDPA's float32 efficient backend timed in the same run:")
@@ -174,28 +188,29 @@ def float32_paths(results_dir: Path) -> str:
 
 
 def causal_tiles(results_dir: Path) -> str:
-    """Causal q_outer at small N with 64 x 64 tiles (bench_causal_tiles.csv) beside the
-    benchmark's 128 x 64 (bench_runtime.csv for FMA, bench_tf32x3.csv for 3xTF32), each
-    against SDPA efficient float32 timed in its own run."""
+    """Causal q_outer at small N with 64 x 64 and 128 x 64 tiles (bench_causal_tiles.csv: FMA
+    both, 3xTF32 64 x 64; 3xTF32 at 128 x 64 from bench_tf32x3.csv), each against SDPA
+    efficient float32 timed in its own run."""
     path = results_dir / "bench_causal_tiles.csv"
     small = _rows(path)
     if small is None:
         return _missing(path)
-    big = {"float32": _rows(results_dir / "bench_runtime.csv") or [],
-           "tf32x3": _rows(results_dir / "bench_tf32x3.csv") or []}
+    big = {"float32": [], "tf32x3": _rows(results_dir / "bench_tf32x3.csv") or []}
 
-    def runs(rows: list[dict], dtype: str) -> dict:
-        """(n, d) -> (ours, SDPA of the same run) for q_outer in dtype, causal."""
-        return {(n, d): pair for (n, d, causal), pair in _beside_sdpa(rows, dtype).items()
+    def runs(rows: list[dict], dtype: str, block_q: int) -> dict:
+        """(n, d) -> (ours, SDPA of the same run) for q_outer in dtype, causal, Br block_q."""
+        tiled = [r for r in rows if r["block_q"] in (str(block_q), "")]
+        return {(n, d): pair for (n, d, causal), pair in _beside_sdpa(tiled, dtype).items()
                 if causal == "True"}
 
     lines = ["| d | N | path | 128 × 64 ms | / SDPA | 64 × 64 ms | / SDPA | commits |",
              "|---|---|---|---|---|---|---|---|"]
     for dtype, label in (("float32", "FMA"), ("tf32x3", "3xTF32")):
-        tiles64, tiles128 = runs(small, dtype), runs(big[dtype], dtype)
+        tiles64 = runs(small, dtype, 64)
+        tiles128 = {**runs(big[dtype], dtype, 128), **runs(small, dtype, 128)}
         for key in sorted(tiles64, key=lambda k: (int(k[1]), int(k[0]))):
             (s, ss), (b, bs) = tiles64[key], tiles128.get(key, (None, None))
-            shas = " / ".join(r["git_sha"][:7] for r in (b, s) if r)
+            shas = " / ".join(dict.fromkeys(r["git_sha"][:7] for r in (b, s) if r))
             lines.append(f"| {key[1]} | {key[0]} | {label} | {_row_ms(b)} | {_ratio(bs, b)} | "
                          f"{_row_ms(s)} | {_ratio(ss, s)} | {shas} |")
     r0 = small[0]
@@ -203,7 +218,8 @@ def causal_tiles(results_dir: Path) -> str:
             "ms of the kernels alone; each time over SDPA efficient float32's in the same run "
             "(FMA thread tiles: 64 × 64 takes the layout rule's, "
             + ", ".join(sorted({f"d = {r['d']}: {r['layout']}" for r in small
-                                if r["dtype"] == "float32" and r["provider"] == "q_outer"}))
+                                if r["dtype"] == "float32" and r["provider"] == "q_outer"
+                                and r["block_q"] == "64"}))
             + "):\n\n" + "\n".join(lines))
 
 
@@ -456,13 +472,14 @@ def _profile_value(text: str, name: str) -> str:
 
 
 def q_outer_profile(results_dir: Path) -> str:
-    logs = [(results_dir / log, tile, batch) for log, tile, batch in PROFILE_LOGS]
-    missing = [path for path, _, _ in logs if not path.exists()]
+    logs = [(results_dir / log, d, tile, batch) for log, d, tile, batch in PROFILE_LOGS]
+    missing = [path for path, *_ in logs if not path.exists()]
     if missing:
         return _missing(missing[0])
-    texts = [path.read_text() for path, _, _ in logs]
-    head = " | ".join(f"`{path.name}`: {tile}, B = {batch}" for path, tile, batch in logs)
-    lines = ["Nsight Compute on one q_outer launch (H = 16, N = 4096, d = 64, Br = 128, Bc = 64, "
+    texts = [path.read_text() for path, *_ in logs]
+    head = " | ".join(f"`{path.name}`: d = {d}, {tile}, B = {batch}"
+                      for path, d, tile, batch in logs)
+    lines = ["Nsight Compute on one q_outer launch (H = 16, N = 4096, Br = 128, Bc = 64, "
              "float32; ncu locks the SM clock, so durations are longer than the benchmark's; "
              "the stall ratios are cycles per issued instruction):", "",
              f"| metric | {head} |", "|---|" + "---|" * len(logs)]

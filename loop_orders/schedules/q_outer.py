@@ -34,11 +34,10 @@ from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import counter_slots, counts_flusher, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops, per head dim (else 2). Measured on the H200
-# (B=4, H=16, N=4096, 128 x 64 tiles): at d = 64, 1, 2, 4 gave 7.57, 7.41, 7.49 ms
-# (results/gpu_logs/ab_variants_2026-11-30.txt) and at 10f5e3d 4 against 2 still lost, 6.69
-# against 6.65 ms (causal 4.00 against 3.82); at d = 128, 2 gave 16.4 ms against 17.9 for 1,
-# and at 10f5e3d 4 gave 13.55 against 13.79 ms (causal 7.43 against 7.63;
-# results/gpu_logs/ab_unroll_10f5e3d.log).
+# (B=4, H=16, N=4096, 128 x 64 tiles) at 69fa7d6 (results/gpu_logs/ab_tiles_unroll_69fa7d6.log):
+# at d = 64, 1, 2, 4 gave 6.58, 6.30, 6.29 ms (causal 3.76, 3.63, 3.72: 4 ties, and loses
+# causal); at d = 128, 2 and 4 gave 13.42 and 12.96 ms (causal 7.32, 7.10). Earlier kernels agreed
+# (results/gpu_logs/ab_unroll_10f5e3d.log).
 UNROLL = {128: 4}
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
@@ -192,7 +191,9 @@ class QOuter(MicroKernelSchedule):
     TENSOR_CORES = True
     KV_STAGES = 2  # K/V loads under the arithmetic: double-buffered (tensor cores), staggered
     # 8 x 8 at d = 64 (16 shared loads per 256 FMAs), 8 x 4 at d = 128, both on 255 registers:
-    # the fastest of the H200 sweep (results/bench_layouts.csv at 8bab0b5). kv_outer at 8 x 8
+    # the fastest of the H200 sweep (results/bench_layouts.csv at 8bab0b5; at 69fa7d6 4 x 8 lost
+    # again at d = 128, 13.38 against 12.96 ms, and so did 192 x 64 tiles, 384 threads on 168
+    # registers, 13.81: results/gpu_logs/ab_tiles_unroll_69fa7d6.log). kv_outer at 8 x 8
     # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
     # results/bench_runtime.csv at 6296e24): it keeps the rule.
     TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
