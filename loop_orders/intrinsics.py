@@ -374,6 +374,18 @@ else:
         ptr = cgutils.get_item_pointer(context, builder, aryty, arr, idx, wraparound=False)
         return builder.ptrtoint(ptr, ir.IntType(64))
 
+    def _shared_address(context, builder, aryty, ary, e, ety):
+        """The 32-bit shared-window address of ary[e] (ary in shared memory): the array's
+        base converted once (an address-space cast, which the compiler shares between calls)
+        plus e elements in 32-bit arithmetic, so that constant steps of e become immediate
+        offsets of the instruction instead of 64-bit adds and a conversion per call."""
+        arr = context.make_array(aryty)(context, builder, ary)
+        base = builder.addrspacecast(arr.data, ir.PointerType(arr.data.type.pointee, 3))
+        item = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        offset = builder.mul(builder.trunc(context.cast(builder, e, ety, types.uint64), _I32),
+                             ir.Constant(_I32, item))
+        return builder.add(builder.ptrtoint(base, _I32), offset)
+
     # generic -> 32-bit shared-window address, inside the asm
     _TO_SHARED = ".reg .u64 a64; .reg .u32 a32; cvta.to.shared.u64 a64, {0}; cvt.u32.u64 a32, a64;"
 
@@ -404,8 +416,7 @@ else:
     @intrinsic
     def cp_async16(typingctx, tile, e, src, bh, row, col, n_bytes):
         def codegen(context, builder, sig, args):
-            dst = _element_pointer(context, builder, sig.args[0], args[0], [args[1]],
-                                   [sig.args[1]])
+            dst = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             # src[bh, row, 0], then col elements on (into the next rows where col passes
             # the row's end): col stays an offset the compiler can fold into the copy
             row_start = _element_pointer(context, builder, sig.args[2], args[2],
@@ -415,11 +426,10 @@ else:
             item = context.get_abi_sizeof(context.get_data_type(sig.args[2].dtype))
             srcp = builder.add(row_start, builder.mul(col, ir.Constant(ir.IntType(64), item)))
             nb = context.cast(builder, args[6], sig.args[6], types.uint32)
-            text = ("{ " + _TO_SHARED.format("$0")
-                    + " cp.async.cg.shared.global [a32], [$1], 16, $2; }")
             i64 = ir.IntType(64)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64, _I32]), text,
-                               "l,l,r,~{memory}", side_effect=True)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, i64, _I32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                               "r,l,r,~{memory}", side_effect=True)
             builder.call(asm, [dst, srcp, nb])
             return context.get_dummy_value()
 
