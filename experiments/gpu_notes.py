@@ -22,7 +22,8 @@ PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", 64, "8 × 4", 4),
                 ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", 64, "8 × 8", 1),
                 ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", 64, "8 × 8", 4),
                 ("gpu_logs/ncu_profile_q_outer_349917a.txt", 64, "8 × 8", 4),
-                ("gpu_logs/ncu_profile_q_outer_d128_69fa7d6.txt", 128, "8 × 4", 4)]
+                ("gpu_logs/ncu_profile_q_outer_d128_69fa7d6.txt", 128, "8 × 4", 4),
+                ("gpu_logs/ncu_profile_q_outer_d128_fc723cd.txt", 128, "8 × 4", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -702,7 +703,9 @@ def sass_loops(results_dir: Path) -> str:
     (`experiments.sass_loops`): static counts per kernel build."""
     paths = [*sorted((results_dir / "gpu_logs").glob("sass_loops_*.json")),
              results_dir / "sass_loops.json"]
-    runs = [json.loads(p.read_text()) for p in paths if p.exists()]
+    # oldest first, by when each was built
+    runs = sorted((json.loads(p.read_text()) for p in paths if p.exists()),
+                  key=lambda run: run["provenance"]["date"])
     if not runs:
         return ("*Not measured yet: `sass_loops.json` is written by `python -m experiments."
                 "sass_loops --out results/sass_loops.json`.*")
