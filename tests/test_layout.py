@@ -11,7 +11,7 @@ from loop_orders.microkernel import (
     thread_layout,
 )
 from loop_orders.runtime import cuda
-from loop_orders.tiles import make_clear, unrolled
+from loop_orders.tiles import block_grid, make_block_of, make_clear, unrolled
 
 
 @pytest.fixture(autouse=True)
@@ -133,6 +133,35 @@ def test_unrolled_calls_every_step_once_in_order(n, by):
     out, pos = np.full(n + 1, -1, np.int64), np.zeros(1, np.int64)
     kernel[1, 1](out, pos)
     assert out.tolist() == [*range(n), -1] and pos[0] == n
+
+
+@pytest.mark.parametrize("causal, heavy_last", [(False, True), (True, True), (True, False)])
+def test_causal_grids_start_the_heaviest_blocks_first_over_every_head(causal, heavy_last):
+    """block_of on block_grid's grid: every (block, bh) once; causal, in CTA order, the blocks
+    go from the heaviest end to the other over all heads (the last query blocks first, or the
+    first K/V blocks), each block for every head before the next; else block x, head y."""
+    n_blocks, n_bh = 5, 3
+    block_of = make_block_of(causal, heavy_last)
+
+    @cuda.jit
+    def kernel(n_bh, out):
+        block, bh = block_of(n_bh)
+        cta = cuda.blockIdx.x + cuda.gridDim.x * cuda.blockIdx.y
+        out[cta, 0] = block
+        out[cta, 1] = bh
+
+    grid = block_grid(n_blocks, n_bh, causal)
+    out = np.full((n_blocks * n_bh, 2), -1, np.int64)
+    kernel[grid, 1](n_bh, out)
+    assert sorted(map(tuple, out.tolist())) == [(i, h) for i in range(n_blocks)
+                                                for h in range(n_bh)]
+    if not causal:
+        assert grid == (n_blocks, n_bh)
+        assert out[:, 0].tolist() == list(range(n_blocks)) * n_bh
+        return
+    assert grid == (n_blocks * n_bh,)
+    heaviest_first = [n_blocks - 1 - i if heavy_last else i for i in range(n_blocks)]
+    assert out[:, 0].tolist() == [i for i in heaviest_first for _ in range(n_bh)]
 
 
 @pytest.mark.parametrize("rm, kn", [(8, 8), (8, 4), (4, 4), (6, 2), (3, 4), (2, 8), (1, 4)])

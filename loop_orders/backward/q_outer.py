@@ -59,7 +59,14 @@ from ..schedule import (
     rows,
     sees,
 )
-from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ..tiles import (
+    block_grid,
+    counter_slots,
+    counts_flusher,
+    make_block_of,
+    make_tile_loader,
+    make_tile_storer,
+)
 from ..tiles import zero_counts as zero
 
 PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
@@ -139,6 +146,7 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
     store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=False)
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
                            slot("do", "read"))
     LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")  # noqa: N806
@@ -147,8 +155,8 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
-        j = cuda.blockIdx.x
-        bh = cuda.blockIdx.y
+        # causal: the K/V blocks the most query blocks see start first (`block_grid`)
+        j, bh = block_of(q.shape[0])
         n_q = q.shape[1]
         n_k = k.shape[1]
         key0 = j * BC
@@ -239,14 +247,15 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803
     store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))  # noqa: N806 - in Q_i's place
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
                            slot("do", "read"))
     LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")  # noqa: N806
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
-        i = cuda.blockIdx.x
-        bh = cuda.blockIdx.y
+        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        i, bh = block_of(q.shape[0])
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, q.shape[1] - row0)
@@ -466,11 +475,11 @@ class QOuterBackward(BackwardSchedule):
         tau, tau_log2 = np.float32(scale), np.float32(scale * math.log2(math.e))
         launch(pre, (ceil_div(p.n_q, PRE_ROWS), p.bh), PRE_ROWS * PRE_LANES, 0, o, do, delta,
                dq_acc, counts)
-        launch(main, (p.tc, p.bh), threads, shared, q, k, v, do, lse, delta, dq_acc, dk, dv,
-               counts, tau, tau_log2)
+        launch(main, block_grid(p.tc, p.bh, p.causal), threads, shared, q, k, v, do, lse, delta,
+               dq_acc, dk, dv, counts, tau, tau_log2)
         if p.option("dq") == "atomic":
             launch(last, (ceil_div(p.n_q * p.d, CONVERT_THREADS), p.bh), CONVERT_THREADS, 0,
                    dq_acc, dq, counts)
         else:
-            launch(last, (p.tr, p.bh), threads, shared, q, k, v, do, lse, delta, dq, counts,
-                   tau, tau_log2)
+            launch(last, block_grid(p.tr, p.bh, p.causal), threads, shared, q, k, v, do, lse,
+                   delta, dq, counts, tau, tau_log2)

@@ -12,7 +12,8 @@
 When K_j, V_j land (the counts are the same either way): on tensor cores K_j+1, V_j+1 go to a
 second buffer while K_j, V_j are folded in; on CUDA cores, with one K and one V buffer, V_j
 is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`), by
-cp.async where rows are whole 16-byte copies. Causal query blocks start heaviest first.
+cp.async where rows are whole 16-byte copies. Causal query blocks start heaviest first, over
+every (batch, head).
 
 Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
 Each query block reads the K/V rows it visits: sum_i min(c_i Bc, N_k) (d + dv), which is
@@ -31,7 +32,7 @@ from ..ledger import Ledger, slot
 from ..microkernel import MicroKernelSchedule, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import counter_slots, counts_flusher, zero_counts
+from ..tiles import block_grid, counter_slots, counts_flusher, make_block_of, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops, per head dim (else 2). Measured on the H200
 # (B=4, H=16, N=4096, 128 x 64 tiles) at 69fa7d6 (results/gpu_logs/ab_tiles_unroll_69fa7d6.log):
@@ -56,6 +57,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads  # noqa: N806
     store_O_i, store_lse = mk.store_o, mk.store_lse  # noqa: N806
     flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
@@ -129,10 +131,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
-        # causal: the query blocks that see the most K/V blocks start first, so the last
-        # CTAs to start are short ones and the SMs finish together
-        i = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x
-        bh = cuda.blockIdx.y
+        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        i, bh = block_of(q.shape[0])
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
@@ -258,4 +258,5 @@ class QOuter(MicroKernelSchedule):
         return big, min(big, d)
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        self.launch_kernel(p, (p.tr, p.bh), count, scale, q, k, v, out, lse, counts)
+        self.launch_kernel(p, block_grid(p.tr, p.bh, p.causal), count, scale, q, k, v, out,
+                           lse, counts)
