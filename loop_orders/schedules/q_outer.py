@@ -197,10 +197,11 @@ class QOuter(MicroKernelSchedule):
     # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
     # results/bench_runtime.csv at 6296e24): it keeps the rule.
     TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
-    # Causal at d = 64 up to N = 1024: 64-row query blocks (the layout rule's 8 x 4, 128
-    # threads, three CTAs an SM) beat 128 x 64, ahead of SDPA there; from N = 2048 on they
-    # lose, and at d = 128 at every N (results/bench_causal_tiles.csv)
-    SHORT_TILES = {(64, True): ((1024, (64, 64)),)}
+    # Causal at d = 64 and N = 512: 64-row query blocks (the layout rule's 8 x 4, 128 threads,
+    # three CTAs an SM) beat 128 x 64 (0.55 against 0.59 ms); from N = 1024 on they lose (up
+    # to N = 1024 they won while each head's query blocks started in turn, before b04fff5),
+    # and at d = 128 at every N (results/bench_causal_tiles.csv)
+    SHORT_TILES = {(64, True): ((512, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
