@@ -151,7 +151,7 @@ def float32_paths(results_dir: Path) -> str:
         if not runs[dtype]:
             return _missing(path)
     lines = ["| d | causal | N | FMA ms | SDPA ms | FMA / SDPA | 3xTF32 ms | SDPA ms | "
-             "3xTF32 / SDPA | error FMA, 3xTF32, SDPA |", "|---" * 10 + "|"]
+             "3xTF32 / SDPA | error FMA, 3xTF32, SDPA | commit |", "|---" * 11 + "|"]
     fma, tf32x3 = runs["float32"], runs["tf32x3"]
     shapes = sorted(set(fma) & set(tf32x3), key=lambda k: (int(k[1]), k[2], int(k[0])))
 
@@ -167,15 +167,15 @@ def float32_paths(results_dir: Path) -> str:
     for key in shapes:
         (f, fs), (x, xs) = fma[key], tf32x3[key]
         errors = ", ".join(r["rel_error"] if r else "—" for r in (f, x, xs))
+        commits = " / ".join(dict.fromkeys(r["git_sha"][:7] for r in (f, x)))
         lines.append(f"| {key[1]} | {key[2]} | {key[0]} | {timed(f)} | {_row_ms(fs)} | "
                      f"{_ratio(fs, f)} | {timed(x)} | {_row_ms(xs)} | {_ratio(xs, x)} | "
-                     f"{errors} |")
-    r0, x0 = fma[shapes[0]][0], tf32x3[shapes[0]][0]
+                     f"{errors} | {commits} |")
+    r0 = fma[shapes[0]][0]
     head = (f"B·H·N = {_bhn(r0)}, tiles {usual} (a time taken with other tiles names them: the "
-            "schedule's `short_tiles`), median ms, kernels alone; FMA (q_outer "
-            f"float32 at {r0['git_sha'][:7]}) and 3xTF32 (precision \"tf32x3\", "
-            f"{x0['git_sha'][:7]}) each "
-            "beside SDPA's float32 efficient backend timed in the same run:")
+            "schedule's `short_tiles`), median ms, kernels alone; FMA (q_outer float32) and "
+            "3xTF32 (precision \"tf32x3\") each beside SDPA's float32 efficient backend timed "
+            "in the same run, at the commit named (FMA / 3xTF32 where they differ):")
     ceiling = results_dir / "fma_ceiling.json"
     tail = ""
     if ceiling.exists():
