@@ -7,8 +7,9 @@
    arrays when CuPy is there), beside torch SDPA's on the same tensors: the wall time of
    CALLS calls in a row over CALLS (the GPU finishes each tiny kernel before the host has
    the next one ready, so this is the host's time).
-2. At N = 1024 (B = 4, H = 16, d = 64): the kernel alone, the public call on torch tensors
-   and torch SDPA (efficient), each timed back to back between CUDA events.
+2. At N = 1024 (B = 4, H = 16, d = 64), without a mask and causal: the kernel alone, the
+   public call on torch tensors and torch SDPA (efficient), each timed back to back between
+   CUDA events.
 3. Compiled kernels on disk: a fresh process's first call at a shape no process has seen
    (it compiles), then another fresh process's first call at that shape (it loads from the
    cache), and two processes filling an empty cache at once (both right, the entries whole).
@@ -91,7 +92,7 @@ def tiny_calls() -> dict:
     return out
 
 
-def n1024() -> dict:
+def n1024(causal: bool) -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -102,7 +103,7 @@ def n1024() -> dict:
     q, k, v = (torch.randn(4, 16, 1024, 64, device="cuda") for _ in range(3))
     sched = lo.get_schedule("q_outer")
     p = lo.make_problem("q_outer", n_q=1024, d=64, batch=4, heads=16, block_q=128,
-                        block_k=64)
+                        block_k=64, causal=causal)
     views = [KINDS["torch"].view(x).reshape(64, 1024, 64) for x in (q, k, v)]
     out = torch.empty_like(q)
     out_v = KINDS["torch"].view(out).reshape(64, 1024, 64)
@@ -114,11 +115,11 @@ def n1024() -> dict:
         sched.launch(p, *views, out_v, lse, counts, scale=0.125, count=False)
 
     def public(_i):
-        lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64)
+        lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal)
 
     def sdpa(_i):
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return {name: time_launches(fn) for name, fn in
             (("q_outer kernel", kernel), ("q_outer lo.attention", public),
@@ -168,7 +169,8 @@ def main(argv=None) -> int:
     import torch
 
     result = {"provenance": provenance(torch=torch.__version__),
-              "tiny_per_call_us": tiny_calls(), "n1024_ms": n1024(),
+              "tiny_per_call_us": tiny_calls(), "n1024_ms": n1024(False),
+              "n1024_causal_ms": n1024(True),
               "compile_cache": compile_cache(), "calls": CALLS}
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out / "host_overhead.json", result)
