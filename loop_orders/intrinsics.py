@@ -386,22 +386,19 @@ else:
                              ir.Constant(_I32, item))
         return builder.add(builder.ptrtoint(base, _I32), offset)
 
-    # generic -> 32-bit shared-window address, inside the asm
-    _TO_SHARED = ".reg .u64 a64; .reg .u32 a32; cvta.to.shared.u64 a64, {0}; cvt.u32.u64 a32, a64;"
-
     def _ldmatrix_intrinsic(trans: bool):
         suffix = ".trans" if trans else ""
 
         @intrinsic
         def ldmatrix(typingctx, tile, e):
             def codegen(context, builder, sig, args):
-                addr = _element_pointer(context, builder, sig.args[0], args[0], [args[1]],
-                                        [sig.args[1]])
+                addr = _shared_address(context, builder, sig.args[0], args[0], args[1],
+                                       sig.args[1])
                 out = ir.LiteralStructType([_I32] * 4)
-                text = ("{ " + _TO_SHARED.format("$4") + f" ldmatrix.sync.aligned.m8n8.x4{suffix}"
-                        ".shared.b16 {$0,$1,$2,$3}, [a32]; }")
-                asm = ir.InlineAsm(ir.FunctionType(out, [ir.IntType(64)]), text,
-                                   "=r,=r,=r,=r,l,~{memory}", side_effect=True)
+                text = (f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 "
+                        "{$0,$1,$2,$3}, [$4];")
+                asm = ir.InlineAsm(ir.FunctionType(out, [_I32]), text,
+                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
                 res = builder.call(asm, [addr])
                 vals = [builder.extract_value(res, n) for n in range(4)]
                 return context.make_tuple(builder, sig.return_type, vals)
