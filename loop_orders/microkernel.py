@@ -300,11 +300,13 @@ class MicroKernel(NamedTuple):
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
                       CAUSAL: bool, RELOAD: bool, UNROLL: int,
-                      STAGES: int = 1) -> MicroKernel:  # noqa: N803
+                      STAGES: int = 1, PEEL: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the chunks per trip of the hot loops (see `unrolled`): more take fewer
     instructions of loop control and more registers, which the caller's loop nest decides.
     STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
+    PEEL: S_ij's first 4-dim chunk sets the scores (the rest add to them) instead of every
+    chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
     """
     lay = Layout(RM, KN, STAGES)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
@@ -409,11 +411,46 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
 
     @inlined
+    def scores_row_set(a, u, s, qq, kk):
+        """s[a KN + b] = Q_i[row a, dim u] K_j[key b, dim u]: scores_row setting the scores."""
+        for b in range(KN):
+            s[a * KN + b] = qq[a * 4 + u] * kk[b * 4 + u]
+
+    scores_dim_set = unrolled(scores_row_set, RM, 4, RM)
+
+    @inlined
+    def scores_dim_after(u, s, qq, kk):
+        scores_dim(u + uint32(1), s, qq, kk)
+
+    scores_dims_after = unrolled(scores_dim_after, 3, 3, 3)
+
+    @inlined
+    def scores_first_chunk(s, buf, tr, tc):
+        """s = the outer products of head dims 0 .. 3: dim 0 sets the scores."""
+        qq = cuda.local.array(RN, float32)
+        kk = cuda.local.array(KN4, float32)
+        q_chunk(uint32(0), buf, tr, qq)
+        k_chunk(uint32(0), buf, tc, kk)
+        scores_dim_set(uint32(0), s, qq, kk)
+        scores_dims_after(s, qq, kk)
+
+    @inlined
+    def scores_chunk_after(x4, s, buf, tr, tc):
+        scores_chunk(x4 + uint32(1), s, buf, tr, tc)
+
+    scores_chunks_after = unrolled(scores_chunk_after, DX4 - 1, 4, UNROLL)
+
+    @inlined
     def scores(s, buf, tr, tc):
-        """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim."""
-        for e in range(NS):
-            s[e] = float32(0.0)
-        scores_chunks(s, buf, tr, tc)
+        """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim:
+        from zeroed scores, or (PEEL) the first chunk setting them."""
+        if PEEL:
+            scores_first_chunk(s, buf, tr, tc)
+            scores_chunks_after(s, buf, tr, tc)
+        else:
+            for e in range(NS):
+                s[e] = float32(0.0)
+            scores_chunks(s, buf, tr, tc)
 
     @inlined
     def rescale(m, l, acc, a, new_max):  # noqa: E741
@@ -699,12 +736,13 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
 
 
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
-                 RELOAD: bool, UNROLL: int) -> MicroKernel:
+                 RELOAD: bool, UNROLL: int, PEEL: bool = False) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
-    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages)
+    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
+                             PEEL)
 
 
 class LaunchPlan(NamedTuple):

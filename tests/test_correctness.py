@@ -19,6 +19,7 @@ CASES = [
     (2, 2, 17, 7, 9, 8, 5, True, "float32"),
     (1, 2, 21, 16, 8, 6, 8, True, "float32"),
     (1, 1, 40, 6, 6, 16, 32, True, "float32"),  # diagonal tiles: key by key, a predicate a row
+    (1, 1, 13, 128, 9, 8, 4, True, "float32"),  # d = 128: q_outer's first S_ij chunk peeled
     (1, 1, 16, 8, 8, 4, 8, False, "float16"),
     (2, 1, 11, 6, 4, 4, 3, True, "float16"),
 ]

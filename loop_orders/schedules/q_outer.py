@@ -40,6 +40,11 @@ from ..tiles import block_grid, counter_slots, counts_flusher, make_block_of, ze
 # causal); at d = 128, 2 and 4 gave 13.42 and 12.96 ms (causal 7.32, 7.10). Earlier kernels agreed
 # (results/gpu_logs/ab_unroll_10f5e3d.log).
 UNROLL = {128: 4}
+# Head dims where S_ij's first 4-dim chunk sets the scores (the micro-kernel's PEEL) instead of
+# adding to zeroed ones: at dd7ec1a on the H200 (results/gpu_logs/ab_peel_dd7ec1a.log, two
+# rounds) d = 128 went 12.75 -> 12.70 ms, causal 6.67 -> 6.58, and d = 64 6.24 -> 6.28 (causal
+# 3.246 -> 3.253), so d = 64 keeps the zeroed scores.
+PEEL = {128}
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
@@ -47,7 +52,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, 2))
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, 2), D in PEEL)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES = mk.STAGES  # noqa: N806 - K/V buffers
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
