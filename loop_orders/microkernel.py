@@ -418,11 +418,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     scores_dim_set = unrolled(scores_row_set, RM, 4, RM)
 
-    @inlined
-    def scores_dim_after(u, s, qq, kk):
-        scores_dim(u + uint32(1), s, qq, kk)
-
-    scores_dims_after = unrolled(scores_dim_after, 3, 3, 3)
+    scores_dims_after = unrolled(scores_dim, 3, 3, 3, first=1)
 
     @inlined
     def scores_first_chunk(s, buf, tr, tc):
@@ -434,11 +430,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         scores_dim_set(uint32(0), s, qq, kk)
         scores_dims_after(s, qq, kk)
 
-    @inlined
-    def scores_chunk_after(x4, s, buf, tr, tc):
-        scores_chunk(x4 + uint32(1), s, buf, tr, tc)
-
-    scores_chunks_after = unrolled(scores_chunk_after, DX4 - 1, 4, UNROLL)
+    scores_chunks_after = unrolled(scores_chunk, DX4 - 1, 4, UNROLL, first=1)
 
     @inlined
     def scores(s, buf, tr, tc):

@@ -267,9 +267,10 @@ def counter_slots(count: bool) -> int:
 
 
 @cache
-def unrolled(step, n: int, arity: int, by: int):
+def unrolled(step, n: int, arity: int, by: int, first: int = 0):
     """A device function run(a_1 .. a_arity) that calls step(i, a_1 .. a_arity) for
-    i = 0 .. n-1, `by` calls per trip of a loop with a 32-bit counter (by = n: no loop).
+    i = first .. first + n - 1, `by` calls per trip of a loop with a 32-bit counter (by = n:
+    no loop).
 
     Numba lowers `for i in range(n)` to a 64-bit counter with a compare, two selects and a
     64-bit add per trip, 14 instructions per trip of a hot loop; a `while` over a uint32
@@ -282,12 +283,12 @@ def unrolled(step, n: int, arity: int, by: int):
     trips = n // by
     lines = [f"def run({args}):"]
     if trips > 1:
-        lines += ["    i = uint32(0)", f"    while i < uint32({trips * by}):"]
+        lines += [f"    i = uint32({first})", f"    while i < uint32({first + trips * by}):"]
         lines += [f"        step(i + uint32({k}), {args})" for k in range(by)]
         lines += [f"        i = uint32(i + uint32({by}))"]
     elif trips == 1:
-        lines += [f"    step(uint32({k}), {args})" for k in range(by)]
-    lines += [f"    step(uint32({i}), {args})" for i in range(trips * by, n)]
+        lines += [f"    step(uint32({first + k}), {args})" for k in range(by)]
+    lines += [f"    step(uint32({first + i}), {args})" for i in range(trips * by, n)]
     lines += ["    return"]
     scope = {"step": step, "uint32": uint32}
     exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
