@@ -23,9 +23,9 @@ owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops bei
 In S each 16-byte load of Q_i or K_j holds four dims of one row or key; in P V_j each
 16-byte load of P_ij^T holds one key's weights for four rows (G = 4), so a key's operands
 are only RM + 4 XH floats and the loads of the next key can go out under the FMAs of this
-one. The two hot loops go UNROLL 4-wide chunks of dims (S) or 4 UNROLL keys (P V) per trip
-of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14 instructions of loop
-control per trip.
+one. The two hot loops go UNROLL.chunks 4-wide chunks of dims (S) or UNROLL.keys keys (P V)
+per trip of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14 instructions of
+loop control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
 differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
@@ -297,13 +297,25 @@ class MicroKernel(NamedTuple):
     row_of: object = None
 
 
+class Unroll(NamedTuple):
+    """Steps per trip of the micro-kernel's two hot loops (`unrolled`)."""
+
+    chunks: int  # 4-wide chunks of head dims per trip of S_ij's loop
+    keys: int  # keys per trip of P_ij V_j's loop (a full tile's)
+
+    @classmethod
+    def by(cls, n: int) -> Unroll:
+        """n chunks of S_ij's dims and 4 n keys of P_ij V_j a trip."""
+        return cls(n, 4 * n)
+
+
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
-                      CAUSAL: bool, RELOAD: bool, UNROLL: int,
+                      CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
                       STAGES: int = 1, PEEL: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
-    UNROLL is the chunks per trip of the hot loops (see `unrolled`): more take fewer
-    instructions of loop control and more registers, which the caller's loop nest decides.
+    UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
+    of loop control and more registers, which the caller's loop nest decides.
     STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
     PEEL: S_ij's first 4-dim chunk sets the scores (the rest add to them) instead of every
     chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
@@ -408,7 +420,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         k_chunk(x4, buf, tc, kk)
         scores_dims(s, qq, kk)
 
-    scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL)
+    scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL.chunks)
 
     @inlined
     def scores_row_set(a, u, s, qq, kk):
@@ -430,7 +442,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         scores_dim_set(uint32(0), s, qq, kk)
         scores_dims_after(s, qq, kk)
 
-    scores_chunks_after = unrolled(scores_chunk, DX4 - 1, 4, UNROLL, first=1)
+    scores_chunks_after = unrolled(scores_chunk, DX4 - 1, 4, UNROLL.chunks, first=1)
 
     @inlined
     def scores(s, buf, tr, tc):
@@ -498,7 +510,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         v_key(key, buf, tc, vv)
         accumulate_dims(acc, pp, vv)
 
-    accumulate_full = unrolled(accumulate_key, BC, 4, 4 * UNROLL)  # every key visible
+    accumulate_full = unrolled(accumulate_key, BC, 4, UNROLL.keys)  # every key visible
 
     @inlined
     def accumulate_row_seen(a, key, acc, pp, vv, vis):
@@ -728,7 +740,7 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
 
 
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
-                 RELOAD: bool, UNROLL: int, PEEL: bool = False) -> MicroKernel:
+                 RELOAD: bool, UNROLL: Unroll, PEEL: bool = False) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):

@@ -28,7 +28,7 @@ import numpy as np
 from numba import float32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, micro_kernel
+from ..microkernel import MicroKernelSchedule, Unroll, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import LN2, counter_slots, counts_flusher, zero_counts
@@ -38,7 +38,7 @@ from ..tiles import LN2, counter_slots, counts_flusher, zero_counts
 # and at 2 ptxas spills 88 bytes at d = 64; measured on the H200 (B=4, H=16, N=4096, d = 64,
 # launches back to back; results/gpu_logs/ab_variants_2026-11-30.txt) that took 27.5 ms
 # against 25.7 at 1.
-UNROLL = 1
+UNROLL = Unroll.by(1)
 
 (Q_R, K_R, V_R, O_R, O_W, L_R, L_W, M_R, M_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "read"),

@@ -29,17 +29,21 @@ import numpy as np
 from numba import float32, int32, int64
 
 from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, micro_kernel
+from ..microkernel import MicroKernelSchedule, Unroll, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
 from ..tiles import block_grid, counter_slots, counts_flusher, make_block_of, zero_counts
 
-# Chunks per trip of the micro-kernel's hot loops, per head dim (else 2). Measured on the H200
-# (B=4, H=16, N=4096, 128 x 64 tiles) at 69fa7d6 (results/gpu_logs/ab_tiles_unroll_69fa7d6.log):
-# at d = 64, 1, 2, 4 gave 6.58, 6.30, 6.29 ms (causal 3.76, 3.63, 3.72: 4 ties, and loses
-# causal); at d = 128, 2 and 4 gave 13.42 and 12.96 ms (causal 7.32, 7.10). Earlier kernels agreed
-# (results/gpu_logs/ab_unroll_10f5e3d.log).
-UNROLL = {128: 4}
+# Steps per trip of the micro-kernel's hot loops, per head dim (else Unroll.by(2): 2 chunks of
+# S_ij's dims, 8 keys of P_ij V_j). Measured on the H200 (B=4, H=16, N=4096, 128 x 64 tiles) at
+# 69fa7d6 (results/gpu_logs/ab_tiles_unroll_69fa7d6.log): at d = 64, by 1, 2, 4 gave 6.58, 6.30,
+# 6.29 ms (causal 3.76, 3.63, 3.72: 4 ties, and loses causal). At d = 128, at 6db707f, chunks and
+# keys apart (results/gpu_logs/ab_unroll_6db707f.log, two rounds): (4, 16) 12.70 ms, causal 6.59;
+# (8, 16) 12.56, 6.53; (4, 32) 12.63, 6.54; (8, 32) 12.49, 6.49; (10, 32) 12.47, 6.46;
+# (15, 32) 12.48, 6.47; (10, 64) 12.60, 6.53; (15, 64) 12.67, 6.64; all 32 chunks and 64 keys
+# in straight-line code 29.9 ms, 2.4x slower: its 9,899-instruction tile loop outgrows the
+# instruction cache, where (10, 32)'s is 4,938.
+UNROLL = {128: Unroll(chunks=10, keys=32)}
 # Head dims where S_ij's first 4-dim chunk sets the scores (the micro-kernel's PEEL) instead of
 # adding to zeroed ones: at dd7ec1a on the H200 (results/gpu_logs/ab_peel_dd7ec1a.log, two
 # rounds) d = 128 went 12.75 -> 12.70 ms, causal 6.67 -> 6.58, and d = 64 6.24 -> 6.28 (causal
@@ -52,7 +56,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, 2), D in PEEL)
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES = mk.STAGES  # noqa: N806 - K/V buffers
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED

@@ -49,7 +49,7 @@ from numba import float32, int64
 
 from ..intrinsics import narrow
 from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, make_micro_kernel
+from ..microkernel import MicroKernelSchedule, Unroll, make_micro_kernel
 from ..runtime import (
     SHARED_ALIGN,
     SHARED_F32,
@@ -71,7 +71,7 @@ from ..tiles import (
 )
 
 # As q_outer: two chunks per trip of the micro-kernel's hot loops.
-UNROLL = 2
+UNROLL = Unroll.by(2)
 COMBINE_THREADS = 128
 # "auto" (FlashAttention-2's num_splits_heuristic): one split when the query blocks alone
 # fill 80% of the GPU's CTA slots; else the smallest eligible S whose wave efficiency is
