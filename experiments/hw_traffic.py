@@ -1,6 +1,6 @@
 """Hardware-measured traffic: Nsight Compute bytes beside our counters and the model.
 
-    python -m experiments.hw_traffic [--out DIR] [--quick]        # on a GPU machine with ncu
+    python -m experiments.hw_traffic [--out DIR] [--quick] [--d D]  # on a GPU machine with ncu
 
 For every registered schedule and configuration (tiles, N, causal, dtype): the counted build gives
 the counters (model == counted is asserted); the uncounted build, the one we time, runs once
@@ -37,7 +37,7 @@ from loop_orders.results import provenance
 SWEEP = {"n": [256, 512, 1024, 2048, 4096], "causal": [False, True],
          "blocks": [(64, 64), (128, 64), (32, 32)],  # (block_q, block_k)
          "dtype": ["float32", "float16"]}
-BATCH, HEADS, D = 2, 4, 64
+BATCH, HEADS, D = 2, 4, 64  # D: the head dim unless --d says otherwise
 METRICS = {
     "ncu_ld_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum",
     "ncu_st_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum",
@@ -65,10 +65,11 @@ def ldgsts_metrics(ncu: str) -> dict[str, str]:
             n + ".sum" for n in chosen}
 
 
-def configs(quick: bool, dtypes=None, schedules=None) -> list[dict]:
+def configs(quick: bool, dtypes=None, schedules=None, d: int = D) -> list[dict]:
     ns = SWEEP["n"][:2] if quick else SWEEP["n"]
     blocks = SWEEP["blocks"][:1] if quick else SWEEP["blocks"]
-    return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk}
+    return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk,
+             "d": d}
             for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
             if runs(lo.get_schedule(s), t)]
@@ -83,7 +84,7 @@ def kernel_regex(cfgs: list[dict]) -> str:
 
 
 def problem(cfg) -> lo.Problem:
-    return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=D, batch=BATCH, heads=HEADS,
+    return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=cfg["d"], batch=BATCH, heads=HEADS,
                            block_q=cfg["block_q"], block_k=cfg["block_k"],
                            causal=cfg["causal"], **input_kind(cfg["dtype"]))
 
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", help="comma-separated (default: float32,float16; tf32 "
                         "and tf32x3 are float32 inputs at that precision)")
     parser.add_argument("--schedules", help="comma-separated (default: every registered one)")
+    parser.add_argument("--d", type=int, default=D, help=f"head dim (default {D})")
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -174,7 +176,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng()
     cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None,
-                   args.schedules.split(",") if args.schedules else None)
+                   args.schedules.split(",") if args.schedules else None, args.d)
     METRICS.update(ldgsts_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     rows = []
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
         model = sched.model(p)
         assert counted == model, f"counters != model for {cfg}"
         check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
-        rows.append({**cfg, "d": D, "dv": D, "batch": BATCH, "heads": HEADS,
+        rows.append({**cfg, "dv": cfg["d"], "batch": BATCH, "heads": HEADS,
                      "options": json.dumps(sched.resolved_options(p), sort_keys=True),
                      "model_bytes": model.bytes(p.itemsize),
                      "counted_bytes": counted.bytes(p.itemsize),
