@@ -22,8 +22,10 @@ PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", 64, "8 × 4", 4),
                 ("gpu_logs/ncu_profile_q_outer_7b97f6e.txt", 64, "8 × 8", 1),
                 ("gpu_logs/ncu_profile_q_outer_10f5e3d.txt", 64, "8 × 8", 4),
                 ("gpu_logs/ncu_profile_q_outer_349917a.txt", 64, "8 × 8", 4),
+                ("gpu_logs/ncu_profile_q_outer_3155c40.txt", 64, "8 × 8", 4),
                 ("gpu_logs/ncu_profile_q_outer_d128_69fa7d6.txt", 128, "8 × 4", 4),
-                ("gpu_logs/ncu_profile_q_outer_d128_fc723cd.txt", 128, "8 × 4", 4)]
+                ("gpu_logs/ncu_profile_q_outer_d128_fc723cd.txt", 128, "8 × 4", 4),
+                ("gpu_logs/ncu_profile_q_outer_d128_3155c40.txt", 128, "8 × 4", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
@@ -380,17 +382,20 @@ def _count(text: str, name: str) -> int:
 
 
 def hw_traffic_cp_async(results_dir: Path) -> str:
-    """q_outer's float32 kernel with K/V rows by cp.async (hw_traffic_q_outer.csv): ncu's
-    l1tex bytes against the counted ones, the excess as a share of the cp.async bytes, and
-    the sector probe (LDGSTS_PROBE) that locates it."""
+    """q_outer's float32 kernel with K/V rows by cp.async (hw_traffic_q_outer.csv, d = 64,
+    and hw_traffic_q_outer_d128.csv where measured): ncu's l1tex bytes against the counted
+    ones, the excess as a share of the cp.async bytes, and the sector probe (LDGSTS_PROBE)
+    that locates it."""
     path, probe = results_dir / "hw_traffic_q_outer.csv", results_dir / LDGSTS_PROBE
     rows = _rows(path)
     if rows is None or not probe.exists():
         return _missing(path if rows is None else probe)
-    lines = ["| Br × Bc | configurations | model = counted | ncu / counted − 1 | (ncu − counted) "
-             "/ cp.async bytes |", "|---|---|---|---|---|"]
-    for tiles in dict.fromkeys((r["block_q"], r["block_k"]) for r in rows):
-        mine = [r for r in rows if (r["block_q"], r["block_k"]) == tiles]
+    first = rows[0]  # the probe's configuration
+    rows += _rows(results_dir / "hw_traffic_q_outer_d128.csv") or []
+    lines = ["| d | Br × Bc | configurations | model = counted | ncu / counted − 1 | "
+             "(ncu − counted) / cp.async bytes |", "|---|---|---|---|---|---|"]
+    for d, *tiles in dict.fromkeys((r["d"], r["block_q"], r["block_k"]) for r in rows):
+        mine = [r for r in rows if [r["d"], r["block_q"], r["block_k"]] == [d, *tiles]]
         over = [float(r["ncu_vs_counted"]) for r in mine]
         shares = []
         for r in mine:  # cp.async moves K and V: the counted loads less Q's (plain loads)
@@ -399,12 +404,11 @@ def hw_traffic_cp_async(results_dir: Path) -> str:
             excess = int(r["ncu_ld_bytes"]) + int(r["ncu_st_bytes"]) - int(r["counted_bytes"])
             shares.append(excess / copied)
         same = sum(r["model_bytes"] == r["counted_bytes"] for r in mine)
-        lines.append(f"| {tiles[0]} × {tiles[1]} | {len(mine)} | {same} | "
+        lines.append(f"| {d} | {tiles[0]} × {tiles[1]} | {len(mine)} | {same} | "
                      f"{min(over):+.4f} … {max(over):+.4f} | "
                      f"{min(shares):.5f} … {max(shares):.5f} |")
     text = probe.read_text()
     ld, ldgsts, requests, sectors, l2 = (_count(text, m) for m in PROBE_METRICS)
-    first = rows[0]
     counted_sectors = (int(first["counted_bytes"]) - int(first["ncu_st_bytes"])) // 32
     lines += ["", f"The probe (`results/{LDGSTS_PROBE}`: B = {first['batch']}, H = "
               f"{first['heads']}, N = {first['n']}, {first['block_q']} × {first['block_k']}, "
@@ -760,7 +764,8 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
                  "bench_blocksize.csv", "bench_decode.csv", "bench_backward.csv",
                  "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
                  "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv",
-                 "bench_tf32x3.csv", "bench_causal_tiles.csv", "hw_traffic_float32_paths.csv"):
+                 "bench_tf32x3.csv", "bench_causal_tiles.csv", "hw_traffic_float32_paths.csv",
+                 "hw_traffic_q_outer_d128.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
