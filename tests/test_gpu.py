@@ -20,8 +20,8 @@ from loop_orders.reference import (
 @pytest.mark.parametrize("d", [64, 128])
 def test_q_outer_float32_at_the_benchmarks_tiles(d, causal, rng):
     """The benchmark's build of the FMA path (128 x 64 tiles: the tuned 8 x 8 and 8 x 4
-    thread tiles, staggered cp.async K/V, 4 chunks a trip at d = 128), with tail blocks:
-    float32 accuracy, and the counted build equal to the model."""
+    thread tiles, staggered cp.async K/V, 10 chunks and 32 keys a trip at d = 128), with tail
+    blocks: float32 accuracy, and the counted build equal to the model."""
     q, k, v = random_qkv(rng, 2, 3, 1000, d, d)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal,
                        count=True)
