@@ -202,7 +202,9 @@ class QOuter(MicroKernelSchedule):
     # 8 x 8 at d = 64 (16 shared loads per 256 FMAs), 8 x 4 at d = 128, both on 255 registers:
     # the fastest of the H200 sweep (results/bench_layouts.csv at 8bab0b5; at 69fa7d6 4 x 8 lost
     # again at d = 128, 13.38 against 12.96 ms, and so did 192 x 64 tiles, 384 threads on 168
-    # registers, 13.81: results/gpu_logs/ab_tiles_unroll_69fa7d6.log). kv_outer at 8 x 8
+    # registers, 13.81: results/gpu_logs/ab_tiles_unroll_69fa7d6.log; at 5b4eb48 256 x 32 tiles
+    # at 8 x 4, 12.65 against 12.47, causal 7.03 against 6.45:
+    # results/gpu_logs/ab_tiles_256x32_5b4eb48.log). kv_outer at 8 x 8
     # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
     # results/bench_runtime.csv at 6296e24): it keeps the rule.
     TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
