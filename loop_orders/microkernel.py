@@ -13,7 +13,8 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
     S = Q_i K_j^T:  for each 4 dims: RM + KN 16-byte shared loads, then one dim at a time
                     over every (row, key): 4 RM KN FMAs
     row max:        each thread's partial max of its KN keys, combined over the row's TC
-                    threads: a shuffle butterfly on a GPU, shared memory on the simulator
+                    threads (a shuffle butterfly on a GPU, shared memory on the simulator)
+                    only when some row's partial max passes m_i + MAX_SLACK (a vote)
     P:              2^(S - m) written to shared, transposed (P_ij^T: a row per key; P_ij
                     never leaves the chip), one store a key and group of G rows
     acc += P V_j:   for each key: RM / G loads of P_ij^T and XH of V feed 4 RM XH FMAs
@@ -33,7 +34,9 @@ code avoids; the GPU tests (tests/test_gpu.py) cover the shuffle path.
 
 The update, per row and tile (Q_i is loaded pre-scaled by scale log2 e, so scores need no
 multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
-    m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
+    if some s_c > m + MAX_SLACK (for any row of the warp, or of the CTA on the simulator):
+        m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
+    else m' = m  (a stale max: weights up to 2^MAX_SLACK, no reduction, no rescale)
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
 Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
 multiplied into acc (on a diagonal or tail tile P V_j goes key by key up to the last key
@@ -94,6 +97,11 @@ from .tiles import (
 )
 
 NEG_INF = float32(-math.inf)
+# How far (log2 units) a row's scores may rise above its running max m_i before m_i is raised:
+# weights up to 2^8 = 256 keep l_i and acc_i far inside float32, and a tile whose scores all
+# stay under m_i + 8 (after a row's first tile, nearly every one) skips the row-max reduction
+# and the rescale of acc_i. Any m_i gives the same O_i = acc_i / l_i and lse_i = m_i + log l_i.
+MAX_SLACK = float32(8.0)
 
 
 class Layout(NamedTuple):
@@ -573,19 +581,30 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                     # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
                     if int(tc) + b * TC >= vis[a]:
                         s[a * KN + b] = NEG_INF
+        moved = False  # a score of the thread's rows above its running max by > MAX_SLACK
         for a in range(RM):
-            part_max = NEG_INF
-            for b in range(KN):
+            part_max = s[a * KN]
+            for b in range(1, KN):
                 part_max = max(part_max, s[a * KN + b])
+            moved |= part_max > m[a] + MAX_SLACK
             if SHUFFLE:
-                row_max[a] = shuffle_max(part_max)
+                row_max[a] = part_max
             else:
                 buf[red_at(tr, tc) + uint64(a)] = part_max
-        if not SHUFFLE:
-            cuda.syncthreads()  # every thread's partial row maxima are in shared memory
-            reduce_rows(buf, tr, row_max, True)
+        if SHUFFLE:
+            reduce = cuda.any_sync(uint32(0xFFFFFFFF), moved)  # a warp holds whole rows
+            if reduce:
+                for a in range(RM):
+                    row_max[a] = shuffle_max(row_max[a])
+        else:
+            # every thread's partial row maxima are in shared memory (a barrier that votes)
+            reduce = cuda.syncthreads_or(int32(moved))
+            if reduce:
+                reduce_rows(buf, tr, row_max, True)
+        if reduce:
+            for a in range(RM):
+                rescale(m, l, acc, a, row_max[a])
         for a in range(RM):
-            rescale(m, l, acc, a, row_max[a])
             shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
             for b in range(KN):
                 p = exp2(s[a * KN + b] - shift)

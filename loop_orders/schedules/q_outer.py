@@ -58,7 +58,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
-    STAGES = mk.STAGES  # noqa: N806 - K/V buffers
+    STAGES, STAGGERED = mk.STAGES, mk.STAGGERED  # noqa: N806 - K/V buffers; staggered loads
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
@@ -93,13 +93,21 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
 
     @cuda.jit(device=True, inline="always")
+    def first_kv(buf, k, v, bh, n_k, c_i, cnt):
+        """What the K/V loop folds in first, issued before Q_i's load so that the two land
+        together: K_0 (staggered loads), or K_0 and V_0 (two buffers: each later pair lands
+        under the previous one's arithmetic); with one buffer, nothing."""
+        if c_i > 0:
+            if STAGGERED:
+                load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
+            elif STAGES > 1:
+                load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
+
+    @cuda.jit(device=True, inline="always")
     def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j < c_i into (m_i, l_i, acc), in one K/V buffer or (STAGES 2)
-        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
-        if STAGES > 1 and c_i > 0:
-            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
-            # arithmetic
-            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
+        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in (K_0, V_0 from
+        first_kv)."""
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
@@ -117,10 +125,9 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     @cuda.jit(device=True, inline="always")
     def stream_kv_staggered(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j < c_i into (m_i, l_i, acc) in one K and one V buffer, their
-        loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is."""
+        loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is (K_0 from
+        first_kv)."""
         vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
-        if c_i > 0:
-            load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)  # K_0 ahead of the loop
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
@@ -136,7 +143,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
-    fold_tiles = stream_kv_staggered if mk.STAGGERED else stream_kv
+    fold_tiles = stream_kv_staggered if STAGGERED else stream_kv
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
@@ -163,14 +170,14 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             l_i[a] = float32(0.0)
         clear(buf)  # padding and rows past N_q stay zero
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        first_kv(buf, k, v, bh, n_k, c_i, cnt)  # copied while Q_i loads
         # Q_i: read from HBM once, stays in shared memory for every K/V block
         moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
         if COUNT:
             cnt[Q_R] += moved
-
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
         fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt)
 
         row_sums(buf, l_i, l_row)
