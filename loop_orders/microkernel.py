@@ -29,8 +29,9 @@ per trip of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14 ins
 loop control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
-differ: the simulator has no warp shuffles, so it takes the shared-memory reduction the GPU
-code avoids; the GPU tests (tests/test_gpu.py) cover the shuffle path.
+differ: the simulator has no warp shuffles or votes, so it takes the shared-memory reduction
+and a voting barrier (the CTA's vote, not the warp's) where the GPU code takes a shuffle
+butterfly and a warp vote; the GPU tests (tests/test_gpu.py) cover the shuffle path.
 
 The update, per row and tile (Q_i is loaded pre-scaled by scale log2 e, so scores need no
 multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):

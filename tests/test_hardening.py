@@ -82,6 +82,31 @@ def test_all_scores_of_a_row_hugely_negative(schedule, causal, rng):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("slope", [0.5, -0.5, 8.0])
+def test_scores_that_climb_from_tile_to_tile(schedule, causal, slope, rng):
+    """Scores that rise (or fall) steadily with the key, so every K/V tile moves the rows'
+    max: by less than the micro-kernel's MAX_SLACK a tile at slope 0.5 (the running max is
+    kept until the rise adds up past it), by far more at slope 8 (a reduction and a rescale
+    every tile). Weights the stale max leaves above 1 must not overflow or go unscaled."""
+    n, d = 24, 4
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    q = np.sqrt(d) * u + 0.01 * rng.standard_normal((n, d))
+    k = slope * np.arange(n)[:, None] * u + 0.01 * rng.standard_normal((n, d))
+    q, k = q.astype(np.float32), k.astype(np.float32)
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    for bq, bk in [(4, 4), (3, 5), (16, 8)]:
+        res = lo.attention(q, k, v, schedule=schedule, block_q=bq, block_k=bk, causal=causal,
+                           save_lse=True)
+        ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+        roundings = lo.get_schedule(schedule).output_roundings(res.problem)
+        assert relative_error(res.out, ref) <= score_tolerance(q, k, "float32", roundings, v,
+                                                               ref)
+        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("causal", [False, True])
 def test_float16_products_beyond_float16_range(schedule, causal, rng):
     """|q.k| ~ 1e6 (float16 ends at 65504) with scale 1e-5: inputs are widened to float32 on
     load and the scores are formed in float32, so nothing overflows."""
