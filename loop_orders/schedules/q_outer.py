@@ -11,9 +11,9 @@
 
 When K_j, V_j land (the counts are the same either way): on tensor cores K_j+1, V_j+1 go to a
 second buffer while K_j, V_j are folded in; on CUDA cores, with one K and one V buffer, V_j
-is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`), by
-cp.async where rows are whole 16-byte copies. Causal query blocks start heaviest first, over
-every (batch, head).
+is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`; K_0
+while Q_i loads), by cp.async where rows are whole 16-byte copies. Causal query blocks start
+heaviest first, over every (batch, head).
 
 Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
 Each query block reads the K/V rows it visits: sum_i min(c_i Bc, N_k) (d + dv), which is
@@ -93,21 +93,29 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
 
     @cuda.jit(device=True, inline="always")
-    def first_kv(buf, k, v, bh, n_k, c_i, cnt):
-        """What the K/V loop folds in first, issued before Q_i's load so that the two land
-        together: K_0 (staggered loads), or K_0 and V_0 (two buffers: each later pair lands
-        under the previous one's arithmetic); with one buffer, nothing."""
-        if c_i > 0:
-            if STAGGERED:
-                load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
-            elif STAGES > 1:
-                load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
+    def kv_blocks(row0, n_rows, n_k):
+        """c_i: the K/V blocks query block i visits."""
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        return c_i
+
+    @cuda.jit(device=True, inline="always")
+    def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):  # noqa: N802 - paper's names
+        """Q_i into its tile, counted; every thread calls it."""
+        # Q_i: read from HBM once, stays in shared memory for every K/V block
+        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
+        if COUNT:
+            cnt[Q_R] += moved
 
     @cuda.jit(device=True, inline="always")
     def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j < c_i into (m_i, l_i, acc), in one K/V buffer or (STAGES 2)
-        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in (K_0, V_0 from
-        first_kv)."""
+        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
+        if STAGES > 1 and c_i > 0:
+            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
+            # arithmetic
+            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
@@ -126,7 +134,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     def stream_kv_staggered(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j < c_i into (m_i, l_i, acc) in one K and one V buffer, their
         loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is (K_0 from
-        first_kv)."""
+        the kernel, before Q_i)."""
         vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
         for j in range(c_i):
             key0 = j * BC
@@ -170,14 +178,18 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             l_i[a] = float32(0.0)
         clear(buf)  # padding and rows past N_q stay zero
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        first_kv(buf, k, v, bh, n_k, c_i, cnt)  # copied while Q_i loads
-        # Q_i: read from HBM once, stays in shared memory for every K/V block
-        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
-        if COUNT:
-            cnt[Q_R] += moved
+        if STAGGERED:
+            # K_0 is copied while Q_i loads (causal N = 512 -0.5 %,
+            # results/gpu_logs/ab_lazy_max_d564bde.log)
+            c_i = kv_blocks(row0, n_rows, n_k)
+            if c_i > 0:
+                load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
+            load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
+        else:
+            # Q_i first: on tensor cores K_0 and V_0 ahead of it cost 2 % at d = 128 in tf32x3
+            # (results/gpu_logs/ab_first_kv_tc_95c2204.log); stream_kv copies them
+            load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
+            c_i = kv_blocks(row0, n_rows, n_k)
         fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt)
 
         row_sums(buf, l_i, l_row)
