@@ -21,12 +21,13 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
 With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
 owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
-In S each 16-byte load of Q_i or K_j holds four dims of one row or key; in P V_j each
-16-byte load of P_ij^T holds one key's weights for four rows (G = 4), so a key's operands
-are only RM + 4 XH floats and the loads of the next key can go out under the FMAs of this
-one. The two hot loops go UNROLL.chunks 4-wide chunks of dims (S) or UNROLL.keys keys (P V)
-per trip of a 32-bit counter (`unrolled`): Numba's own `range` loops cost 14 instructions of
-loop control per trip.
+In S each 16-byte load of K_j holds four dims of one key, and each load of Q_i one dim of a
+group of four rows: Q_i is kept transposed (Q_i^T, a row per head dim, as P_ij^T) where
+G = 4, else a load holds four dims of one row. In P V_j each 16-byte load of P_ij^T holds
+one key's weights for four rows (G = 4), so a key's operands are only RM + 4 XH floats and
+the loads of the next key can go out under the FMAs of this one. The two hot loops go
+UNROLL.chunks 4-wide chunks of dims (S) or UNROLL.keys keys (P V) per trip of a 32-bit
+counter (`unrolled`): Numba's own `range` loops cost 14 instructions of loop control per trip.
 The row sums l_i stay per-thread partials, summed over the TC threads of a row (through shared
 memory) only when O_i is written. The row max is the one step whose GPU and simulator code
 differ: the simulator has no warp shuffles or votes, so it takes the shared-memory reduction
@@ -118,6 +119,19 @@ class Layout(NamedTuple):
     kn: int
     stages: int = 1
 
+    @property
+    def groups(self) -> int:
+        """G: a thread's rows come in groups of G consecutive tile rows (4 where 4 divides
+        RM, else 2, else 1), the groups G TR rows apart (`row_of`)."""
+        return 4 if self.rm % 4 == 0 else (2 if self.rm % 2 == 0 else 1)
+
+    @property
+    def transposes_q(self) -> bool:
+        """Whether Q_i is kept transposed in shared memory (Q_i^T, a row per head dim): where
+        rows come in groups of 4, so that a group's four rows at one dim are one 16-byte load
+        (with smaller groups Q_i stays a row per query row, four dims of a row a load)."""
+        return self.groups == 4
+
     def copies_rows(self, d: int, dv: int) -> bool:
         """Whether K and V rows arrive by cp.async (staggered, whole 16-byte rows: the
         source must then be 16-byte aligned), else by plain loads."""
@@ -191,6 +205,7 @@ class SharedLayout(NamedTuple):
 
     q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
     qs: int
+    qts: int  # Q_i^T's row stride (a row per head dim, where the layout transposes Q_i)
     k: int  # K_j, Bc rows
     ks: int
     v: int  # V_j, Bc rows
@@ -217,14 +232,17 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     after P V_j."""
     tr, tc = lay.grid(BR, BC)
     rows, keys = tr * lay.rm, tc * lay.kn
-    qs = _stride(max(D, DV))
+    qs = _stride(max(D, DV))  # Q_i or O_i, a row per query row
+    qts = _stride(rows)  # Q_i^T: a row per head dim, a column per query row
     ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
-    sizes = [rows * qs, keys * ks, BC * vs, max(keys * ps, rows * qs if reload else 0),
+    q_size = max(rows * qs, _round4(D) * qts if lay.transposes_q else 0)
+    sizes = [q_size, keys * ks, BC * vs, max(keys * ps, rows * qs if reload else 0),
              tr * tc * lay.rm, 2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return SharedLayout(q, qs, k, ks, v, vs, p, ps, red, p if reload else 0, stats, size)
+    return SharedLayout(q, qs, qts, k, ks, v, vs, p, ps, red, p if reload else 0, stats,
+                        size)
 
 
 class MicroKernel(NamedTuple):
@@ -340,7 +358,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     RN = 4 * RM  # noqa: N806 - a 4-wide chunk of the thread's rows of Q_i
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
     # group and key when G = 4), the groups G TR rows apart
-    G = 4 if RM % 4 == 0 else (2 if RM % 2 == 0 else 1)  # noqa: N806
+    G = lay.groups  # noqa: N806
+    QT = lay.transposes_q  # noqa: N806 - Q_i^T in shared memory (G = 4), else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
@@ -349,7 +368,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     # shuffles), it goes through shared memory.
     SHUFFLE = not SIMULATOR and 32 % TC == 0 and NT % 32 == 0  # noqa: N806
     LOG_TC = TC.bit_length() - 1  # noqa: N806
-    Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
+    Q, QS, QTS, K, KS, V, VS = sm.q, sm.qs, sm.qts, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
     P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
     OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
 
@@ -392,11 +411,17 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     @inlined
     def q_chunk(x4, buf, tr, qq):
         """qq[a 4 + u] = Q_i[row a, dim 4 x4 + u]: the thread's rows at one 4-wide chunk of
-        head dims, one 16-byte load a row."""
-        for a in range(RM):
-            qa = uint64(Q) + q_at(tr, a) + uint64(4) * uint64(x4)
+        head dims; from Q_i^T one 16-byte load a group of 4 rows and dim, else one a row."""
+        if QT:
             for u in range(4):
-                qq[a * 4 + u] = buf[qa + uint64(u)]
+                at = uint64(Q) + (uint64(4) * uint64(x4) + uint64(u)) * uint64(QTS)
+                for a in range(RM):
+                    qq[a * 4 + u] = buf[at + row_of(tr, a)]
+        else:
+            for a in range(RM):
+                qa = uint64(Q) + q_at(tr, a) + uint64(4) * uint64(x4)
+                for u in range(4):
+                    qq[a * 4 + u] = buf[qa + uint64(u)]
 
     @inlined
     def k_chunk(x4, buf, tc, kk):
@@ -681,7 +706,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
-    load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True)
+    load_q_tile = make_tile_loader(BR, D, NT, (Q, 1, QTS) if QT else (Q, QS), scaled=True)
     load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
     ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async

@@ -34,7 +34,9 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
     tile as float32 times `factor`, or out of it in hbm's dtype (`intrinsics.widen`, `narrow`:
     bfloat16 arrives as uint16 bits). Returns the elements this
     thread moved. The tile is a 2-D shared array, or with AT = (offset, stride) the rows of a
-    1-D shared buffer from `offset` on, `stride` floats apart.
+    1-D shared buffer from `offset` on, `stride` floats apart; AT = (offset, stride,
+    col_stride) spaces a row's elements col_stride floats apart (AT = (offset, 1, stride)
+    stores the tile transposed).
 
     Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
     warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
@@ -46,14 +48,14 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
     WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
 
     FLAT = AT is not None  # noqa: N806
-    OFFSET, STRIDE = AT if FLAT else (0, 0)  # noqa: N806
+    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3] if FLAT else (0, 0, 1)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
     def copy(tile, hbm, bh, row0, col0, r, c, factor):
         # unsigned indices: Numba then skips its negative-index fix-up on every access
         h = (uint64(bh), uint64(row0) + r, uint64(col0) + c)
         if FLAT:
-            at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c)
+            at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c) * uint64(COL_STRIDE)
             if TO_HBM:
                 hbm[h] = narrow(tile[at], hbm)
             else:
