@@ -21,9 +21,9 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
 With RM, KN >= 4 every 16-byte load from shared memory feeds 8 or more FMAs (a thread
 owning one row, as in a naive kernel, gets 4): shared-memory bandwidth stops being the limit.
-In S each 16-byte load of K_j holds four dims of one key, and each load of Q_i one dim of a
-group of four rows: Q_i is kept transposed (Q_i^T, a row per head dim, as P_ij^T) where
-G = 4, else a load holds four dims of one row. In P V_j each 16-byte load of P_ij^T holds
+In S each 16-byte load of K_j holds four dims of one key, and each load of Q_i four dims of
+one row or, where the caller keeps Q_i transposed (TRANSPOSE_Q: Q_i^T, a row per head dim, as
+P_ij^T) and G = 4, one dim of a group of four rows. In P V_j each 16-byte load of P_ij^T holds
 one key's weights for four rows (G = 4), so a key's operands are only RM + 4 XH floats and
 the loads of the next key can go out under the FMAs of this one. The two hot loops go
 UNROLL.chunks 4-wide chunks of dims (S) or UNROLL.keys keys (P V) per trip of a 32-bit
@@ -125,13 +125,6 @@ class Layout(NamedTuple):
         RM, else 2, else 1), the groups G TR rows apart (`row_of`)."""
         return 4 if self.rm % 4 == 0 else (2 if self.rm % 2 == 0 else 1)
 
-    @property
-    def transposes_q(self) -> bool:
-        """Whether Q_i is kept transposed in shared memory (Q_i^T, a row per head dim): where
-        rows come in groups of 4, so that a group's four rows at one dim are one 16-byte load
-        (with smaller groups Q_i stays a row per query row, four dims of a row a load)."""
-        return self.groups == 4
-
     def copies_rows(self, d: int, dv: int) -> bool:
         """Whether K and V rows arrive by cp.async (staggered, whole 16-byte rows: the
         source must then be 16-byte aligned), else by plain loads."""
@@ -205,7 +198,7 @@ class SharedLayout(NamedTuple):
 
     q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
     qs: int
-    qts: int  # Q_i^T's row stride (a row per head dim, where the layout transposes Q_i)
+    qts: int  # Q_i^T's row stride (a row per head dim), where the micro-kernel transposes Q_i
     k: int  # K_j, Bc rows
     ks: int
     v: int  # V_j, Bc rows
@@ -237,9 +230,10 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
-    q_size = max(rows * qs, _round4(D) * qts if lay.transposes_q else 0)
-    sizes = [q_size, keys * ks, BC * vs, max(keys * ps, rows * qs if reload else 0),
-             tr * tc * lay.rm, 2 * rows if reload else 0]
+    # Q_i's region holds Q_i or Q_i^T (as the micro-kernel keeps it), and O_i on its way out
+    sizes = [max(rows * qs, _round4(D) * qts), keys * ks, BC * vs,
+             max(keys * ps, rows * qs if reload else 0), tr * tc * lay.rm,
+             2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return SharedLayout(q, qs, qts, k, ks, v, vs, p, ps, red, p if reload else 0, stats,
                         size)
@@ -339,13 +333,17 @@ class Unroll(NamedTuple):
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
                       CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
-                      STAGES: int = 1, PEEL: bool = False) -> MicroKernel:  # noqa: N803
+                      STAGES: int = 1, PEEL: bool = False,  # noqa: N803
+                      TRANSPOSE_Q: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
     of loop control and more registers, which the caller's loop nest decides.
     STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
     PEEL: S_ij's first 4-dim chunk sets the scores (the rest add to them) instead of every
     chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
+    TRANSPOSE_Q: Q_i is kept transposed in shared memory (Q_i^T, a row per head dim) where the
+    thread's rows come in groups of G = 4, so that S_ij's Q operands come one 16-byte load a
+    group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides.
     """
     lay = Layout(RM, KN, STAGES)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
@@ -359,7 +357,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
     # group and key when G = 4), the groups G TR rows apart
     G = lay.groups  # noqa: N806
-    QT = lay.transposes_q  # noqa: N806 - Q_i^T in shared memory (G = 4), else Q_i
+    QT = TRANSPOSE_Q and G == 4  # noqa: N806 - Q_i^T in shared memory, else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
@@ -785,13 +783,14 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
 
 
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
-                 RELOAD: bool, UNROLL: Unroll, PEEL: bool = False) -> MicroKernel:
+                 RELOAD: bool, UNROLL: Unroll, PEEL: bool = False,
+                 TRANSPOSE_Q: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
-                             PEEL)
+                             PEEL, TRANSPOSE_Q)
 
 
 class LaunchPlan(NamedTuple):

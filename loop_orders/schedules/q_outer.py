@@ -49,6 +49,12 @@ UNROLL = {128: Unroll(chunks=10, keys=32)}
 # rounds) d = 128 went 12.75 -> 12.70 ms, causal 6.67 -> 6.58, and d = 64 6.24 -> 6.28 (causal
 # 3.246 -> 3.253), so d = 64 keeps the zeroed scores.
 PEEL = {128}
+# Head dims where Q_i stays a row per query row in shared memory; the rest keep it transposed
+# (the micro-kernel's TRANSPOSE_Q: Q_i^T, a row per head dim). Transposed, at 2f3623d on the
+# H200 (results/gpu_logs/ab_q_transposed_2f3623d.log, two rounds, N = 4096 and 512), d = 64
+# went 6.180 -> 6.127 ms and 0.845 -> 0.838 (causal 3.233 -> 3.166 and 0.544 -> 0.526), but
+# d = 128 went 12.386 -> 12.515 and 1.706 -> 1.720 (causal 6.405 -> 6.450, 1.169 -> 1.175).
+ROW_MAJOR_Q = {128}
 
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
@@ -56,7 +62,8 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL)
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
+                      D not in ROW_MAJOR_Q)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES, STAGGERED = mk.STAGES, mk.STAGGERED  # noqa: N806 - K/V buffers; staggered loads
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
