@@ -25,7 +25,8 @@ PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", 64, "8 × 4", 4),
                 ("gpu_logs/ncu_profile_q_outer_d564bde.txt", 64, "8 × 8", 4),
                 ("gpu_logs/ncu_profile_q_outer_d128_69fa7d6.txt", 128, "8 × 4", 4),
                 ("gpu_logs/ncu_profile_q_outer_d128_fc723cd.txt", 128, "8 × 4", 4),
-                ("gpu_logs/ncu_profile_q_outer_d128_d564bde.txt", 128, "8 × 4", 4)]
+                ("gpu_logs/ncu_profile_q_outer_d128_d564bde.txt", 128, "8 × 4", 4),
+                ("gpu_logs/ncu_profile_q_outer_f7f55f8.txt", 64, "8 × 8", 4)]
 PROFILE_METRICS = ["Duration", "SM Frequency", "L1/TEX Cache Throughput", "Compute (SM) Throughput",
                    "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy",
