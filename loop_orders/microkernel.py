@@ -343,7 +343,9 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
     TRANSPOSE_Q: Q_i is kept transposed in shared memory (Q_i^T, a row per head dim) where the
     thread's rows come in groups of G = 4, so that S_ij's Q operands come one 16-byte load a
-    group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides.
+    group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides. (Its
+    stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
+    stride apart.)
     """
     lay = Layout(RM, KN, STAGES)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row

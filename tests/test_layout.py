@@ -101,13 +101,15 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     lay = Layout(4, 4)
     sm = shared_layout(64, 32, 64, 64, lay, reload)
     # row strides: whole 16-byte chunks, an odd number of them (rows start in different banks)
-    for stride in (sm.qs, sm.ks, sm.ps):
+    for stride in (sm.qs, sm.qts, sm.ks, sm.ps):
         assert stride % 4 == 0 and (stride // 4) % 2 == 1
-    # P_ij^T: a row per key, a column per query row (64)
-    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64
+    # P_ij^T: a row per key, a column per query row (64); Q_i^T: a row per head dim, as well
+    assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64 and sm.qts >= 64
+    # Q_i's region holds Q_i (64 rows) or Q_i^T (64 head dims), whichever the micro-kernel keeps
+    assert sm.k - sm.q == 64 * max(sm.qs, sm.qts)
     starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.stats, sm.size]
     assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
-    assert sm.k - sm.q == 64 * sm.qs and sm.v - sm.k == 32 * sm.ks
+    assert sm.v - sm.k == 32 * sm.ks
     assert sm.p - sm.v == 32 * sm.vs
     # kv_outer's O_i stage (64 rows of stride qs) takes P_ij^T's place (32 keys of stride ps),
     # which grows to hold it
