@@ -231,6 +231,22 @@ def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):  # noqa: N803 - compile-time 
     return block_of
 
 
+@cache
+def make_kv_blocks(BC: int, CAUSAL: bool):  # noqa: N803 - compile-time constants
+    """Device function kv_blocks(row0, n_rows, n_k) -> c_i: the K/V blocks of BC keys that
+    the query block of rows row0 .. row0 + n_rows - 1 visits: all ceil(N_k / BC), or (causal)
+    those up to the block's last row."""
+
+    @cuda.jit(device=True, inline="always")
+    def kv_blocks(row0, n_rows, n_k):
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        return c_i
+
+    return kv_blocks
+
+
 @cuda.jit(device=True)
 def zero_counts(cnt):
     for s in range(cnt.shape[0]):

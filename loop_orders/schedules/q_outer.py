@@ -32,7 +32,14 @@ from ..ledger import Ledger, slot
 from ..microkernel import MicroKernelSchedule, Unroll, micro_kernel
 from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import block_grid, counter_slots, counts_flusher, make_block_of, zero_counts
+from ..tiles import (
+    block_grid,
+    counter_slots,
+    counts_flusher,
+    make_block_of,
+    make_kv_blocks,
+    zero_counts,
+)
 
 # Steps per trip of the micro-kernel's hot loops, per head dim (else Unroll.by(2): 2 chunks of
 # S_ij's dims, 8 keys of P_ij V_j). Measured on the H200 (B=4, H=16, N=4096, 128 x 64 tiles) at
@@ -74,6 +81,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     store_O_i, store_lse = mk.store_o, mk.store_lse  # noqa: N806
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
     NCNT = counter_slots(COUNT)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
@@ -98,14 +106,6 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         """K_j and V_j into K/V buffer `stage`, counted; every thread calls it."""
         load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
         load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
-
-    @cuda.jit(device=True, inline="always")
-    def kv_blocks(row0, n_rows, n_k):
-        """c_i: the K/V blocks query block i visits."""
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        return c_i
 
     @cuda.jit(device=True, inline="always")
     def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):  # noqa: N802 - paper's names

@@ -67,6 +67,7 @@ from ..tiles import (
     LN2,
     counter_slots,
     counts_flusher,
+    make_kv_blocks,
     zero_counts,
 )
 
@@ -90,6 +91,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
     flush_counts = counts_flusher()
+    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
     # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
     load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v  # noqa: N806
     store_O_is = mk.store_o  # noqa: N806 - from Q_i's place, where give_o staged it
@@ -106,9 +108,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         n_k = k.shape[1]
         row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)
         n_rows = min(BR, n_q - row0)
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        c_i = kv_blocks(row0, n_rows, n_k)
         j0 = s * per
         j1 = min(j0 + per, c_i)
         if j0 >= j1:
@@ -178,6 +178,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
 @kernel_factory
 def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
     flush_counts = counts_flusher()
+    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
     NCNT = counter_slots(COUNT)  # noqa: N806
     O_W, LSE_W = slot("o", "write"), slot("lse", "write")  # noqa: N806
     OP_R, LP_R = slot("o_part", "read"), slot("lse_part", "read")  # noqa: N806
@@ -192,9 +193,7 @@ def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
         dv = o.shape[2]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)
+        c_i = kv_blocks(row0, n_rows, n_k)
         n_vis = min(n_splits, (c_i + per - 1) // per)  # the splits kernel 1 visited
         # w[s BR + r]: split s's weight for row r, then lse_i of the block's rows from
         # w[n_splits BR] on
