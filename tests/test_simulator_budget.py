@@ -14,15 +14,24 @@ from loop_orders.api import simulated_seconds
 pytestmark = pytest.mark.skipif(not runtime.SIMULATOR, reason="the simulator's budget")
 
 
+def fastest_call(q, k, v, **kw):
+    """(seconds, result) of the fastest of three calls after a warm one: the least disturbed
+    by other work on the machine (CI's test workers share its two cores)."""
+    lo.attention(q, k, v, **kw)  # warm
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        res = lo.attention(q, k, v, **kw)
+        runs.append(time.perf_counter() - t0)
+    return min(runs), res
+
+
 @pytest.mark.parametrize("schedule, n, d, block", [("q_outer", 32, 8, 16),
                                                     ("kv_outer", 32, 8, 8),
                                                     ("split_kv", 24, 4, 8)])
 def test_estimate_is_within_a_few_times_of_the_simulator(schedule, n, d, block, rng):
     q, k, v = random_qkv(rng, 1, 1, n, d, d)
-    lo.attention(q, k, v, schedule=schedule, block_q=block, block_k=block)  # warm
-    t0 = time.perf_counter()
-    res = lo.attention(q, k, v, schedule=schedule, block_q=block, block_k=block)
-    took = time.perf_counter() - t0
+    took, res = fastest_call(q, k, v, schedule=schedule, block_q=block, block_k=block)
     estimate = simulated_seconds(lo.get_schedule(schedule), res.problem)
     assert estimate / 5 <= took <= estimate * 5, (took, estimate)
 
@@ -49,10 +58,7 @@ def test_estimate_covers_the_tensor_core_emulation(rng):
     """float16 runs the tensor-core micro-kernel, whose warp-collective calls the simulator
     emulates (intrinsics._warp_gather): the estimate counts them."""
     q, k, v = random_qkv(rng, 1, 2, 40, 16, 16, "float16")
-    lo.attention(q, k, v, schedule="q_outer", block_q=32, block_k=16)  # warm
-    t0 = time.perf_counter()
-    res = lo.attention(q, k, v, schedule="q_outer", block_q=32, block_k=16)
-    took = time.perf_counter() - t0
+    took, res = fastest_call(q, k, v, schedule="q_outer", block_q=32, block_k=16)
     sched = lo.get_schedule("q_outer")
     assert sched.warp_exchanges(res.problem) > 0
     estimate = simulated_seconds(sched, res.problem)
