@@ -198,7 +198,8 @@ class SharedLayout(NamedTuple):
 
     q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
     qs: int
-    qts: int  # Q_i^T's row stride (a row per head dim), where the micro-kernel transposes Q_i
+    qts: int  # Q_i^T's row stride (a row per head dim)
+    q_transposed: bool  # Q_i is kept as Q_i^T (TRANSPOSE_Q, rows in groups of 4), else Q_i
     k: int  # K_j, Bc rows
     ks: int
     v: int  # V_j, Bc rows
@@ -217,8 +218,9 @@ class SharedLayout(NamedTuple):
 
 @cache
 def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
-                  reload: bool) -> SharedLayout:
-    """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows. Tiles
+                  reload: bool, transpose_q: bool = False) -> SharedLayout:
+    """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows, and
+    `transpose_q` keeps Q_i transposed where the layout's rows come in groups of 4. Tiles
     have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
     shares P_ij^T's space: O_i is taken before P_ij^T is written (the caller puts a barrier
     between: what a thread writes of P_ij^T is other threads' rows of the O_i stage) and given
@@ -230,13 +232,14 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
-    # Q_i's region holds Q_i or Q_i^T (as the micro-kernel keeps it), and O_i on its way out
-    sizes = [max(rows * qs, _round4(D) * qts), keys * ks, BC * vs,
+    q_transposed = transpose_q and lay.groups == 4
+    # Q_i's region holds Q_i or Q_i^T, and O_i on its way out
+    sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0), keys * ks, BC * vs,
              max(keys * ps, rows * qs if reload else 0), tr * tc * lay.rm,
              2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return SharedLayout(q, qs, qts, k, ks, v, vs, p, ps, red, p if reload else 0, stats,
-                        size)
+    return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
+                        p if reload else 0, stats, size)
 
 
 class MicroKernel(NamedTuple):
@@ -351,7 +354,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
     ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
-    sm = shared_layout(BR, BC, D, DV, lay, RELOAD)
+    sm = shared_layout(BR, BC, D, DV, lay, RELOAD, TRANSPOSE_Q)
     XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
     XN = 4 * XH  # noqa: N806 - accumulators per row
     NS = RM * KN  # noqa: N806 - scores per thread
@@ -359,7 +362,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
     # group and key when G = 4), the groups G TR rows apart
     G = lay.groups  # noqa: N806
-    QT = TRANSPOSE_Q and G == 4  # noqa: N806 - Q_i^T in shared memory, else Q_i
+    QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
@@ -893,7 +896,13 @@ class MicroKernelSchedule(Schedule):
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
             return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
-        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD).bytes
+        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD,
+                             self.transposes_q(p)).bytes
+
+    def transposes_q(self, p: Problem) -> bool:
+        """Whether this loop nest keeps Q_i transposed in shared memory for p (the CUDA-core
+        micro-kernel's TRANSPOSE_Q); none does unless it says so."""
+        return False
 
     def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic

@@ -105,8 +105,7 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
         assert stride % 4 == 0 and (stride // 4) % 2 == 1
     # P_ij^T: a row per key, a column per query row (64); Q_i^T: a row per head dim, as well
     assert sm.qs >= 64 and sm.ks >= 64 and sm.vs >= 64 and sm.ps >= 64 and sm.qts >= 64
-    # Q_i's region holds Q_i (64 rows) or Q_i^T (64 head dims), whichever the micro-kernel keeps
-    assert sm.k - sm.q == 64 * max(sm.qs, sm.qts)
+    assert sm.k - sm.q == 64 * sm.qs and not sm.q_transposed
     starts = [sm.q, sm.k, sm.v, sm.p, sm.red, sm.stats, sm.size]
     assert starts == sorted(starts) and all(s % 4 == 0 for s in starts[:5])
     assert sm.v - sm.k == 32 * sm.ks
@@ -118,6 +117,20 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     assert sm.stats - sm.red == lay.threads(64, 32) * lay.rm
     assert sm.size - sm.stats == (128 if reload else 0)
     assert sm.bytes == 4 * sm.size
+
+
+@pytest.mark.parametrize("rm, transposed", [(4, True), (8, True), (2, False), (1, False)])
+def test_q_is_transposed_only_where_asked_and_rows_come_in_fours(rm, transposed):
+    # 16 query rows, head dim 40: Q_i^T (40 rows of a 16-row stride) and Q_i (16 rows of a
+    # 40-dim stride) differ in size, and the region holds the one the micro-kernel keeps
+    lay = Layout(rm, 4)
+    plain = shared_layout(16, 16, 40, 24, lay, False)
+    asked = shared_layout(16, 16, 40, 24, lay, False, transpose_q=True)
+    assert not plain.q_transposed and asked.q_transposed == transposed
+    assert plain.k - plain.q == 16 * plain.qs
+    assert asked.k - asked.q == (max(16 * asked.qs, 40 * asked.qts) if transposed
+                                 else 16 * asked.qs)
+    assert asked.qts % 4 == 0 and (asked.qts // 4) % 2 == 1 and asked.qts >= 16
 
 
 @pytest.mark.parametrize("n, by", [(0, 2), (1, 2), (3, 2), (5, 4), (16, 2), (6, 6)])

@@ -63,6 +63,12 @@ PEEL = {128}
 # d = 128 went 12.386 -> 12.515 and 1.706 -> 1.720 (causal 6.405 -> 6.450, 1.169 -> 1.175).
 ROW_MAJOR_Q = {128}
 
+
+def transposes_q(d: int) -> bool:
+    """Whether q_outer keeps Q_i transposed at head dim d (`ROW_MAJOR_Q`)."""
+    return d not in ROW_MAJOR_Q
+
+
 Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                              slot("o", "write"), slot("lse", "write"))
 
@@ -70,7 +76,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
-                      D not in ROW_MAJOR_Q)
+                      transposes_q(D))
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES, STAGGERED = mk.STAGES, mk.STAGGERED  # noqa: N806 - K/V buffers; staggered loads
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
@@ -289,6 +295,9 @@ class QOuter(MicroKernelSchedule):
 
     def workspace_bytes(self, p: Problem) -> int:
         return 0  # m_i, l_i and the accumulator live in registers only
+
+    def transposes_q(self, p: Problem) -> bool:
+        return transposes_q(p.d)
 
     def tiles_for_sram(self, m: int, d: int) -> tuple[int, int]:
         # Algorithm 1's sizes with the roles swapped: the resident query block is the large one.
