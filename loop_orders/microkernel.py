@@ -93,7 +93,6 @@ from .tiles import (
     counter_slots,
     make_clear,
     make_row_copier,
-    make_row_scaler,
     make_tile_loader,
     make_tile_storer,
     unrolled,
@@ -241,16 +240,6 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
                         p if reload else 0, stats, size)
-
-
-def copied_inputs(lay: Layout, sm: SharedLayout, d: int, dv: int, reload: bool) -> str:
-    """The inputs (of "qkv") the CUDA-core micro-kernel copies HBM -> shared by cp.async,
-    whose rows must then start 16-byte aligned: K and V where the layout stages them
-    (`Layout.copies_rows`), and Q too where it is kept a row per query row (not
-    `SharedLayout.q_transposed`) by a loop nest that loads it once a CTA (not `reload`)."""
-    if not lay.copies_rows(d, dv):
-        return ""
-    return "kv" if sm.q_transposed or reload else "qkv"
 
 
 class MicroKernel(NamedTuple):
@@ -721,34 +710,23 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
     # Q_i, where the loop nest loads it once per CTA (not RELOAD), before any K/V block is
-    # folded in: nothing runs under its loads, so they all go out before any waits (IN_FLIGHT)
+    # folded in: nothing runs under its loads, so they all go out before the first wait
+    # (IN_FLIGHT: at d = 128, 1.634 against 1.704 ms at N = 512 and 12.30 against 12.38 at
+    # N = 4096; by cp.async and scaled in place, 1.674 and 12.56: ab_q_in_flight_7b7047c.log)
     load_q_tile = make_tile_loader(BR, D, NT, (Q, 1, QTS) if QT else (Q, QS), scaled=True,
                                    in_flight=not RELOAD)
     load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
     ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async
-    ASYNC_Q = "q" in copied_inputs(lay, sm, D, DV, RELOAD)  # noqa: N806 - Q_i's rows too
     if ASYNC:
         copy_k_rows = make_row_copier(BC, D, KS, NT, 4)
         copy_v_rows = make_row_copier(BC, DV, VS, NT, 4)
-    if ASYNC_Q:
-        copy_q_rows = make_row_copier(BR, D, QS, NT, 4)
-        scale_q_rows = make_row_scaler(BR, D, QS, NT, 4)
     load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
     store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
 
     @inlined
-    def load_q_plain(buf, q, bh, row0, n_rows, scale_log2):
+    def load_q(buf, q, bh, row0, n_rows, scale_log2):
         return load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
-
-    @inlined
-    def load_q_async(buf, q, bh, row0, n_rows, scale_log2):
-        moved = copy_q_rows(buf, uint64(Q), q, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
-        cp_async_wait_all()  # this thread's copies (Q_i's, and any K/V issued before) landed
-        scale_q_rows(buf, uint64(Q), scale_log2)  # pre-scaled, as load_q_plain's
-        return moved
-
-    load_q = load_q_async if ASYNC_Q else load_q_plain
 
     @inlined
     def load_k_plain(buf, k, bh, key0, n_keys, stage):
@@ -913,11 +891,8 @@ class MicroKernelSchedule(Schedule):
         lay = self.layout(p)
         if plain:
             lay = lay._replace(stages=1)
-        if isinstance(lay, TensorCores):
-            copied = "qkv" if lay.copies_rows(p.d, p.dv) else ""
-        else:
-            copied = copied_inputs(lay, self.shared_layout(p, lay), p.d, p.dv, self.RELOAD)
-        aligned = "" if SIMULATOR else copied
+        copied = "qkv" if isinstance(lay, TensorCores) else "kv"
+        aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
                           aligned, isinstance(lay, Layout))
@@ -926,12 +901,8 @@ class MicroKernelSchedule(Schedule):
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
             return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
-        return self.shared_layout(p, lay).bytes
-
-    def shared_layout(self, p: Problem, lay: Layout) -> SharedLayout:
-        """The CUDA-core micro-kernel's buffer for p on thread layout `lay`."""
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD,
-                             self.transposes_q(p))
+                             self.transposes_q(p)).bytes
 
     def transposes_q(self, p: Problem) -> bool:
         """Whether this loop nest keeps Q_i transposed in shared memory for p (the CUDA-core

@@ -190,30 +190,6 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
 
 
 @cache
-def make_row_scaler(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int):  # noqa: N803
-    """scale_rows(tile, at, factor): multiply by `factor` the chunks of PER floats that this
-    thread copied with make_row_copier(ROWS, COLS, STRIDE, THREADS, PER) into tile[at ...]
-    (chunk e = t + u THREADS of the tile, row e // (COLS / PER), in the copier's full and
-    tail paths alike), once they have landed (`intrinsics.cp_async_wait_all`): cp.async cannot
-    scale on the way in. A thread touches only its own chunks, so no barrier is needed
-    between its copies and this. Straight-line code."""
-    CH = COLS // PER  # noqa: N806 - chunks per row
-    TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
-    EVERY = ROWS * CH % THREADS == 0  # noqa: N806 - every thread has a chunk every trip
-
-    @inlined
-    def scale_chunk(u, tile, at, factor):
-        e = uint32(cuda.threadIdx.x) + u * uint32(THREADS)
-        if EVERY or e < uint32(ROWS * CH):
-            first = at + uint64(e // uint32(CH)) * uint64(STRIDE) + uint64(PER) * uint64(
-                e % uint32(CH))
-            for w in range(PER):
-                tile[first + uint64(w)] *= factor
-
-    return unrolled(scale_chunk, TRIPS, 3, TRIPS)
-
-
-@cache
 def make_clear(SIZE: int, THREADS: int):  # noqa: N803
     """Device function zeroing a CTA's shared buffer of SIZE floats, once per CTA, so the
     tiles' padding and rows past N stay zero. The threads take 16-byte chunks in turn, one
