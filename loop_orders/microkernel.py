@@ -113,11 +113,15 @@ class Layout(NamedTuple):
     divide the tile, the last threads also own rows past Br (computed on zeros, never
     written) or keys past Bc (masked like keys past N_k). With `stages` 2 a loop nest that
     streams K/V (q_outer) staggers their loads: V_j lands while S_ij is computed and K_j+1
-    while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`)."""
+    while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`). With `p_in_k`
+    P_ij^T takes K_j's place once S_ij is done (a barrier between), so the buffer has no
+    region of its own for it: small enough at 64 x 64 tiles and d = 128 that two CTAs fit an
+    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered."""
 
     rm: int
     kn: int
     stages: int = 1
+    p_in_k: bool = False
 
     @property
     def groups(self) -> int:
@@ -128,7 +132,17 @@ class Layout(NamedTuple):
     def copies_rows(self, d: int, dv: int) -> bool:
         """Whether K and V rows arrive by cp.async (staggered, whole 16-byte rows: the
         source must then be 16-byte aligned), else by plain loads."""
-        return self.stages > 1 and d % 4 == 0 and dv % 4 == 0
+        return (self.stages > 1 or self.p_in_k) and d % 4 == 0 and dv % 4 == 0
+
+    @property
+    def staggered(self) -> bool:
+        """Whether K_j's and V_j's loads are staggered (`stages` 2, P_ij^T a region of its
+        own)."""
+        return self.stages > 1 and not self.p_in_k
+
+    def plain(self) -> Layout:
+        """This thread tile with plain K/V loads (no cp.async, hence no alignment needed)."""
+        return self._replace(stages=1, p_in_k=False)
 
     def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
         """(TR, TC)."""
@@ -166,7 +180,8 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
-        lay = Layout(*map(int, forced.split(",")))
+        rm, kn, *rest = map(int, forced.split(","))
+        lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:2]))
         if lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
             raise ValueError(f"LOOP_ORDERS_LAYOUT={forced} needs more than "
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
@@ -233,11 +248,16 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
     q_transposed = transpose_q and lay.groups == 4
-    # Q_i's region holds Q_i or Q_i^T, and O_i on its way out
-    sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0), keys * ks, BC * vs,
-             max(keys * ps, rows * qs if reload else 0), tr * tc * lay.rm,
-             2 * rows if reload else 0]
+    if lay.p_in_k and reload:
+        raise ValueError("P_ij^T in K_j's place leaves no room for the O_i stage (reload)")
+    # Q_i's region holds Q_i or Q_i^T, and O_i on its way out; K_j's, with p_in_k, P_ij^T
+    # once S_ij is done
+    p_size = max(keys * ps, rows * qs if reload else 0)
+    sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0),
+             max(keys * ks, p_size if lay.p_in_k else 0), BC * vs,
+             0 if lay.p_in_k else p_size, tr * tc * lay.rm, 2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    p = k if lay.p_in_k else p
     return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
                         p if reload else 0, stats, size)
 
@@ -337,7 +357,7 @@ class Unroll(NamedTuple):
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
                       CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
                       STAGES: int = 1, PEEL: bool = False,  # noqa: N803
-                      TRANSPOSE_Q: bool = False) -> MicroKernel:  # noqa: N803
+                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
     of loop control and more registers, which the caller's loop nest decides.
@@ -349,8 +369,9 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides. (Its
     stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
     stride apart.)
+    P_IN_K: P_ij^T is written into K_j's place (`Layout.p_in_k`), after a barrier.
     """
-    lay = Layout(RM, KN, STAGES)
+    lay = Layout(RM, KN, STAGES, P_IN_K)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
     ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
@@ -639,6 +660,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 p = exp2(s[a * KN + b] - shift)
                 l[a] += p
                 s[a * KN + b] = p
+        if P_IN_K:
+            cuda.syncthreads()  # every thread is done reading K_j: P_ij^T takes its place
         for b in range(KN):
             key_at = uint64(P) + (uint64(tc) + uint64(b * TC)) * uint64(PS)
             for a in range(RM):
@@ -778,7 +801,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS, 1, STAGES > 1, weigh, fold, row_of)
+                       NT, RM, XN * RM, ROWS, STATS, 1, lay.staggered, weigh, fold, row_of)
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
@@ -800,7 +823,7 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
-                             PEEL, TRANSPOSE_Q)
+                             PEEL, TRANSPOSE_Q, MK.p_in_k)
 
 
 class LaunchPlan(NamedTuple):
@@ -890,7 +913,7 @@ class MicroKernelSchedule(Schedule):
         cannot copy."""
         lay = self.layout(p)
         if plain:
-            lay = lay._replace(stages=1)
+            lay = lay.plain()
         copied = "qkv" if isinstance(lay, TensorCores) else "kv"
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
