@@ -152,7 +152,8 @@ def blank_row(name, dtype, what, p, status="ok") -> dict:
 
 
 def layout_in_effect(sched, p) -> str:
-    """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout), mma.f16,
+    """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout; RM,KN,STAGES,1
+    where it keeps P_ij^T in K_j's place), mma.f16,
     mma.bf16, mma.tf32 or mma.tf32x3 for the tensor-core one (dense's too), "" for CUDA-core
     kernels of their own."""
     if not sched.uses_micro_kernel:
@@ -162,7 +163,10 @@ def layout_in_effect(sched, p) -> str:
         lay = sched.layout(p)
     except ValueError:
         return "invalid"
-    return str(lay) if isinstance(lay, TensorCores) else "{},{}".format(*lay)
+    if isinstance(lay, TensorCores):
+        return str(lay)
+    # RM,KN, and where P_ij^T is kept in K_j's place, STAGES,1 (as LOOP_ORDERS_LAYOUT takes it)
+    return f"{lay.rm},{lay.kn}" + (f",{lay.stages},1" if lay.p_in_k else "")
 
 
 @contextmanager

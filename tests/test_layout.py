@@ -28,6 +28,7 @@ def test_tuned_tiles_take_the_measured_layouts():
     tuned = lo.get_schedule("q_outer").TUNED_LAYOUTS
     assert thread_layout(128, 64, 64, tuned) == Layout(8, 8)  # 64 scores + 64 accumulators
     assert thread_layout(128, 64, 128, tuned) == Layout(8, 4)  # d = 128: 32 + 64
+    assert thread_layout(64, 64, 128, tuned) == Layout(8, 4, 1, True)  # P_ij^T in K_j's place
     for (block_q, block_k, dv), tile in tuned.items():
         lay = Layout(*tile)  # on 255 registers, 4 warps or more
         assert lay.registers(block_k, dv) == 255 and lay.threads(block_q, block_k) >= 128
@@ -37,7 +38,7 @@ def test_tuned_tiles_take_the_measured_layouts():
 
 
 def test_short_causal_sequences_take_the_short_tiles_on_cuda_cores_only():
-    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 at N = 512 on CUDA cores; the
+    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 and 128 at N = 512 on CUDA cores; the
     benchmark's sweep takes them there and BLOCKS everywhere else (and for SDPA's rows)."""
     import loop_orders as lo
     from experiments import bench_runtime as bench
@@ -52,7 +53,10 @@ def test_short_causal_sequences_take_the_short_tiles_on_cuda_cores_only():
     assert tiles(512) == (64, 64, (64, 64))
     assert tiles(1024) == (*bench.BLOCKS[64], None)
     assert tiles(512, causal=False) == (*bench.BLOCKS[64], None)
-    assert tiles(512, d=128) == (*bench.BLOCKS[128], None)
+    assert tiles(512, d=128) == (64, 64, (64, 64))  # on the p_in_k layout, two CTAs an SM
+    assert q_outer.layout(bench.sweep_problem("q_outer", q_outer, "float32", 512, 128,
+                                              True)).p_in_k
+    assert tiles(1024, d=128) == (*bench.BLOCKS[128], None)
     assert tiles(512, dtype="float16") == (*bench.BLOCKS[64], None)  # tensor cores
     assert tiles(512, dtype="tf32x3") == (*bench.BLOCKS[64], None)
     assert tiles(512, name="kv_outer") == (*bench.BLOCKS[64], None)
@@ -117,6 +121,45 @@ def test_shared_tiles_are_aligned_disjoint_and_padded(reload):
     assert sm.stats - sm.red == lay.threads(64, 32) * lay.rm
     assert sm.size - sm.stats == (128 if reload else 0)
     assert sm.bytes == 4 * sm.size
+
+
+@pytest.mark.parametrize("d", [128, 12])
+def test_p_in_k_keeps_p_in_k_place_and_frees_its_region(d):
+    """Layout.p_in_k: P_ij^T starts where K_j does, K_j's region grows to hold whichever is
+    larger, and the buffer has no P_ij^T region of its own (at d = 128 and 64 x 64 tiles on
+    8 x 4 threads, 104,448 bytes: two CTAs fit an SM's 228 KB); K_j and V_j arrive by cp.async
+    (not staggered), a plain-load layout drops it, and kv_outer's O_i stage has no room."""
+    apart, shared = Layout(8, 4, 2), Layout(8, 4, 2, p_in_k=True)
+    own, in_k = (shared_layout(64, 64, d, d, lay, False) for lay in (apart, shared))
+    assert in_k.p == in_k.k and in_k.v - in_k.k == 64 * max(in_k.ks, in_k.ps)
+    assert own.size - in_k.size == 64 * own.ps - 64 * max(0, in_k.ps - in_k.ks)
+    if d == 128:
+        assert in_k.bytes == 104_448 and own.bytes > 228 * 1024 // 2
+    assert shared.copies_rows(d, d) and not shared.staggered and apart.staggered
+    assert shared.plain() == Layout(8, 4) and not shared.plain().copies_rows(d, d)
+    assert not Layout(8, 4, 1, p_in_k=True).copies_rows(d + 1, d)  # odd rows: plain loads
+    with pytest.raises(ValueError, match="no room for the O_i stage"):
+        shared_layout(64, 64, d, d, shared, True)
+
+
+def test_p_in_k_is_exact_and_counts_as_the_model(monkeypatch):
+    """q_outer with P_ij^T in K_j's place (forced: LOOP_ORDERS_LAYOUT=4,4,1,1) against the
+    float64 reference on the simulator: tails, causal, dv != d, an odd number of keys; the
+    counted traffic equals the model."""
+    import loop_orders as lo
+    from loop_orders.reference import attention_reference
+
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,4,1,1")
+    rng = np.random.default_rng(11)
+    sched = lo.get_schedule("q_outer")
+    for n, n_k, d, dv, causal in ((20, 19, 16, 12, False), (20, 20, 8, 8, True)):
+        q, k = (rng.standard_normal((1, 2, m, d)).astype(np.float32) for m in (n, n_k))
+        v = rng.standard_normal((1, 2, n_k, dv)).astype(np.float32)
+        got = lo.attention(q, k, v, block_q=8, block_k=8, causal=causal, count=True)
+        assert sched.layout(got.problem).p_in_k
+        want, _ = attention_reference(q, k, v, causal=causal)
+        assert np.abs(got.out - want).max() < 1e-5
+        assert got.counts == sched.model(got.problem)
 
 
 @pytest.mark.parametrize("rm, transposed", [(4, True), (8, True), (2, False), (1, False)])

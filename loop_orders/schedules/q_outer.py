@@ -239,12 +239,20 @@ class QOuter(MicroKernelSchedule):
     # results/gpu_logs/ab_tiles_256x32_5b4eb48.log). kv_outer at 8 x 8
     # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
     # results/bench_runtime.csv at 6296e24): it keeps the rule.
-    TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4)}
+    # At 64 x 64 tiles and d = 128, P_ij^T in K_j's place (Layout.p_in_k): 104,448 bytes and
+    # 128 threads, two CTAs an SM, where P_ij^T in a region of its own (117,760 bytes) leaves
+    # one CTA of 4 warps.
+    TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4),
+                     (64, 64, 128): (8, 4, 1, True)}
     # Causal at d = 64 and N = 512: 64-row query blocks (the layout rule's 8 x 4, 128 threads,
     # three CTAs an SM) beat 128 x 64 (0.55 against 0.59 ms); from N = 1024 on they lose (up
-    # to N = 1024 they won while each head's query blocks started in turn, before b04fff5),
-    # and at d = 128 at every N (results/bench_causal_tiles.csv)
-    SHORT_TILES = {(64, True): ((512, (64, 64)),)}
+    # to N = 1024 they won while each head's query blocks started in turn, before b04fff5;
+    # results/bench_causal_tiles.csv). At d = 128, 64 x 64 tiles on the p_in_k layout (two CTAs
+    # an SM) beat 128 x 64 causal at N = 512 only, 1.058 against 1.109 ms; from N = 1024 on they
+    # lose (1.876 against 1.850 ms, 6.668 against 6.342 at N = 4096), and without the mask
+    # at every N (13.19 against 12.30 ms at N = 4096): three barriers a tile, K_j and V_j
+    # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log).
+    SHORT_TILES = {(64, True): ((512, (64, 64)),), (128, True): ((512, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
