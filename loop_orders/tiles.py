@@ -28,8 +28,7 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT,  # noqa: N803
-               IN_FLIGHT: bool = False):  # noqa: N803
+def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
     """Device function copying between a shared tile and rows [row0, row0 + n_rows),
     columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
     tile as float32 times `factor`, or out of it in hbm's dtype (`intrinsics.widen`, `narrow`:
@@ -41,18 +40,14 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT,  # noqa: N8
 
     Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
     warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
-    count, which LLVM unrolls 8 copies a trip: a thread waits for HBM once per 8 elements.
-    IN_FLIGHT (loads only): a full tile's loads all go out first, in straight-line code, into
-    as many registers, then the stores, so the thread waits for HBM once (for a tile loaded
-    where nothing else runs, as q_outer's Q_i before its first K/V block).
+    count that unrolls with constant offsets, so a thread has all its loads in flight at once
+    instead of waiting on each in turn.
     """
     PER_THREAD = ROWS * COLS // THREADS  # noqa: N806 - full rounds of the CTA over a tile
     # Whether each round of the CTA covers whole rows and the rounds cover the tile exactly.
     WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
 
     FLAT = AT is not None  # noqa: N806
-    if IN_FLIGHT and (TO_HBM or not FLAT):
-        raise ValueError("IN_FLIGHT copies are loads into a flat tile (AT)")
     OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3] if FLAT else (0, 0, 1)  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
@@ -70,39 +65,16 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT,  # noqa: N8
         else:
             tile[r, c] = widen(hbm[h]) * factor
 
-    @inlined
-    def fetch(u, held, hbm, bh, row0, col0, t):
-        """held[u] = the thread's u-th element of a full tile (IN_FLIGHT's first half)."""
-        r = t // uint32(COLS) + u * uint32(THREADS // COLS)
-        held[u] = widen(hbm[uint64(bh), uint64(row0) + r, uint64(col0) + t % uint32(COLS)])
-
-    @inlined
-    def put(u, held, tile, t, factor):
-        """The thread's u-th element of a full tile into it, times factor."""
-        r = t // uint32(COLS) + u * uint32(THREADS // COLS)
-        at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(t % uint32(COLS)) * uint64(
-            COL_STRIDE)
-        tile[at] = held[u] * factor
-
-    HELD = max(PER_THREAD, 1)  # noqa: N806 - registers for a full tile's elements
-    fetch_all = unrolled(fetch, PER_THREAD, 6, PER_THREAD)  # straight-line code
-    put_all = unrolled(put, PER_THREAD, 4, PER_THREAD)
-
     @cuda.jit(device=True)
     def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols, factor):
         t = uint32(cuda.threadIdx.x)
         moved = 0
         if n_rows == ROWS and n_cols == COLS and WHOLE_ROWS:
             # a full tile: thread t owns column t % COLS of rows t // COLS + u THREADS/COLS
-            if IN_FLIGHT:
-                held = cuda.local.array(HELD, float32)
-                fetch_all(held, hbm, bh, row0, col0, t)
-                put_all(held, tile, t, factor)
-            else:
-                cols = uint32(COLS)
-                for u in range(PER_THREAD):
-                    copy(tile, hbm, bh, row0, col0, t // cols + uint32(u * (THREADS // COLS)),
-                         t % cols, factor)
+            cols = uint32(COLS)
+            for u in range(PER_THREAD):
+                copy(tile, hbm, bh, row0, col0, t // cols + uint32(u * (THREADS // COLS)),
+                     t % cols, factor)
             moved = PER_THREAD
         else:  # a tail tile, or a width the CTA does not cover in whole rows
             width = uint32(n_cols)
@@ -114,15 +86,60 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT,  # noqa: N8
     return copy_tile
 
 
+def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):  # noqa: N803
+    """_tile_copy's load into a flat tile (AT), with a full tile's loads all in flight: they
+    go out first, in straight-line code, into as many registers, then the stores, so a thread
+    waits for HBM once, where _tile_copy's loop (which LLVM unrolls 8 copies a trip) waits
+    once per 8 elements. For a tile loaded where nothing else runs, as q_outer's Q_i before
+    its first K/V block. A tail tile takes _tile_copy's path."""
+    PER_THREAD = ROWS * COLS // THREADS  # noqa: N806
+    WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
+    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3]  # noqa: N806
+    HELD = max(PER_THREAD, 1)  # noqa: N806 - registers for a full tile's elements
+    copy_tail = _tile_copy(ROWS, COLS, THREADS, False, AT)
+
+    @inlined
+    def fetch(u, held, hbm, bh, row0, col0, t):
+        """held[u] = the thread's u-th element of a full tile: row t // COLS + u THREADS/COLS,
+        column t % COLS (as _tile_copy's)."""
+        r = t // uint32(COLS) + u * uint32(THREADS // COLS)
+        held[u] = widen(hbm[uint64(bh), uint64(row0) + r, uint64(col0) + t % uint32(COLS)])
+
+    @inlined
+    def put(u, held, tile, t, factor):
+        """The thread's u-th element of a full tile into it, times factor."""
+        r = t // uint32(COLS) + u * uint32(THREADS // COLS)
+        at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(t % uint32(COLS)) * uint64(
+            COL_STRIDE)
+        tile[at] = held[u] * factor
+
+    fetch_all = unrolled(fetch, PER_THREAD, 6, PER_THREAD)  # straight-line code
+    put_all = unrolled(put, PER_THREAD, 4, PER_THREAD)
+
+    @cuda.jit(device=True)
+    def copy_tile(tile, hbm, bh, row0, n_rows, col0, n_cols, factor):
+        if n_rows == ROWS and n_cols == COLS and WHOLE_ROWS:
+            t = uint32(cuda.threadIdx.x)
+            held = cuda.local.array(HELD, float32)
+            fetch_all(held, hbm, bh, row0, col0, t)
+            put_all(held, tile, t, factor)
+            return PER_THREAD
+        return copy_tail(tile, hbm, bh, row0, n_rows, col0, n_cols, factor)
+
+    return copy_tile
+
+
 @cache
 def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False,  # noqa: N803
                      in_flight=False):
     """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy;
     sizes are compile-time). With `scaled`, load_tile takes a last argument `factor` that
     every element is multiplied by on its way in (the flash orders fold the softmax scale
-    into Q_i so); `in_flight`: _tile_copy's IN_FLIGHT (a flat tile, `at`). Every thread of
-    the CTA must call it; the caller puts the barriers around it."""
-    copy_tile = _tile_copy(ROWS, COLS, THREADS, False, at, in_flight)
+    into Q_i so); `in_flight`: a full tile's loads all go out before its stores
+    (`_tile_load_in_flight`; a flat tile, `at`). Every thread of the CTA must call it; the
+    caller puts the barriers around it."""
+    copy_tile = (_tile_load_in_flight(ROWS, COLS, THREADS, at) if in_flight
+                 else _tile_copy(ROWS, COLS, THREADS, False, at))
     if scaled:
         return copy_tile
 
