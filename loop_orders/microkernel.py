@@ -177,7 +177,8 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     schedule's TUNED_LAYOUTS, measured fastest for its loop nest), else KN = 4 keys
     (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose scores and
     accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
-    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN` forces a layout (for tuning)."""
+    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K]]` forces a layout (for tuning;
+    P_IN_K 1: `Layout.p_in_k`)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
         rm, kn, *rest = map(int, forced.split(","))
