@@ -35,11 +35,7 @@ column (or key) in the low half; lane = 4 g + t.
                                                   16 bytes src[bh, row, col:] -> tile[e:],
         asynchronously, the bytes past n_bytes (0 or 16) zero-filled; col may run past the
         row's end into the next rows (src's rows are contiguous: the kernels' inputs are
-        C-contiguous), so a copier can step rows by a constant column offset
-    cp_async4(tile, e, src, bh, row, col, n_bytes)
-                                                  the same for one 4-byte element (through
-        the L1: cp.async.ca), so that a copier can scatter a tile into shared memory
-        transposed (n_bytes 0 or 4); then
+        C-contiguous), so a copier can step rows by a constant column offset; then
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
 
@@ -236,16 +232,11 @@ if SIMULATOR:
     def ldmatrix_x4_trans(tile, e):
         return _ldmatrix(tile, e, True)
 
-    def _cp_async(size: int):
-        def copy(tile, e, src, bh, row, col, n_bytes):
-            per, width = size // tile.itemsize, src.shape[2]
-            for u in range(per):
-                r, c = divmod(int(col) + u, width)  # a column past the row's end: next rows
-                tile[e + u] = src[bh, row + r, c] if u * tile.itemsize < n_bytes else 0
-
-        return copy
-
-    cp_async16, cp_async4 = _cp_async(16), _cp_async(4)
+    def cp_async16(tile, e, src, bh, row, col, n_bytes):
+        per, width = 16 // tile.itemsize, src.shape[2]
+        for u in range(per):
+            r, c = divmod(int(col) + u, width)  # a column past the row's end: the next rows
+            tile[e + u] = src[bh, row + r, c] if u * tile.itemsize < n_bytes else 0
 
     def cp_async_commit():
         pass
@@ -419,36 +410,27 @@ else:
     ldmatrix_x4 = _ldmatrix_intrinsic(False)
     ldmatrix_x4_trans = _ldmatrix_intrinsic(True)
 
-    def _cp_async(size: int, cache: str):
-        """cp.async of `size` bytes (16 by .cg, past the L1; 4 by .ca, the only kind that
-        size allows)."""
-        text = f"cp.async.{cache}.shared.global [$0], [$1], {size}, $2;"
+    @intrinsic
+    def cp_async16(typingctx, tile, e, src, bh, row, col, n_bytes):
+        def codegen(context, builder, sig, args):
+            dst = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            # src[bh, row, 0], then col elements on (into the next rows where col passes
+            # the row's end): col stays an offset the compiler can fold into the copy
+            row_start = _element_pointer(context, builder, sig.args[2], args[2],
+                                         [*args[3:5], context.get_constant(types.intp, 0)],
+                                         [*sig.args[3:5], types.intp])
+            col = context.cast(builder, args[5], sig.args[5], types.uint64)
+            item = context.get_abi_sizeof(context.get_data_type(sig.args[2].dtype))
+            srcp = builder.add(row_start, builder.mul(col, ir.Constant(ir.IntType(64), item)))
+            nb = context.cast(builder, args[6], sig.args[6], types.uint32)
+            i64 = ir.IntType(64)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, i64, _I32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                               "r,l,r,~{memory}", side_effect=True)
+            builder.call(asm, [dst, srcp, nb])
+            return context.get_dummy_value()
 
-        @intrinsic
-        def cp_async(typingctx, tile, e, src, bh, row, col, n_bytes):
-            def codegen(context, builder, sig, args):
-                dst = _shared_address(context, builder, sig.args[0], args[0], args[1],
-                                      sig.args[1])
-                # src[bh, row, 0], then col elements on (into the next rows where col passes
-                # the row's end): col stays an offset the compiler can fold into the copy
-                row_start = _element_pointer(context, builder, sig.args[2], args[2],
-                                             [*args[3:5], context.get_constant(types.intp, 0)],
-                                             [*sig.args[3:5], types.intp])
-                col = context.cast(builder, args[5], sig.args[5], types.uint64)
-                item = context.get_abi_sizeof(context.get_data_type(sig.args[2].dtype))
-                srcp = builder.add(row_start, builder.mul(col, ir.Constant(ir.IntType(64), item)))
-                nb = context.cast(builder, args[6], sig.args[6], types.uint32)
-                i64 = ir.IntType(64)
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, i64, _I32]), text,
-                                   "r,l,r,~{memory}", side_effect=True)
-                builder.call(asm, [dst, srcp, nb])
-                return context.get_dummy_value()
-
-            return types.void(tile, e, src, bh, row, col, n_bytes), codegen
-
-        return cp_async
-
-    cp_async16, cp_async4 = _cp_async(16, "cg"), _cp_async(4, "ca")
+        return types.void(tile, e, src, bh, row, col, n_bytes), codegen
 
     def _void_asm(text: str):
         @intrinsic

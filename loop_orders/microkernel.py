@@ -7,8 +7,7 @@ loop order. The tiling is the register blocking of a GEMM ("outer product"):
     thread t = (tr, tc), tr = t // TC, tc = t % TC;  TR = ceil(Br / RM), TC = ceil(Bc / KN)
     its RM query rows:   G tr + (a mod G) + (a // G) G TR  (a < RM; `row_of`): groups of
                          G consecutive rows, G = 4 where 4 divides RM (else 2, else 1)
-    its KN keys of S:    tc + b TC, or KN tc + b with K_j^T (b < KN; `key_of`)
-                                                          -> RM x KN scores in registers
+    its KN keys of S:    tc + b TC         (b < KN)        -> RM x KN scores in registers
     its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
     S = Q_i K_j^T:  for each 4 dims: RM + KN 16-byte shared loads, then one dim at a time
@@ -96,7 +95,6 @@ from .tiles import (
     make_row_copier,
     make_tile_loader,
     make_tile_storer,
-    make_transposing_copier,
     unrolled,
 )
 
@@ -118,17 +116,12 @@ class Layout(NamedTuple):
     while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`). With `p_in_k`
     P_ij^T takes K_j's place once S_ij is done (a barrier between), so the buffer has no
     region of its own for it: small enough at 64 x 64 tiles and d = 128 that two CTAs fit an
-    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered.
-    With `k_transposed` (KN a multiple of 4) K_j is kept transposed (K_j^T, a row per head
-    dim) and a thread's KN keys are consecutive, so that one head dim of them is KN / 4
-    16-byte loads: S_ij's operands then come a dim at a time (with Q_i^T, `TRANSPOSE_Q`), as
-    P_ij V_j's come a key at a time, instead of a 4-dim chunk of every row and key at once."""
+    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered."""
 
     rm: int
     kn: int
     stages: int = 1
     p_in_k: bool = False
-    k_transposed: bool = False
 
     @property
     def groups(self) -> int:
@@ -148,8 +141,7 @@ class Layout(NamedTuple):
         return self.stages > 1 and not self.p_in_k
 
     def plain(self) -> Layout:
-        """This thread tile with plain K/V loads (no cp.async, hence no alignment needed; K_j
-        stays transposed where it was)."""
+        """This thread tile with plain K/V loads (no cp.async, hence no alignment needed)."""
         return self._replace(stages=1, p_in_k=False)
 
     def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
@@ -185,12 +177,12 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     schedule's TUNED_LAYOUTS, measured fastest for its loop nest), else KN = 4 keys
     (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose scores and
     accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
-    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K[,K_T]]]` forces a layout (for
-    tuning; P_IN_K 1: `Layout.p_in_k`; K_T 1: `Layout.k_transposed`)."""
+    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K]]` forces a layout (for tuning;
+    P_IN_K 1: `Layout.p_in_k`)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
         rm, kn, *rest = map(int, forced.split(","))
-        lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:3]))
+        lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:2]))
         if lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
             raise ValueError(f"LOOP_ORDERS_LAYOUT={forced} needs more than "
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
@@ -217,13 +209,6 @@ def _stride(width: int) -> int:
     return s if (s // 4) % 2 else s + 4
 
 
-def _scatter_stride(width: int) -> int:
-    """A row stride for `width` floats written a column at a time (K_j^T by
-    `tiles.make_transposing_copier`): whole 16-byte chunks, 4 floats past a multiple of 32,
-    so that 8 rows of 4 consecutive columns fall in 32 different banks."""
-    return _round4(width) + (4 - _round4(width)) % 32
-
-
 class SharedLayout(NamedTuple):
     """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
 
@@ -231,9 +216,8 @@ class SharedLayout(NamedTuple):
     qs: int
     qts: int  # Q_i^T's row stride (a row per head dim)
     q_transposed: bool  # Q_i is kept as Q_i^T (TRANSPOSE_Q, rows in groups of 4), else Q_i
-    k: int  # K_j, Bc rows, or K_j^T (k_transposed), a row per head dim
+    k: int  # K_j, Bc rows
     ks: int
-    k_transposed: bool
     v: int  # V_j, Bc rows
     vs: int
     p: int  # P_ij^T, a row per key a thread owns (Bc or a few more), a column per query row
@@ -261,8 +245,7 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     rows, keys = tr * lay.rm, tc * lay.kn
     qs = _stride(max(D, DV))  # Q_i or O_i, a row per query row
     qts = _stride(rows)  # Q_i^T: a row per head dim, a column per query row
-    k_transposed = lay.k_transposed and lay.kn % 4 == 0
-    ks = _scatter_stride(keys) if k_transposed else _stride(D)
+    ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
     q_transposed = transpose_q and lay.groups == 4
@@ -272,12 +255,11 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     # once S_ij is done
     p_size = max(keys * ps, rows * qs if reload else 0)
     sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0),
-             max(_round4(D) * ks if k_transposed else keys * ks, p_size if lay.p_in_k else 0),
-             BC * vs,
+             max(keys * ks, p_size if lay.p_in_k else 0), BC * vs,
              0 if lay.p_in_k else p_size, tr * tc * lay.rm, 2 * rows if reload else 0]
     q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     p = k if lay.p_in_k else p
-    return SharedLayout(q, qs, qts, q_transposed, k, ks, k_transposed, v, vs, p, ps, red,
+    return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
                         p if reload else 0, stats, size)
 
 
@@ -376,8 +358,7 @@ class Unroll(NamedTuple):
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
                       CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
                       STAGES: int = 1, PEEL: bool = False,  # noqa: N803
-                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False,  # noqa: N803
-                      K_T: bool = False) -> MicroKernel:  # noqa: N803
+                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
     of loop control and more registers, which the caller's loop nest decides.
@@ -390,9 +371,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
     stride apart.)
     P_IN_K: P_ij^T is written into K_j's place (`Layout.p_in_k`), after a barrier.
-    K_T: K_j is kept transposed, a thread's keys consecutive (`Layout.k_transposed`).
     """
-    lay = Layout(RM, KN, STAGES, P_IN_K, K_T)
+    lay = Layout(RM, KN, STAGES, P_IN_K)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
     ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
@@ -406,7 +386,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     G = lay.groups  # noqa: N806
     QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
-    KT = sm.k_transposed  # noqa: N806 - K_j^T in shared memory, a thread's keys consecutive
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
     # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
@@ -441,22 +420,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         return row_of(tr, a) * uint64(QS)
 
     @inlined
-    def key_of(tc, b):
-        """The tile key of the thread's key b: KN tc + b (K_T), else tc + b TC. P_ij^T keeps
-        the thread's key b in row tc + b TC either way (`p_row`), so that a warp's stores of
-        it fall in different banks."""
-        if KT:
-            return uint64(KN) * uint64(tc) + uint64(b)
-        return uint64(tc) + uint64(b * TC)
-
-    @inlined
-    def p_row(key):
-        """P_ij^T's row of a tile key (`key_of`)."""
-        if KT:
-            return (uint64(key) % uint64(KN)) * uint64(TC) + uint64(key) // uint64(KN)
-        return uint64(key)
-
-    @inlined
     def dim(tc, h, w):
         """Head dim of the thread's w-th element of chunk h."""
         return (uint64(tc) + uint64(h * TC)) * uint64(4) + uint64(w)
@@ -487,18 +450,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @inlined
     def k_chunk(x4, buf, tc, kk):
-        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys: from
-        K_j^T one 16-byte load a dim and 4 keys, else one a key."""
-        if KT:
+        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys."""
+        for b in range(KN):
+            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4) * uint64(x4)
             for u in range(4):
-                at = uint64(K) + (uint64(4) * uint64(x4) + uint64(u)) * uint64(KS)
-                for b in range(KN):
-                    kk[b * 4 + u] = buf[at + key_of(tc, b)]
-        else:
-            for b in range(KN):
-                kb = uint64(K) + key_of(tc, b) * uint64(KS) + uint64(4) * uint64(x4)
-                for u in range(4):
-                    kk[b * 4 + u] = buf[kb + uint64(u)]
+                kk[b * 4 + u] = buf[kb + uint64(u)]
 
     @inlined
     def scores_row(a, u, s, qq, kk):
@@ -573,7 +529,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     def p_key(key, buf, tr, pp):
         """pp[a] = P_ij[row a, key]: the weights of the thread's rows for one key, one 16-byte
         load of P_ij^T a group of G = 4 rows."""
-        at = uint64(P) + p_row(key) * uint64(PS)
+        at = uint64(P) + uint64(key) * uint64(PS)
         for a in range(RM):
             pp[a] = buf[at + row_of(tr, a)]
 
@@ -674,7 +630,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             for a in range(RM):
                 for b in range(KN):
                     # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
-                    if int(key_of(tc, b)) >= vis[a]:
+                    if int(tc) + b * TC >= vis[a]:
                         s[a * KN + b] = NEG_INF
         moved = False  # a score of the thread's rows above its running max by > MAX_SLACK
         for a in range(RM):
@@ -708,7 +664,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         if P_IN_K:
             cuda.syncthreads()  # every thread is done reading K_j: P_ij^T takes its place
         for b in range(KN):
-            key_at = uint64(P) + (uint64(tc) + uint64(b * TC)) * uint64(PS)  # p_row(key b)
+            key_at = uint64(P) + (uint64(tc) + uint64(b * TC)) * uint64(PS)
             for a in range(RM):
                 # P_ij: stays on chip, in shared memory (transposed) for the P V_j product
                 buf[key_at + row_of(tr, a)] = s[a * KN + b]
@@ -783,12 +739,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     # N = 4096; by cp.async and scaled in place, 1.674 and 12.56: ab_q_in_flight_7b7047c.log)
     load_q_tile = make_tile_loader(BR, D, NT, (Q, 1, QTS) if QT else (Q, QS), scaled=True,
                                    in_flight=not RELOAD)
-    load_k_tile = make_tile_loader(BC, D, NT, (K, 1, KS) if KT else (K, KS))
+    load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
     ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async
     if ASYNC:
-        copy_k_rows = (make_transposing_copier(BC, D, KS, NT) if KT
-                       else make_row_copier(BC, D, KS, NT, 4))
+        copy_k_rows = make_row_copier(BC, D, KS, NT, 4)
         copy_v_rows = make_row_copier(BC, DV, VS, NT, 4)
     load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
     store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
@@ -869,7 +824,7 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
-                             PEEL, TRANSPOSE_Q, MK.p_in_k, MK.k_transposed)
+                             PEEL, TRANSPOSE_Q, MK.p_in_k)
 
 
 class LaunchPlan(NamedTuple):

@@ -20,7 +20,7 @@ from functools import cache
 
 from numba import float32, int64, uint32, uint64
 
-from .intrinsics import cp_async4, cp_async16, cp_async_commit, narrow, widen
+from .intrinsics import cp_async16, cp_async_commit, narrow, widen
 from .ledger import n_slots
 from .runtime import cuda, inlined
 
@@ -200,53 +200,6 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int): 
                     src_row = row0 + (r if inside else uint32(0))  # a row that exists
                     cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
                                src, bh, src_row, PER * c, 16 if inside else 0)
-        cp_async_commit()
-        return n_rows * COLS if t == 0 else 0
-
-    return copy_rows
-
-
-@cache
-def make_transposing_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int):  # noqa: N803
-    """copy_rows(tile, at, src, bh, row0, n_rows) as `make_row_copier`'s, but transposed:
-    element (r, c) of the tile lands at tile[at + c STRIDE + r] (a row per column of src), by
-    4-byte cp.async, rows past n_rows zero. A full tile goes in blocks of 4 rows x 8 columns
-    a warp instruction: each of its 4 rows is one whole 32-byte sector of HBM, and with STRIDE
-    = 4 (mod 32) its 32 stores hit 32 different banks; a warp's blocks step by constant
-    offsets. Returns the elements this thread counts (thread 0 counts the tile's)."""
-    WARPS = THREADS // 32  # noqa: N806
-    RB, CB = ROWS // 4, COLS // 8  # noqa: N806 - blocks of 4 rows and of 8 columns
-    STEADY = (THREADS % 32 == 0 and ROWS % 4 == 0 and COLS % 8 == 0  # noqa: N806
-              and RB % WARPS == 0)
-    ACROSS = max(RB // max(WARPS, 1), 1)  # noqa: N806 - a warp's trips across, per 8 columns
-    TRIPS = RB * CB // WARPS if STEADY else -(-ROWS * COLS // THREADS)  # noqa: N806
-
-    @inlined
-    def copy_block(u, tile, dst, src, bh, row0, col):
-        """The warp's u-th block: rows 4 WARPS (u % ACROSS) on, columns 8 (u // ACROSS) on,
-        constant offsets from the first block's addresses."""
-        rows, cols = uint32(4 * WARPS) * (u % uint32(ACROSS)), uint32(8) * (u // uint32(ACROSS))
-        cp_async4(tile, dst + uint64(cols) * uint64(STRIDE) + uint64(rows), src, bh, row0,
-                  col + uint64(rows) * uint64(COLS) + uint64(cols), 4)
-
-    copy_blocks = unrolled(copy_block, TRIPS, 6, TRIPS)  # straight-line code
-
-    @cuda.jit(device=True, inline="always")
-    def copy_rows(tile, at, src, bh, row0, n_rows):
-        t = uint32(cuda.threadIdx.x)
-        if STEADY and n_rows == ROWS:  # a full tile
-            w, lane = t // uint32(32), t % uint32(32)
-            r, c = uint64(4) * uint64(w) + uint64(lane // uint32(8)), uint64(lane % uint32(8))
-            copy_blocks(tile, at + c * uint64(STRIDE) + r, src, bh, row0, r * uint64(COLS) + c)
-        else:  # a tail tile, or a shape the warps do not cover in whole blocks
-            for u in range(TRIPS):
-                e = t + uint32(u * THREADS)
-                if e < uint32(ROWS * COLS):
-                    r, c = e // uint32(COLS), e % uint32(COLS)
-                    inside = r < uint32(n_rows)
-                    src_row = row0 + (r if inside else uint32(0))  # a row that exists
-                    cp_async4(tile, at + uint64(c) * uint64(STRIDE) + uint64(r), src, bh,
-                              src_row, c, 4 if inside else 0)
         cp_async_commit()
         return n_rows * COLS if t == 0 else 0
 
