@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from functools import cache
+from typing import NamedTuple
 
 from numba import float32, int64, uint32, uint64
 
@@ -26,6 +27,30 @@ from .runtime import cuda, inlined
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
+
+class _Rounds(NamedTuple):
+    """How a CTA of THREADS covers a ROWS x COLS tile, an element a thread a round."""
+
+    per_thread: int  # full rounds of the CTA over the tile
+    whole_rows: bool  # each round covers whole rows, and the rounds cover the tile exactly
+
+
+def _rounds(ROWS: int, COLS: int, THREADS: int) -> _Rounds:  # noqa: N803
+    return _Rounds(ROWS * COLS // THREADS,
+                   THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0)
+
+
+def _flat_index(AT):  # noqa: N803
+    """at(r, c): the index of tile element (r, c) in a 1-D shared buffer laid out as AT =
+    (offset, stride[, col_stride]) (see _tile_copy)."""
+    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3]  # noqa: N806
+
+    @inlined
+    def at(r, c):
+        return uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c) * uint64(COL_STRIDE)
+
+    return at
 
 
 def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
@@ -40,22 +65,19 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
 
     Consecutive threads take consecutive elements of a row, so HBM accesses coalesce: a
     warp's accesses fill whole 32-byte sectors. A full tile takes a loop of compile-time trip
-    count that unrolls with constant offsets, so a thread has all its loads in flight at once
-    instead of waiting on each in turn.
+    count with constant offsets, which LLVM unrolls 8 copies a trip: a thread waits for HBM
+    once per 8 elements (`_tile_load_in_flight` waits once a tile).
     """
-    PER_THREAD = ROWS * COLS // THREADS  # noqa: N806 - full rounds of the CTA over a tile
-    # Whether each round of the CTA covers whole rows and the rounds cover the tile exactly.
-    WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
-
+    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)  # noqa: N806
     FLAT = AT is not None  # noqa: N806
-    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3] if FLAT else (0, 0, 1)  # noqa: N806
+    flat_at = _flat_index(AT) if FLAT else None
 
     @cuda.jit(device=True, inline="always")
     def copy(tile, hbm, bh, row0, col0, r, c, factor):
         # unsigned indices: Numba then skips its negative-index fix-up on every access
         h = (uint64(bh), uint64(row0) + r, uint64(col0) + c)
         if FLAT:
-            at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(c) * uint64(COL_STRIDE)
+            at = flat_at(r, c)
             if TO_HBM:
                 hbm[h] = narrow(tile[at], hbm)
             else:
@@ -92,9 +114,8 @@ def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):  # noqa: N803
     waits for HBM once, where _tile_copy's loop (which LLVM unrolls 8 copies a trip) waits
     once per 8 elements. For a tile loaded where nothing else runs, as q_outer's Q_i before
     its first K/V block. A tail tile takes _tile_copy's path."""
-    PER_THREAD = ROWS * COLS // THREADS  # noqa: N806
-    WHOLE_ROWS = THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0  # noqa: N806
-    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3]  # noqa: N806
+    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)  # noqa: N806
+    flat_at = _flat_index(AT)
     HELD = max(PER_THREAD, 1)  # noqa: N806 - registers for a full tile's elements
     copy_tail = _tile_copy(ROWS, COLS, THREADS, False, AT)
 
@@ -109,9 +130,7 @@ def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):  # noqa: N803
     def put(u, held, tile, t, factor):
         """The thread's u-th element of a full tile into it, times factor."""
         r = t // uint32(COLS) + u * uint32(THREADS // COLS)
-        at = uint64(OFFSET) + uint64(r) * uint64(STRIDE) + uint64(t % uint32(COLS)) * uint64(
-            COL_STRIDE)
-        tile[at] = held[u] * factor
+        tile[flat_at(r, t % uint32(COLS))] = held[u] * factor
 
     fetch_all = unrolled(fetch, PER_THREAD, 6, PER_THREAD)  # straight-line code
     put_all = unrolled(put, PER_THREAD, 4, PER_THREAD)
