@@ -116,18 +116,12 @@ class Layout(NamedTuple):
     while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`). With `p_in_k`
     P_ij^T takes K_j's place once S_ij is done (a barrier between), so the buffer has no
     region of its own for it: small enough at 64 x 64 tiles and d = 128 that two CTAs fit an
-    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered.
-    With `k_transposed` (staggered cp.async copies, KN a multiple of 4) K_j is kept transposed
-    (K_j^T, a row per head dim, a thread's KN keys in consecutive columns), so that S_ij's K
-    operands come one head dim of 4 keys a 16-byte load, as its Q operands do from Q_i^T: K_j
-    lands by 16-byte cp.async in a staging region of its own, and the CTA transposes it into
-    K_j^T in 4 x 4 blocks after the barrier that ends S_ij-1 (`MicroKernel.transpose_k`)."""
+    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered."""
 
     rm: int
     kn: int
     stages: int = 1
     p_in_k: bool = False
-    k_transposed: bool = False
 
     @property
     def groups(self) -> int:
@@ -146,14 +140,9 @@ class Layout(NamedTuple):
         own)."""
         return self.stages > 1 and not self.p_in_k
 
-    def transposes_k(self, d: int, dv: int) -> bool:
-        """Whether K_j is kept transposed (`k_transposed`, where the copies allow it)."""
-        return self.k_transposed and self.staggered and self.kn % 4 == 0 and \
-            self.copies_rows(d, dv)
-
     def plain(self) -> Layout:
         """This thread tile with plain K/V loads (no cp.async, hence no alignment needed)."""
-        return self._replace(stages=1, p_in_k=False, k_transposed=False)
+        return self._replace(stages=1, p_in_k=False)
 
     def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
         """(TR, TC)."""
@@ -188,12 +177,12 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     schedule's TUNED_LAYOUTS, measured fastest for its loop nest), else KN = 4 keys
     (at most Bc) and the most query rows RM of 8, 4, 2, 1 (at most Br) whose scores and
     accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
-    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K[,K_T]]]` forces a layout (for
-    tuning; P_IN_K 1: `Layout.p_in_k`, K_T 1: `Layout.k_transposed`)."""
+    (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K]]` forces a layout (for tuning;
+    P_IN_K 1: `Layout.p_in_k`)."""
     forced = os.environ.get("LOOP_ORDERS_LAYOUT")
     if forced:
         rm, kn, *rest = map(int, forced.split(","))
-        lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:3]))
+        lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:2]))
         if lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
             raise ValueError(f"LOOP_ORDERS_LAYOUT={forced} needs more than "
                              f"{MAX_THREADS_PER_BLOCK} threads at block_q={block_q}, "
@@ -227,11 +216,8 @@ class SharedLayout(NamedTuple):
     qs: int
     qts: int  # Q_i^T's row stride (a row per head dim)
     q_transposed: bool  # Q_i is kept as Q_i^T (TRANSPOSE_Q, rows in groups of 4), else Q_i
-    k: int  # K_j, Bc rows, or K_j^T (k_transposed), a row per head dim
+    k: int  # K_j, Bc rows
     ks: int
-    k_transposed: bool
-    kst: int  # k_transposed: where K_j lands (Bc rows of stride kss) before its transpose
-    kss: int
     v: int  # V_j, Bc rows
     vs: int
     p: int  # P_ij^T, a row per key a thread owns (Bc or a few more), a column per query row
@@ -259,9 +245,7 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     rows, keys = tr * lay.rm, tc * lay.kn
     qs = _stride(max(D, DV))  # Q_i or O_i, a row per query row
     qts = _stride(rows)  # Q_i^T: a row per head dim, a column per query row
-    k_transposed = lay.transposes_k(D, DV)
-    kss = _stride(D)  # K_j's rows as they land
-    ks = _stride(keys) if k_transposed else kss  # K_j^T: a row per head dim, a column per key
+    ks = _stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
     ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
     q_transposed = transpose_q and lay.groups == 4
@@ -271,14 +255,12 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     # once S_ij is done
     p_size = max(keys * ps, rows * qs if reload else 0)
     sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0),
-             max(_round4(D) * ks if k_transposed else keys * ks,
-                 p_size if lay.p_in_k else 0),
-             keys * kss if k_transposed else 0, BC * vs,
+             max(keys * ks, p_size if lay.p_in_k else 0), BC * vs,
              0 if lay.p_in_k else p_size, tr * tc * lay.rm, 2 * rows if reload else 0]
-    q, k, kst, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     p = k if lay.p_in_k else p
-    return SharedLayout(q, qs, qts, q_transposed, k, ks, k_transposed, kst, kss, v, vs, p, ps,
-                        red, p if reload else 0, stats, size)
+    return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
+                        p if reload else 0, stats, size)
 
 
 class MicroKernel(NamedTuple):
@@ -331,11 +313,6 @@ class MicroKernel(NamedTuple):
                                       (vis: a local array of RM, the keys each row sees);
                                       then the caller's barrier, then
     fold(buf, acc, vis)               acc += P_ij V_j
-    K_T                               K_j is kept transposed (`Layout.k_transposed`): load_k
-                                      puts it in staging rows, and
-    transpose_k(buf)                  K_j^T from the staged rows, once they have landed
-                                      and a barrier has shared them; after another barrier
-                                      S_ij may read it (called by every thread)
     """
 
     clear: object
@@ -363,8 +340,6 @@ class MicroKernel(NamedTuple):
     weigh: object = None
     fold: object = None
     row_of: object = None
-    K_T: bool = False
-    transpose_k: object = None
 
 
 class Unroll(NamedTuple):
@@ -383,8 +358,7 @@ class Unroll(NamedTuple):
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
                       CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
                       STAGES: int = 1, PEEL: bool = False,  # noqa: N803
-                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False,  # noqa: N803
-                      K_T: bool = False) -> MicroKernel:  # noqa: N803
+                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
     UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
     of loop control and more registers, which the caller's loop nest decides.
@@ -397,9 +371,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
     stride apart.)
     P_IN_K: P_ij^T is written into K_j's place (`Layout.p_in_k`), after a barrier.
-    K_T: K_j is kept transposed (`Layout.k_transposed`): the loop nest calls transpose_k.
     """
-    lay = Layout(RM, KN, STAGES, P_IN_K, K_T)
+    lay = Layout(RM, KN, STAGES, P_IN_K)
     TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
     NT = TR * TC  # noqa: N806
     ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
@@ -413,7 +386,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     G = lay.groups  # noqa: N806
     QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
-    KT = sm.k_transposed  # noqa: N806 - K_j^T in shared memory (`transpose_k`), else K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
     # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
@@ -422,7 +394,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     SHUFFLE = not SIMULATOR and 32 % TC == 0 and NT % 32 == 0  # noqa: N806
     LOG_TC = TC.bit_length() - 1  # noqa: N806
     Q, QS, QTS, K, KS, V, VS = sm.q, sm.qs, sm.qts, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
-    KST, KSS = sm.kst, sm.kss  # noqa: N806
     P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
     OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
 
@@ -479,20 +450,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @inlined
     def k_chunk(x4, buf, tc, kk):
-        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys: from
-        K_j^T (the thread's keys in columns KN tc ..) one 16-byte load a dim and 4 keys, else
-        one a key."""
-        if KT:
+        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys."""
+        for b in range(KN):
+            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4) * uint64(x4)
             for u in range(4):
-                at = uint64(K) + (uint64(4) * uint64(x4) + uint64(u)) * uint64(KS)
-                for b in range(KN):
-                    kk[b * 4 + u] = buf[at + uint64(KN) * uint64(tc) + uint64(b)]
-        else:
-            for b in range(KN):
-                kb = (uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS)
-                      + uint64(4) * uint64(x4))
-                for u in range(4):
-                    kk[b * 4 + u] = buf[kb + uint64(u)]
+                kk[b * 4 + u] = buf[kb + uint64(u)]
 
     @inlined
     def scores_row(a, u, s, qq, kk):
@@ -781,7 +743,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
     ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async
     if ASYNC:
-        copy_k_rows = make_row_copier(BC, D, KSS, NT, 4)
+        copy_k_rows = make_row_copier(BC, D, KS, NT, 4)
         copy_v_rows = make_row_copier(BC, DV, VS, NT, 4)
     load_o_tile = make_tile_loader(BR, DV, NT, (O, QS))
     store_o_tile = make_tile_storer(BR, DV, NT, (OUT, QS))
@@ -800,40 +762,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @inlined
     def load_k_async(buf, k, bh, key0, n_keys, stage):
-        # HBM -> shared, 16 B a copy (K_j^T: to its staging rows, for transpose_k)
-        return copy_k_rows(buf, uint64(KST if KT else K), k, bh, key0, n_keys)
-
-    # transpose_k's 4 x 4 blocks: (key c + 4 g TC .. c + (4 g + 3) TC, dims 4 x .. 4 x + 3)
-    # for c < TC, g < KN / 4, x < DX4, x fastest, so that a warp's loads (one staged row,
-    # consecutive 16-byte chunks) and stores (consecutive K_j^T rows of an odd stride in
-    # 16-byte chunks) fall in different banks
-    KG = KN // 4  # noqa: N806 - 4-key groups of a thread's keys
-    BLOCKS = TC * KG * DX4  # noqa: N806
-
-    @inlined
-    def transpose_block(e, buf):
-        """Block e of K_j (staged) into K_j^T: 4 keys' 16-byte loads, 4 dims' stores."""
-        x, cg = e % uint32(DX4), e // uint32(DX4)
-        c, g = cg // uint32(KG), cg % uint32(KG)
-        kk = cuda.local.array(16, float32)
-        for b in range(4):
-            at = uint64(KST) + (uint64(c) + uint64(TC) * (uint64(4) * uint64(g) + uint64(b))) \
-                * uint64(KSS) + uint64(4) * uint64(x)
-            for w in range(4):
-                kk[4 * b + w] = buf[at + uint64(w)]
-        col = uint64(KN) * uint64(c) + uint64(4) * uint64(g)
-        for w in range(4):
-            at = uint64(K) + (uint64(4) * uint64(x) + uint64(w)) * uint64(KS) + col
-            for b in range(4):
-                buf[at + uint64(b)] = kk[4 * b + w]
-
-    @inlined
-    def transpose_k(buf):
-        t = uint32(cuda.threadIdx.x)
-        for r in range(-(-BLOCKS // NT)):
-            e = t + uint32(r * NT)
-            if BLOCKS % NT == 0 or e < uint32(BLOCKS):
-                transpose_block(e, buf)
+        return copy_k_rows(buf, uint64(K), k, bh, key0, n_keys)  # HBM -> shared, 16 B a copy
 
     @inlined
     def load_v_async(buf, v, bh, key0, n_keys, stage):
@@ -873,8 +802,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
                        coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS, 1, lay.staggered, weigh, fold, row_of,
-                       KT, transpose_k if KT else None)
+                       NT, RM, XN * RM, ROWS, STATS, 1, lay.staggered, weigh, fold, row_of)
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
@@ -896,7 +824,7 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
-                             PEEL, TRANSPOSE_Q, MK.p_in_k, MK.k_transposed)
+                             PEEL, TRANSPOSE_Q, MK.p_in_k)
 
 
 class LaunchPlan(NamedTuple):

@@ -162,43 +162,6 @@ def test_p_in_k_is_exact_and_counts_as_the_model(monkeypatch):
         assert got.counts == sched.model(got.problem)
 
 
-def test_k_transposed_stages_k_and_keeps_k_transposed_where_copies_allow():
-    """Layout.k_transposed: K_j^T (a row per head dim, an odd number of 16-byte chunks a row)
-    in K_j's region and a staging region of Bc rows where K_j lands, only with staggered
-    cp.async copies and KN a multiple of 4; a plain-load layout drops it."""
-    lay = Layout(8, 4, 2, k_transposed=True)
-    sm = shared_layout(128, 64, 128, 128, lay, False)
-    assert sm.k_transposed and sm.ks == 68 and sm.kss == 132
-    assert sm.kst - sm.k == 128 * sm.ks and sm.v - sm.kst == 64 * sm.kss
-    assert sm.bytes <= 227 * 1024  # one CTA an SM, as without it (176,128 bytes)
-    assert lay.transposes_k(128, 128) and not lay.transposes_k(126, 128)  # odd rows: plain
-    assert not Layout(8, 2, 2, k_transposed=True).transposes_k(128, 128)
-    assert not Layout(8, 4, 1, k_transposed=True).transposes_k(128, 128)  # not staggered
-    assert lay.plain() == Layout(8, 4) and not shared_layout(128, 64, 128, 128, Layout(8, 4),
-                                                             False).k_transposed
-
-
-@pytest.mark.parametrize("forced", ["4,4,2,0,1", "2,8,2,0,1"])
-def test_k_transposed_is_exact_and_counts_as_the_model(monkeypatch, forced):
-    """q_outer with K_j kept transposed (forced: LOOP_ORDERS_LAYOUT=...,0,1) against the float64
-    reference on the simulator: tails, causal, dv != d, two 4-key groups a thread (KN = 8);
-    the counted traffic equals the model."""
-    import loop_orders as lo
-    from loop_orders.reference import attention_reference
-
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", forced)
-    rng = np.random.default_rng(12)
-    sched = lo.get_schedule("q_outer")
-    for n, n_k, d, dv, causal in ((20, 19, 16, 12, False), (21, 21, 12, 20, True)):
-        q, k = (rng.standard_normal((1, 2, m, d)).astype(np.float32) for m in (n, n_k))
-        v = rng.standard_normal((1, 2, n_k, dv)).astype(np.float32)
-        got = lo.attention(q, k, v, block_q=8, block_k=16, causal=causal, count=True)
-        assert sched.layout(got.problem).transposes_k(d, dv)
-        want, _ = attention_reference(q, k, v, causal=causal)
-        assert np.abs(got.out - want).max() < 1e-5
-        assert got.counts == sched.model(got.problem)
-
-
 @pytest.mark.parametrize("rm, transposed", [(4, True), (8, True), (2, False), (1, False)])
 def test_q_is_transposed_only_where_asked_and_rows_come_in_fours(rm, transposed):
     # 16 query rows, head dim 40: Q_i^T (40 rows of a 16-row stride) and Q_i (16 rows of a

@@ -80,7 +80,6 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
     STAGES, STAGGERED = mk.STAGES, mk.STAGGERED  # noqa: N806 - K/V buffers; staggered loads
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
-    K_T, transpose_K_j = mk.K_T, mk.transpose_k  # noqa: N806 - K_j kept transposed
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     reciprocal, give_o = mk.reciprocal, mk.give_o
@@ -148,29 +147,21 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     def stream_kv_staggered(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j < c_i into (m_i, l_i, acc) in one K and one V buffer, their
         loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is (K_0 from
-        the kernel, before Q_i). With K_j kept transposed, K_j+1 lands in its staging rows
-        while S_ij is computed, and is transposed while P_ij V_j is."""
+        the kernel, before Q_i)."""
         vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
         for j in range(c_i):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             wait_loads()
             # K_j (and Q_i) are in shared memory; every thread is done with V_j-1 and P_ij-1
-            # (and, K_T, with the staged K_j)
             cuda.syncthreads()
             load_V_j_counted(buf, v, bh, key0, n_k, 0, cnt)  # lands under S_ij
-            if K_T and j + 1 < c_i:
-                load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, staged
             weigh(buf, bc, key0, row0, m_i, l_i, acc, vis)
             wait_loads()
-            # P_ij and V_j (and, K_T, the staged K_j+1) are in shared memory; every thread is
-            # done with K_j
+            # P_ij and V_j are in shared memory; every thread is done with K_j
             cuda.syncthreads()
             if j + 1 < c_i:
-                if K_T:
-                    transpose_K_j(buf)  # K_j+1^T, read after the next barrier
-                else:
-                    load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # under P_ij V_j
+                load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
     fold_tiles = stream_kv_staggered if STAGGERED else stream_kv
@@ -207,10 +198,6 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             if c_i > 0:
                 load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
-            if K_T and c_i > 0:
-                wait_loads()
-                cuda.syncthreads()  # the staged K_0 is in shared memory for every thread
-                transpose_K_j(buf)  # K_0^T, read after the loop's first barrier
         else:
             # Q_i first: on tensor cores K_0 and V_0 ahead of it cost 2 % at d = 128 in tf32x3
             # (results/gpu_logs/ab_first_kv_tc_95c2204.log); stream_kv copies them
