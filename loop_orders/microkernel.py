@@ -856,6 +856,12 @@ class MicroKernelSchedule(Schedule):
     # (d, causal) -> ((largest N_q, (block_q, block_k)), ...): CUDA-core tiles this loop nest
     # was measured faster with at short sequences than the benchmark's (`short_tiles`)
     SHORT_TILES: ClassVar[dict] = {}
+    # The same on tensor cores, keyed (operand type, d, causal): `tensor_core_kind`'s names
+    TC_SHORT_TILES: ClassVar[dict] = {}
+    # (operand type, block_q, block_k, d, dv) -> K/V buffers: tensor-core tiles this loop nest
+    # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
+    # CTA alone on its SM)
+    TC_KV_STAGES: ClassVar[dict] = {}
 
     @staticmethod
     @abstractmethod
@@ -871,7 +877,8 @@ class MicroKernelSchedule(Schedule):
         stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
         kind = tensor_core_kind(self, p)
         if kind is not None:
-            return TensorCores(kind, stages)
+            tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
+            return TensorCores(kind, min(stages, tuned))
         lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
         return lay._replace(stages=stages)
 
@@ -879,10 +886,12 @@ class MicroKernelSchedule(Schedule):
         return self.layout(p).threads(p.block_q, p.block_k)
 
     def short_tiles(self, p: Problem) -> tuple[int, int] | None:
-        """SHORT_TILES' tiles for p's head dim, mask and N_q on CUDA cores, else None."""
-        if tensor_core_kind(self, p) is not None:
-            return None
-        for largest_n, blocks in self.SHORT_TILES.get((p.d, p.causal), ()):
+        """The tiles for p's head dim, mask and N_q: SHORT_TILES' on CUDA cores,
+        TC_SHORT_TILES' for p's operand type on tensor cores, else None."""
+        kind = tensor_core_kind(self, p)
+        short = self.SHORT_TILES.get((p.d, p.causal), ()) if kind is None else \
+            self.TC_SHORT_TILES.get((kind, p.d, p.causal), ())
+        for largest_n, blocks in short:
             if p.n_q <= largest_n:
                 return blocks
         return None

@@ -123,3 +123,24 @@ def test_tf32_precisions_on_float32_inputs(schedule, case, precision, rng):
     shift = tf32_score_shift(q, k, precision=precision)  # over all pairs, masked or not
     assert np.abs(res.lse - ref_lse).max() <= shift + 1e-5
     assert res.counts == sched.model(res.problem)
+
+
+@pytest.mark.parametrize("case", TF32_CASES, ids=lambda c: "B{}H{}N{}d{}dv{}-{}x{}-{}".format(*c))
+def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
+    """q_outer's tensor-core loop nest on one K/V buffer (what TC_KV_STAGES takes for 3xTF32
+    on 64 x 64 tiles at d = 128; LOOP_ORDERS_KV_STAGES=1 forces it here, at small tiles):
+    K_j, V_j copied after the barrier that ends the previous tile, float32's accuracy,
+    counters == model."""
+    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.reference import FLOAT32_TOLERANCE
+
+    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    b, h, n, d, dv, bq, bk, causal = case
+    q, k, v = random_qkv(rng, b, h, n, d, dv)
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
+                       count=True, precision="tf32x3")
+    sched = lo.get_schedule("q_outer")
+    assert sched.layout(res.problem) == TensorCores("tf32x3", 1)
+    ref, _ = lo.attention_reference(q, k, v, causal=causal)
+    assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
+    assert res.counts == sched.model(res.problem)

@@ -37,9 +37,11 @@ def test_tuned_tiles_take_the_measured_layouts():
         assert lo.get_schedule(name).TUNED_LAYOUTS == {}
 
 
-def test_short_causal_sequences_take_the_short_tiles_on_cuda_cores_only():
-    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 and 128 at N = 512 on CUDA cores; the
-    benchmark's sweep takes them there and BLOCKS everywhere else (and for SDPA's rows)."""
+def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
+    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 and 128 at N = 512 on CUDA cores;
+    TC_SHORT_TILES: 64 x 64 for causal 3xTF32 at d = 128 up to N = 2048, on one K/V buffer
+    (TC_KV_STAGES: two CTAs an SM). The benchmark's sweep takes them there and BLOCKS
+    everywhere else (and for SDPA's rows)."""
     import loop_orders as lo
     from experiments import bench_runtime as bench
 
@@ -59,6 +61,19 @@ def test_short_causal_sequences_take_the_short_tiles_on_cuda_cores_only():
     assert tiles(1024, d=128) == (*bench.BLOCKS[128], None)
     assert tiles(512, dtype="float16") == (*bench.BLOCKS[64], None)  # tensor cores
     assert tiles(512, dtype="tf32x3") == (*bench.BLOCKS[64], None)
+    assert tiles(2048, d=128, dtype="tf32x3") == (64, 64, (64, 64))
+    assert tiles(4096, d=128, dtype="tf32x3") == (*bench.BLOCKS[128], None)
+    assert tiles(512, d=128, causal=False, dtype="tf32x3") == (*bench.BLOCKS[128], None)
+    assert tiles(512, d=128, dtype="tf32") == (*bench.BLOCKS[128], None)  # not measured
+    from loop_orders.microkernel_tc import TensorCores
+
+    def tc_layout(block_q, **kind):
+        return q_outer.layout(lo.make_problem("q_outer", n_q=512, d=128, block_q=block_q,
+                                              block_k=64, causal=True, **kind))
+
+    assert tc_layout(64, precision="tf32x3") == TensorCores("tf32x3", 1)
+    assert tc_layout(128, precision="tf32x3") == TensorCores("tf32x3", 2)
+    assert tc_layout(64, dtype="float16") == TensorCores("float16", 2)
     assert tiles(512, name="kv_outer") == (*bench.BLOCKS[64], None)
     sdpa = bench.sweep_problem("torch_sdpa_efficient", "efficient", "float32", 512, 64, True)
     assert (sdpa.block_q, sdpa.block_k) == bench.BLOCKS[64]
