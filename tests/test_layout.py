@@ -39,9 +39,9 @@ def test_tuned_tiles_take_the_measured_layouts():
 
 def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
     """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 and 128 at N = 512 on CUDA cores;
-    TC_SHORT_TILES: 64 x 64 for causal 3xTF32 at d = 128 up to N = 2048, on one K/V buffer
-    (TC_KV_STAGES: two CTAs an SM). The benchmark's sweep takes them there and BLOCKS
-    everywhere else (and for SDPA's rows)."""
+    TC_SHORT_TILES: 64 x 64 for causal 3xTF32 at d = 128 up to N = 2048, where (TF32 too)
+    they take one K/V buffer (TC_KV_STAGES: two CTAs an SM). The benchmark's sweep takes
+    them there and BLOCKS everywhere else (and for SDPA's rows)."""
     import loop_orders as lo
     from experiments import bench_runtime as bench
 
@@ -72,6 +72,7 @@ def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
                                               block_k=64, causal=True, **kind))
 
     assert tc_layout(64, precision="tf32x3") == TensorCores("tf32x3", 1)
+    assert tc_layout(64, precision="tf32") == TensorCores("tf32", 1)
     assert tc_layout(128, precision="tf32x3") == TensorCores("tf32x3", 2)
     assert tc_layout(64, dtype="float16") == TensorCores("float16", 2)
     assert tiles(512, name="kv_outer") == (*bench.BLOCKS[64], None)

@@ -253,14 +253,16 @@ class QOuter(MicroKernelSchedule):
     # at every N (13.19 against 12.30 ms at N = 4096): three barriers a tile, K_j and V_j
     # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log).
     SHORT_TILES = {(64, True): ((512, (64, 64)),), (128, True): ((512, (64, 64)),)}
-    # 3xTF32 at d = 128 on 64 x 64 tiles: two K/V buffers take 169 KB, one CTA of 4 warps an SM;
-    # one buffer takes 101 KB, two CTAs an SM, and ran 21-24 % faster at N = 1024 and 4096,
-    # causal or not (the API's default tiles). Causal, 64 x 64 on one buffer then beats the
-    # benchmark's 128 x 64 up to N = 2048 (0.925 against 1.008 ms at N = 512, 1.602 against
-    # 1.666 at 1024, 2.950 against 2.985 at 2048) and loses from 4096 on (5.656 against 5.637),
-    # as it does at every N without the mask (11.26 against 10.86 ms at N = 4096)
-    # (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two alternating rounds).
-    TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1}
+    # TF32 and 3xTF32 at d = 128 on 64 x 64 tiles: two K/V buffers take 169 KB, one CTA of 4
+    # warps an SM; one buffer takes 101 KB, two CTAs an SM, and ran 21-24 % faster in 3xTF32
+    # and 19-22 % in TF32 at N = 1024 and 4096, causal or not (the API's default tiles).
+    # Causal 3xTF32 on 64 x 64 and one buffer then beats the benchmark's 128 x 64 up to N = 2048
+    # (0.925 against 1.008 ms at N = 512, 1.602 against 1.666 at 1024, 2.950 against 2.985 at
+    # 2048) and loses from 4096 on (5.656 against 5.637), as it does at every N without the mask
+    # (11.26 against 10.86 ms at N = 4096); TF32 keeps 128 x 64 (0.52 ms either way at N = 512,
+    # 0.832 against 0.798 at 1024) (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two
+    # alternating rounds).
+    TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1, ("tf32", 64, 64, 128, 128): 1}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
