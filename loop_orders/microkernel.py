@@ -5,10 +5,8 @@ device functions; only the loops around them differ, so measured differences com
 loop order. The tiling is the register blocking of a GEMM ("outer product"):
 
     thread t = (tr, tc), tr = t // TC, tc = t % TC;  TR = ceil(Br / RM), TC = ceil(Bc / KN)
-    its RM query rows:   W RM (tr // W) + G (tr mod W) + (a mod G) + (a // G) G W  (a < RM;
-                         `row_of`): groups of G consecutive rows, G = 4 where 4 divides RM
-                         (else 2, else 1), W = 32 / TC rows of threads to a warp (else TR),
-                         so that a warp holds W RM consecutive rows
+    its RM query rows:   G tr + (a mod G) + (a // G) G TR  (a < RM; `row_of`): groups of
+                         G consecutive rows, G = 4 where 4 divides RM (else 2, else 1)
     its KN keys of S:    tc + b TC         (b < KN)        -> RM x KN scores in registers
     its head dims of O:  4-wide chunks tc + h TC (h < XH)  -> RM x 4 XH accumulators
 
@@ -128,7 +126,7 @@ class Layout(NamedTuple):
     @property
     def groups(self) -> int:
         """G: a thread's rows come in groups of G consecutive tile rows (4 where 4 divides
-        RM, else 2, else 1), the groups G W rows apart (`row_of`)."""
+        RM, else 2, else 1), the groups G TR rows apart (`row_of`)."""
         return 4 if self.rm % 4 == 0 else (2 if self.rm % 2 == 0 else 1)
 
     def copies_rows(self, d: int, dv: int) -> bool:
@@ -384,12 +382,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     NS = RM * KN  # noqa: N806 - scores per thread
     RN = 4 * RM  # noqa: N806 - a 4-wide chunk of the thread's rows of Q_i
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
-    # group and key when G = 4), the groups G W rows apart, where W rows of threads make a
-    # warp: a warp's rows are consecutive (on the causal diagonal, a warp whose rows see no
-    # key skips S_ij), and the W threads of a warp that load a row of Q_i at once sit G rows
-    # apart, in different banks (rows a multiple of 8 apart would share them)
+    # group and key when G = 4), the groups G TR rows apart
     G = lay.groups  # noqa: N806
-    W = 32 // TC if 32 % TC == 0 and TR % (32 // TC) == 0 else TR  # noqa: N806
     QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
     KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
@@ -417,10 +411,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
 
     @inlined
     def row_of(tr, a):
-        """The tile row of the thread's row a: G (tr mod W) + (a mod G) in group a // G of
-        its warp's rows, W RM (tr // W) on."""
-        return (uint64((a // G) * G * W + a % G) + uint64(W * RM) * uint64(tr // uint32(W))
-                + uint64(G) * uint64(tr % uint32(W)))
+        """The tile row of the thread's row a: G tr + (a mod G) in group a // G."""
+        return uint64((a // G) * G * TR + a % G) + uint64(G) * uint64(tr)
 
     @inlined
     def q_at(tr, a):
@@ -630,12 +622,9 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         row_max = cuda.local.array(RM, float32)
+        scores(s, buf, tr, tc)
         for a in range(RM):
             vis[a] = visible(row0 + int(row_of(tr, a)), key0, n_keys)
-        # causal: rows past the diagonal see none of the tile's keys (the last row sees the
-        # most); a warp whose rows all do skips S_ij, and the mask below makes every weight 0
-        if not CAUSAL or vis[RM - 1] > 0:
-            scores(s, buf, tr, tc)
         full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them
         if not (EXACT and full):
             for a in range(RM):

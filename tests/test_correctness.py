@@ -144,22 +144,3 @@ def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
     ref, _ = lo.attention_reference(q, k, v, causal=causal)
     assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
     assert res.counts == sched.model(res.problem)
-
-
-def test_warps_of_consecutive_rows_skip_the_tiles_past_the_diagonal(monkeypatch, rng):
-    """CUDA-core micro-kernel: a warp holds W RM consecutive query rows (W rows of threads,
-    `row_of`), so on the causal diagonal a warp whose rows see none of a tile's keys skips
-    S_ij. Here 64 x 16 tiles on 4 x 4 thread tiles (TC = 4, so W = 8 of TR = 16 rows of
-    threads: two warps of 32 rows, the first masked on its block's last two K/V tiles),
-    causal, with tails and dv != d: exact, counters == model."""
-    from loop_orders.reference import FLOAT32_TOLERANCE
-
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,4")
-    q, k, v = random_qkv(rng, 1, 1, 70, 8, 12)
-    res = lo.attention(q, k, v, schedule="q_outer", block_q=64, block_k=16, causal=True,
-                       count=True)
-    sched = lo.get_schedule("q_outer")
-    assert not res.clamped and sched.layout(res.problem).threads(64, 16) == 64  # 2 warps
-    ref, _ = lo.attention_reference(q, k, v, causal=True)
-    assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
-    assert res.counts == sched.model(res.problem)
