@@ -425,7 +425,7 @@ def run_tc_tiles(out_dir: Path, rng) -> list[dict]:
                        "stages": sched.layout(p).stages, "regs": "", "local_bytes": "",
                        **(timed or {})}
             rows.append(row)
-            print(f"tc tiles q_outer {label} d={d} {block_q}x{block_k} x{stages}: "
+            print(f"tc tiles q_outer {label} d={d} {block_q}x{block_k} x{row['stages']}: "
                   f"{row['ms_median']} ms {row['tflops']} TFLOP/s regs {row['regs']} local "
                   f"{row['local_bytes']} {row['status'][:60]}", flush=True)
         write_csv(out_dir / "bench_tc_tiles.csv", rows, PROV)
