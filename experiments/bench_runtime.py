@@ -36,6 +36,7 @@ import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, flops, input_kind, runs, write_csv
 from loop_orders import runtime
 from loop_orders.microkernel_tc import TensorCores
+from loop_orders.microkernel_ws import Specialised
 from loop_orders.results import atomic_write_text, provenance
 
 SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
@@ -153,9 +154,9 @@ def blank_row(name, dtype, what, p, status="ok") -> dict:
 
 def layout_in_effect(sched, p) -> str:
     """The micro-kernel at p: RM,KN of the CUDA-core one (microkernel.Layout; RM,KN,STAGES,1
-    where it keeps P_ij^T in K_j's place), mma.f16,
-    mma.bf16, mma.tf32 or mma.tf32x3 for the tensor-core one (dense's too), "" for CUDA-core
-    kernels of their own."""
+    where it keeps P_ij^T in K_j's place), "ws" for q_outer's warp-specialised kernel (as
+    LOOP_ORDERS_LAYOUT takes it), mma.f16, mma.bf16, mma.tf32 or mma.tf32x3 for the
+    tensor-core one (dense's too), "" for CUDA-core kernels of their own."""
     if not sched.uses_micro_kernel:
         lay = sched.layout(p) if sched.TENSOR_CORES else None
         return "" if lay is None else str(lay)
@@ -163,7 +164,7 @@ def layout_in_effect(sched, p) -> str:
         lay = sched.layout(p)
     except ValueError:
         return "invalid"
-    if isinstance(lay, TensorCores):
+    if isinstance(lay, TensorCores | Specialised):
         return str(lay)
     # RM,KN, and where P_ij^T is kept in K_j's place, STAGES,1 (as LOOP_ORDERS_LAYOUT takes it)
     return f"{lay.rm},{lay.kn}" + (f",{lay.stages},1" if lay.p_in_k else "")

@@ -37,7 +37,17 @@ column (or key) in the low half; lane = 4 g + t.
         row's end into the next rows (src's rows are contiguous: the kernels' inputs are
         C-contiguous), so a copier can step rows by a constant column offset; then
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
+    cp_async_wait_one()                           wait for all of a thread's groups but the
+                                                  last one it closed
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
+    vote_any(x)                                   whether x holds on any lane of the warp
+
+Named barriers, for warps that split a CTA's work (`microkernel_ws`): barrier `ident` (1 ..
+15; 0 is __syncthreads') of `count` threads (a multiple of 32, whole warps):
+
+    named_barrier(ident, count) -> (sync, arrive)  sync(): arrive and wait until `count`
+        threads have arrived (bar.sync); arrive(): arrive and go on (bar.arrive). Memory
+        writes before either are seen by the threads that sync on the same barrier after.
 
 bfloat16 has no NumPy dtype, so its arrays reach the kernels as uint16 arrays of its bits
 (`schedule.KERNEL_DTYPES`); every conversion between an HBM element and float32 goes through
@@ -244,8 +254,50 @@ if SIMULATOR:
     def cp_async_wait_all():
         pass
 
+    def cp_async_wait_one():
+        pass
+
     def shfl_xor(x, lanes):
         return _warp_gather(x)[_lane() ^ lanes]
+
+    def vote_any(x):
+        return _warp_gather(bool(x), any)
+
+    class _NamedBarrier:
+        """One named barrier of one CTA: each generation completes when `count` threads
+        have reached it; a sync waits for that, an arrive does not."""
+
+        def __init__(self, count: int):
+            self.count, self.cond = count, threading.Condition()
+            self.arrived = self.generation = 0
+
+        def reach(self, wait: bool):
+            with self.cond:
+                generation = self.generation
+                self.arrived += 1
+                if self.arrived == self.count:
+                    self.arrived, self.generation = 0, generation + 1
+                    self.cond.notify_all()
+                elif wait and not self.cond.wait_for(lambda: self.generation != generation,
+                                                     timeout=_GATHER_TIMEOUT_S):
+                    raise RuntimeError("named barrier: threads never arrived")
+
+    def _barrier_of_block(ident: int, count: int) -> _NamedBarrier:
+        block = threading.current_thread()._manager.__dict__
+        bar = block.get(("bar", ident))
+        if bar is None:
+            with _CREATING:
+                bar = block.setdefault(("bar", ident), _NamedBarrier(count))
+        return bar
+
+    def named_barrier(ident: int, count: int):
+        def sync():
+            _barrier_of_block(ident, count).reach(True)
+
+        def arrive():
+            _barrier_of_block(ident, count).reach(False)
+
+        return sync, arrive
 
 else:
     from llvmlite import ir
@@ -447,6 +499,15 @@ else:
 
     cp_async_commit = _void_asm("cp.async.commit_group;")
     cp_async_wait_all = _void_asm("cp.async.wait_all;")
+    cp_async_wait_one = _void_asm("cp.async.wait_group 1;")
+
+    def named_barrier(ident: int, count: int):
+        return (_void_asm(f"bar.sync {ident}, {count};"),
+                _void_asm(f"bar.arrive {ident}, {count};"))
+
+    @inlined
+    def vote_any(x):
+        return cuda.any_sync(FULL_MASK, x)
 
     @inlined
     def shfl_xor(x, lanes):

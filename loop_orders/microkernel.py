@@ -77,6 +77,7 @@ from .microkernel_tc import (
     tc_shared_layout,
     warp_exchanges_per_tile,
 )
+from .microkernel_ws import Specialised, shared_floats
 from .runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
@@ -862,16 +863,21 @@ class MicroKernelSchedule(Schedule):
     # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
+    # (block_q, block_k, d, dv): float32 tiles this loop nest runs on its warp-specialised
+    # kernel (`microkernel_ws`, which only q_outer's loop nest has), measured faster there
+    SPECIALISED: ClassVar[frozenset] = frozenset()
+    SPECIALISES: ClassVar[bool] = False  # whether make_kernel takes a `Specialised`
 
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
         """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
 
-    def layout(self, p: Problem) -> Layout | TensorCores:
+    def layout(self, p: Problem) -> Layout | TensorCores | Specialised:
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
         float32 ones at precision "tf32" or "tf32x3", where the schedule has them, else the
-        CUDA-core thread layout."""
+        warp-specialised kernel where the schedule has it for p's tiles (`specialised`),
+        else the CUDA-core thread layout."""
         # tuning: LOOP_ORDERS_KV_STAGES=1 turns off a loop nest's double-buffered (tensor
         # cores) or staggered (CUDA cores) K/V loads, where it has them
         stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
@@ -879,8 +885,28 @@ class MicroKernelSchedule(Schedule):
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
             return TensorCores(kind, min(stages, tuned))
+        specialised = self.specialised(p, stages)
+        if specialised is not None:
+            return specialised
         lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
         return lay._replace(stages=stages)
+
+    def specialised(self, p: Problem, stages: int) -> Specialised | None:
+        """The warp-specialised kernel where p's tiles are in SPECIALISED (and K/V loads
+        run under the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws forces it
+        (for tuning and tests: a ValueError where this loop nest has no such kernel or the
+        tiles do not fit it); else None. Any other LOOP_ORDERS_LAYOUT names a thread tile
+        of the shared micro-kernel."""
+        forced = os.environ.get("LOOP_ORDERS_LAYOUT")
+        tiles = (p.block_q, p.block_k, p.d, p.dv)
+        if forced == "ws":
+            if not self.SPECIALISES or not Specialised.fits(*tiles):
+                raise ValueError(f"LOOP_ORDERS_LAYOUT=ws: {self.name} has no warp-specialised "
+                                 f"kernel for block_q, block_k, d, dv = {tiles}")
+            return Specialised(p.dv)
+        if not forced and stages > 1 and tiles in self.SPECIALISED:
+            return Specialised(p.dv)
+        return None
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
@@ -928,12 +954,14 @@ class MicroKernelSchedule(Schedule):
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
-                          aligned, isinstance(lay, Layout))
+                          aligned, not isinstance(lay, TensorCores))
 
     def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
             return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
+        if isinstance(lay, Specialised):
+            return 4 * shared_floats(p.block_q, p.block_k, p.d, p.dv)
         return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD,
                              self.transposes_q(p)).bytes
 

@@ -144,3 +144,48 @@ def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
     ref, _ = lo.attention_reference(q, k, v, causal=causal)
     assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
     assert res.counts == sched.model(res.problem)
+
+
+# (batch, heads, n_q, n_k, d, dv, block_q, block_k, causal): the smallest tiles the
+# warp-specialised kernel takes (one warp of S threads, one of P V threads), with tails of both
+# blocks, dv != d, and the causal diagonal (two K/V tiles a query block)
+WS_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 1, 70, 70, 12, 64, 64, 32, True)]
+
+
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: "B{}H{}N{}x{}d{}dv{}-{}x{}-{}".format(
+    *c[:-1], "causal" if c[-1] else "full"))
+def test_q_outer_warp_specialised(case, monkeypatch, rng):
+    """q_outer's warp-specialised kernel (`microkernel_ws`: what SPECIALISED takes at d = 128
+    on 128 x 64 tiles; LOOP_ORDERS_LAYOUT=ws forces it here, at small tiles): S warps and P V
+    warps under named barriers, float32's accuracy, lse, counters == model."""
+    from loop_orders.microkernel_ws import Specialised
+    from loop_orders.reference import FLOAT32_TOLERANCE
+
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")  # 256 threads' worth of work
+    b, h, n_q, n_k, d, dv, bq, bk, causal = case
+    q, k, v = random_qkv(rng, b, h, n_q, d, dv, n_k=n_k)
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
+                       save_lse=True, count=True)
+    sched = lo.get_schedule("q_outer")
+    assert sched.layout(res.problem) == Specialised(dv)
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+    assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
+    np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert res.counts == sched.model(res.problem)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_q_outer_warp_specialised_never_multiplies_a_masked_key(where, monkeypatch, rng):
+    """A NaN in key 40's row of K or V reaches only the rows that see key 40 (causal): the
+    S warps give its score -inf where masked, and the P V warps skip it on the diagonal."""
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")
+    q, k, v = random_qkv(rng, 1, 1, 70, 12, 64)
+    clean = (q.copy(), k.copy(), v.copy())
+    {"k": k, "v": v}[where][0, 0, 40, 1] = np.nan
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=64, block_k=32, causal=True)
+    ref, _ = lo.attention_reference(*clean, causal=True)
+    assert not np.isnan(res.out[0, 0, :40]).any()
+    assert relative_error(res.out[0, 0, :40], ref[0, 0, :40]) <= 1e-5
+    assert np.isnan(res.out[0, 0, 40:]).any(axis=-1).all()

@@ -19,15 +19,16 @@ from loop_orders.reference import (
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d, block_q", [(64, 128), (128, 128), (128, 64)])
 def test_q_outer_float32_at_the_benchmarks_tiles(d, block_q, causal, rng):
-    """The benchmark's builds of the FMA path (128 x 64 tiles: the tuned 8 x 8 and 8 x 4
-    thread tiles, staggered cp.async K/V, 10 chunks and 32 keys a trip at d = 128; 64 x 64
-    at d = 128, causal N = 512: P_ij^T in K_j's place, two CTAs an SM), with tail blocks:
-    float32 accuracy, and the counted build equal to the model."""
+    """The benchmark's builds of the FMA path (128 x 64 tiles: the tuned 8 x 8 thread tile,
+    staggered cp.async K/V, at d = 64; the warp-specialised kernel at d = 128; 64 x 64 at
+    d = 128, causal N = 512: P_ij^T in K_j's place, two CTAs an SM), with tail blocks:
+    float32 accuracy, lse, and the counted build equal to the model."""
     q, k, v = random_qkv(rng, 2, 3, 1000, d, d)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=block_q, block_k=64,
-                       causal=causal, count=True)
-    ref, _ = lo.attention_reference(q, k, v, causal=causal)
+                       causal=causal, save_lse=True, count=True)
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     assert relative_error(res.out, ref) <= 1e-5
+    np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
     assert res.counts == lo.get_schedule("q_outer").model(res.problem)
 
 
@@ -75,13 +76,15 @@ def test_tensor_cores_refuse_inputs_that_are_not_16_byte_aligned(rng):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_float32_keys_not_16_byte_aligned_take_the_plain_loads(causal, rng):
-    """q_outer's float32 kernel copies K and V rows with cp.async (staggered loads); a view
-    that starts 4 bytes into its buffer gets the plain-load kernel instead, with the same
-    output and counts, at 128 x 64 tiles (the tuned 8 x 8 layout) and a tail."""
+def test_float32_keys_not_16_byte_aligned_take_the_plain_loads(causal, d, rng):
+    """q_outer's float32 kernels copy K and V rows with cp.async (staggered loads at d = 64,
+    the warp-specialised kernel at d = 128); a view that starts 4 bytes into its buffer gets
+    the shared micro-kernel with plain loads instead, with the same output and counts, at
+    128 x 64 tiles and a tail."""
     torch = pytest.importorskip("torch")
-    n, d = 1000, 64
+    n = 1000
     base = torch.randn(3 * n * d + 1, device="cuda", dtype=torch.float32)
     q, k, v = (base[1 + i * n * d: 1 + (i + 1) * n * d].view(1, 1, n, d) for i in range(3))
     got = [lo.attention(*x, schedule="q_outer", causal=causal, count=True)

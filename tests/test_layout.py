@@ -420,3 +420,44 @@ def test_which_rows_the_tensor_cores_copy_with_cp_async():
     assert f16.copies_rows(64, 128) and bf16.copies_rows(40) and tf32.copies_rows(36, 20)
     assert not f16.copies_rows(36) and not bf16.copies_rows(64, 20) and not tf32.copies_rows(6)
     assert f16.copies_rows(64, 0)  # dense's kernel 1 builds with dv = 0
+
+
+def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(monkeypatch):
+    """float32 at d = 128 on 128 x 64 tiles (q_outer's SPECIALISED): S warps and P V warps,
+    256 threads, 219,136 bytes; other head dims, 16-bit inputs, one K/V stage and a forced
+    thread tile take the shared micro-kernel; LOOP_ORDERS_LAYOUT=ws is refused where the loop
+    nest or the tiles have no such kernel; inputs cp.async cannot copy get the shared
+    micro-kernel's plain loads."""
+    import loop_orders as lo
+    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.microkernel_ws import Specialised, shared
+
+    q_outer = lo.get_schedule("q_outer")
+
+    def problem(d=128, **kw):
+        return lo.make_problem("q_outer", n_q=4096, d=d, block_q=128, block_k=64, **kw)
+
+    for causal in (False, True):
+        p = problem(causal=causal)
+        assert q_outer.layout(p) == Specialised(128) and str(q_outer.layout(p)) == "ws"
+        assert q_outer.threads(p) == 256 and q_outer.dynamic_shared_bytes(p) == 219_136
+    assert q_outer.layout(problem(64)) == Layout(8, 8, 2)
+    assert isinstance(q_outer.layout(problem(dtype="float16")), TensorCores)
+    assert Specialised(128).plain() == Layout(8, 4)
+    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    assert q_outer.layout(problem()) == Layout(8, 4, 1)
+    monkeypatch.delenv("LOOP_ORDERS_KV_STAGES")
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "8,4,2")
+    assert q_outer.layout(problem()) == Layout(8, 4, 2)
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+    with pytest.raises(ValueError, match="kv_outer has no warp-specialised kernel"):
+        lo.get_schedule("kv_outer").layout(lo.make_problem("kv_outer", n_q=256, d=128,
+                                                           block_q=128, block_k=64))
+    with pytest.raises(ValueError, match="no warp-specialised kernel for block_q"):
+        q_outer.layout(problem(d=126))
+    assert Specialised.fits(64, 32, 20, 64) and not Specialised.fits(64, 32, 20, 48)
+    assert not Specialised.fits(128, 128, 128, 128)  # 4 x 8 warps of S threads, 320 KB
+    sm = shared(128, 64, 128, 128)
+    regions = [sm.q, sm.k, sm.v, sm.p, sm.alpha, sm.l_row, sm.size]
+    assert all(r % 4 == 0 for r in regions) and regions == sorted(regions)
+    assert (sm.qs // 4) % 2 == 1 and (sm.ps // 4) % 2 == 1  # odd 16-byte chunks a row

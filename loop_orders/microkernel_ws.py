@@ -1,0 +1,497 @@
+"""q_outer's float32 forward on CUDA cores with its warps specialised: S warps and P V warps.
+
+The shared micro-kernel (`microkernel`) has every thread compute both products of a tile, so
+its registers hold a thread's scores and its accumulators at once, and at d = 128 that leaves
+an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warps split:
+
+    S warps   (NS = Br/8 x Bc/8 threads, 8 rows x 8 keys each: 16 loads per 256 FMAs)
+    PV warps  (NP = Br/8 x dv/16 threads, 8 rows x 16 dims of O_i each: 6 loads per 128)
+
+    all:       Q_i -> shared, pre-scaled by scale log2 e                     # once
+    S warps:   for j < c_i:
+                   K_j landed (two K buffers; K_j+1 copied under S_ij)
+                   S_ij = Q_i K_j^T, masked; lazy row max m_i (as the micro-kernel's);
+                   alpha = 2^(m_old - m_i); l_i = alpha l_i + rowsum(P_ij), P_ij = 2^(S - m_i)
+                   [wait: P buffer empty]  P_ij^T, alpha -> shared  [signal: full]
+               l_i -> shared  [signal]; lse_i (save_lse)
+    PV warps:  for j < c_i:
+                   [wait: full]  acc_i *= alpha
+                   acc_i += P_ij V_j, over V_j's two halves of Bc/2 keys (a ring of three
+                   halves, each copied two halves ahead)
+                   [signal: P buffer empty]
+               [wait: l_i]  O_i = acc_i / l_i -> HBM
+
+P_ij^T has one buffer: the S warps compute S_ij+1 in registers while the PV warps fold in
+P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 the buffer is
+219,136 bytes, one CTA an SM, and each of the 4 schedulers holds one S warp and one P V warp.
+The hot loops are kept short (`UNROLL`: 3 chunks of S_ij's dims, 8 keys of P_ij V_j a trip):
+each scheduler runs both loops at once, and longer ones evicted each other from the
+instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms against
+(3, 8)'s 11.9).
+
+The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
+by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the
+micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the keys it sees
+(key by key on a tail tile or the causal diagonal), K and V rows past N_k arrive as zeros.
+
+Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
+S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it
+is done with the buffer the next copies take), L_READY for l_i at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from typing import NamedTuple
+
+from numba import float32, int32, int64, uint32, uint64
+
+from .intrinsics import (
+    cp_async_commit,
+    cp_async_wait_all,
+    cp_async_wait_one,
+    exp2,
+    named_barrier,
+    shfl_xor,
+    vote_any,
+)
+from .runtime import SHARED_ALIGN, SHARED_F32, cuda, inlined, kernel_options
+from .tiles import (
+    LN2,
+    counter_slots,
+    counts_flusher,
+    make_block_of,
+    make_clear,
+    make_kv_blocks,
+    make_row_copier,
+    make_tile_loader,
+    unrolled,
+    zero_counts,
+)
+
+NEG_INF = float32(-math.inf)
+MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`microkernel.MAX_SLACK`)
+S_RM, S_KN = 8, 8  # an S thread's rows and keys
+P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
+FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
+
+
+class Unroll(NamedTuple):
+    """Steps per trip of the two hot loops."""
+
+    chunks: int  # 4-wide chunks of head dims per trip of S_ij's loop
+    keys: int  # keys per trip of P_ij V_j's loop
+
+
+# Measured on the H200 at d = 128, N = 4096 (ws_proto_61ac419.log, two rounds): (3, 8) 11.89 ms,
+# (2, 8) 12.05, (4, 8) 12.23, (1, 4) 12.56, (2, 16) 12.92, (4, 16) 15.6, (8, 16) 19.6
+UNROLL = Unroll(chunks=3, keys=8)
+
+
+class Specialised(NamedTuple):
+    """The warp-specialised kernel as a micro-kernel choice (`MicroKernelSchedule.layout`),
+    for tiles `fits` takes; `plain()` is the shared micro-kernel with plain loads, which
+    takes inputs cp.async cannot copy."""
+
+    dv: int
+
+    stages: int = 2  # K_j+1 under S_ij, V_j by halves two ahead
+    p_in_k: bool = False
+
+    def threads(self, block_q: int, block_k: int) -> int:
+        return (block_q // S_RM) * (block_k // S_KN) + (block_q // P_RM) * (self.dv // P_XN)
+
+    def copies_rows(self, d: int, dv: int) -> bool:
+        return True
+
+    def plain(self):
+        from .microkernel import Layout
+
+        return Layout(8, 4)
+
+    def __str__(self) -> str:
+        return "ws"
+
+    @staticmethod
+    def fits(block_q: int, block_k: int, d: int, dv: int) -> bool:
+        """Whether the kernel can run these tiles: whole thread tiles, each role whole warps
+        whose lanes hold whole rows of S, 16-byte rows, and the buffer under 227 KB."""
+        ns = (block_q // S_RM) * (block_k // S_KN)
+        np_ = (block_q // P_RM) * (dv // P_XN)
+        return (block_q % S_RM == 0 and block_k % (2 * S_KN) == 0 and dv % P_XN == 0
+                and d % 4 == 0 and ns % 32 == 0 and np_ % 32 == 0 and ns + np_ <= 1024
+                and 32 % (block_k // S_KN) == 0
+                and 4 * shared_floats(block_q, block_k, d, dv) <= 232_448)
+
+
+def _stride(width: int) -> int:
+    """A row stride for `width` floats: whole 16-byte chunks, an odd number of them."""
+    s = -(-width // 4) * 4
+    return s if (s // 4) % 2 else s + 4
+
+
+class Shared(NamedTuple):
+    """Offsets (floats) and row strides of the CTA's buffer."""
+
+    q: int  # Q_i, Br rows
+    qs: int
+    k: int  # K_j, two buffers of Bc rows
+    ks: int
+    v: int  # V_j, a ring of three halves of Bc/2 rows
+    p: int  # P_ij^T, a row per key
+    ps: int
+    alpha: int  # the rows' rescale factors of the tile
+    l_row: int  # the rows' l_i, at the end
+    size: int
+
+
+@cache
+def shared(BR: int, BC: int, D: int, DV: int) -> Shared:  # noqa: N803
+    qs, ks, ps = _stride(D), _stride(D), _stride(BR)
+    sizes = [BR * qs, 2 * BC * ks, 3 * (BC // 2) * DV, BC * ps, BR, BR]
+    q, k, v, p, alpha, l_row, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return Shared(q, qs, k, ks, v, p, ps, alpha, l_row, size)
+
+
+def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
+    return shared(block_q, block_k, d, dv).size
+
+
+@cache
+def make_specialised_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
+    """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
+    (`Specialised.fits`); `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
+    sm = shared(BR, BC, D, DV)
+    Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
+    ALPHA, L_ROW = sm.alpha, sm.l_row  # noqa: N806
+    HK = BC // 2  # noqa: N806 - keys of a V half
+    S_TR, S_TC = BR // S_RM, BC // S_KN  # noqa: N806
+    P_TR, P_TC = BR // P_RM, DV // P_XN  # noqa: N806
+    NS, NP = S_TR * S_TC, P_TR * P_TC  # noqa: N806
+    NT = NS + NP  # noqa: N806
+    DX4 = D // 4  # noqa: N806
+    LOG_TC = S_TC.bit_length() - 1  # noqa: N806
+    # local arrays take literal sizes: a chunk of the thread's Q_i and K_j, its scores, its
+    # accumulators
+    S_QQ, S_KK, S_NS, P_NACC = 4 * S_RM, 4 * S_KN, S_RM * S_KN, P_RM * P_XN  # noqa: N806
+    NCNT = counter_slots(COUNT)  # noqa: N806
+    full_sync, full_arrive = named_barrier(FULL, NT)
+    empty_sync, empty_arrive = named_barrier(EMPTY, NT)
+    s_sync, _ = named_barrier(S_ONLY, NS)
+    pv_sync, _ = named_barrier(PV_ONLY, NP)
+    l_sync, l_arrive = named_barrier(L_READY, NT)
+    flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    clear_q = make_clear(BR * QS, NT)
+    load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True, in_flight=True)
+    copy_k_rows = make_row_copier(BC, D, KS, NS, 4)
+    copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS)
+
+    @inlined
+    def visible(row, key0, n_keys):
+        """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
+        if CAUSAL:
+            return max(0, min(n_keys, row - key0 + 1))
+        return n_keys
+
+    # --- the S warps -------------------------------------------------------------------
+
+    @inlined
+    def s_row(tr, a):
+        """An S thread's row a: pairs of rows, 2 tr + a % 2 + 2 S_TR (a // 2), so that the
+        4 rows a warp loads of Q_i at once sit in different banks."""
+        return uint64((a // 2) * 2 * S_TR + a % 2) + uint64(2) * uint64(tr)
+
+    @inlined
+    def q_chunk(x4, buf, tr, qq):
+        for a in range(S_RM):
+            at = uint64(Q) + s_row(tr, a) * uint64(QS) + uint64(4) * uint64(x4)
+            for u in range(4):
+                qq[a * 4 + u] = buf[at + uint64(u)]
+
+    @inlined
+    def k_chunk(x4, buf, k_at, tc, kk):
+        for b in range(S_KN):
+            at = k_at + (uint64(tc) + uint64(b * S_TC)) * uint64(KS) + uint64(4) * uint64(x4)
+            for u in range(4):
+                kk[b * 4 + u] = buf[at + uint64(u)]
+
+    @inlined
+    def scores_row(a, u, s, qq, kk):
+        for b in range(S_KN):
+            s[a * S_KN + b] += qq[a * 4 + u] * kk[b * 4 + u]
+
+    @inlined
+    def scores_row_set(a, u, s, qq, kk):
+        for b in range(S_KN):
+            s[a * S_KN + b] = qq[a * 4 + u] * kk[b * 4 + u]
+
+    scores_dim = unrolled(scores_row, S_RM, 4, S_RM)
+    scores_dims_after = unrolled(scores_dim, 3, 3, 3, first=1)
+    scores_dim_set = unrolled(scores_row_set, S_RM, 4, S_RM)
+    scores_dims = unrolled(scores_dim, 4, 3, 4)
+
+    @inlined
+    def scores_chunk(x4, s, buf, k_at, tr, tc):
+        qq = cuda.local.array(S_QQ, float32)
+        kk = cuda.local.array(S_KK, float32)
+        q_chunk(x4, buf, tr, qq)
+        k_chunk(x4, buf, k_at, tc, kk)
+        scores_dims(s, qq, kk)
+
+    scores_rest = unrolled(scores_chunk, DX4 - 1, 5, UNROLL.chunks, first=1)
+
+    @inlined
+    def scores(s, buf, k_at, tr, tc):
+        """s = Q_i K_j^T at the thread's rows and keys: the first 4 dims set the scores."""
+        qq = cuda.local.array(S_QQ, float32)
+        kk = cuda.local.array(S_KK, float32)
+        q_chunk(uint32(0), buf, tr, qq)
+        k_chunk(uint32(0), buf, k_at, tc, kk)
+        scores_dim_set(uint32(0), s, qq, kk)
+        scores_dims_after(s, qq, kk)
+        scores_rest(s, buf, k_at, tr, tc)
+
+    @inlined
+    def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
+        """Mask, the lazy row max, alpha, l_i, and the weights 2^(s - m) in place of s."""
+        if visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # a tail or diagonal tile
+            for a in range(S_RM):
+                seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
+                for b in range(S_KN):
+                    if int(tc) + b * S_TC >= seen:
+                        s[a * S_KN + b] = NEG_INF  # weight 0 (its score may be garbage)
+        moved = False  # a score above its row's running max by more than MAX_SLACK
+        part = cuda.local.array(S_RM, float32)
+        for a in range(S_RM):
+            x = s[a * S_KN]
+            for b in range(1, S_KN):
+                x = max(x, s[a * S_KN + b])
+            part[a] = x
+            alpha[a] = float32(1.0)
+            moved |= x > m[a] + MAX_SLACK
+        if vote_any(moved):  # a warp holds whole rows of S threads
+            for a in range(S_RM):
+                x = part[a]
+                for r in range(LOG_TC):
+                    x = max(x, shfl_xor(x, 1 << r))
+                if x > m[a]:
+                    alpha[a] = exp2(m[a] - x)  # 0 before the first key
+                    l[a] *= alpha[a]
+                    m[a] = x
+        for a in range(S_RM):
+            shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
+            for b in range(S_KN):
+                w = exp2(s[a * S_KN + b] - shift)
+                l[a] += w
+                s[a * S_KN + b] = w
+
+    @inlined
+    def give_p(buf, s, alpha, tr, tc):
+        """P_ij^T (a row per key) and the rows' alpha into shared memory."""
+        for b in range(S_KN):
+            at = uint64(P) + (uint64(tc) + uint64(b * S_TC)) * uint64(PS)
+            for a in range(S_RM):
+                buf[at + s_row(tr, a)] = s[a * S_KN + b]
+        if tc == uint32(0):
+            for a in range(S_RM):
+                buf[uint64(ALPHA) + s_row(tr, a)] = alpha[a]
+
+    @inlined
+    def load_k(buf, k, bh, key0, n_k, stage, cnt):
+        # K_j: reloaded from HBM by every query block (the S warps copy it)
+        moved = copy_k_rows(buf, uint64(K + stage * BC * KS), k, bh, key0, min(BC, n_k - key0))
+        if COUNT:
+            cnt[K_R] += moved
+
+    @inlined
+    def s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
+        tr, tc = t // uint32(S_TC), t % uint32(S_TC)
+        m = cuda.local.array(S_RM, float32)
+        l = cuda.local.array(S_RM, float32)  # noqa: E741 - this thread's partial row sums
+        s = cuda.local.array(S_NS, float32)
+        alpha = cuda.local.array(S_RM, float32)
+        for a in range(S_RM):
+            m[a] = NEG_INF
+            l[a] = float32(0.0)
+        for j in range(c_i):
+            key0 = j * BC
+            cp_async_wait_all()  # this thread's copies of K_j have landed
+            s_sync()  # ... every S thread's; all are done with the other buffer (K_j-1)
+            if j + 1 < c_i:
+                load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
+            scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
+            weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
+            if j > 0:
+                empty_sync()  # the P V warps are done with P_ij-1 and its alpha
+            give_p(buf, s, alpha, tr, tc)
+            full_arrive()  # P_ij^T and alpha are in shared memory
+        for a in range(S_RM):
+            x = l[a]
+            for r in range(LOG_TC):
+                x += shfl_xor(x, 1 << r)
+            l[a] = x
+            if tc == uint32(0):
+                buf[uint64(L_ROW) + s_row(tr, a)] = x
+        l_arrive()  # every row's l_i is in shared memory
+        if SAVE_LSE and tc == uint32(0):
+            for a in range(S_RM):
+                local = int(s_row(tr, a))
+                if local < n_rows:
+                    # lse_i: the row statistic the backward pass needs, written once
+                    lse[bh, row0 + local] = (m[a] + math.log2(l[a])) * float32(LN2)
+                    if COUNT:
+                        cnt[LSE_W] += 1
+
+    # --- the P V warps -----------------------------------------------------------------
+
+    @inlined
+    def pv_row(tr, a):
+        """A P V thread's row a: groups of 4 rows (one 16-byte load of P_ij^T a group and
+        key), 4 tr + a % 4 + 4 P_TR (a // 4)."""
+        return uint64((a // 4) * 4 * P_TR + a % 4) + uint64(4) * uint64(tr)
+
+    @inlined
+    def dim(tc, h, w):
+        """Head dim of the thread's w-th element of chunk h: 16-byte chunks tc + h P_TC."""
+        return (uint64(tc) + uint64(h * P_TC)) * uint64(4) + uint64(w)
+
+    @inlined
+    def p_key(at, buf, tr, pp):
+        for a in range(P_RM):
+            pp[a] = buf[at + pv_row(tr, a)]
+
+    @inlined
+    def v_key(at, buf, tc, vv):
+        for h in range(P_XN // 4):
+            for w in range(4):
+                vv[4 * h + w] = buf[at + dim(tc, h, w)]
+
+    @inlined
+    def accumulate_dim(y, acc, pp, vv):
+        for a in range(P_RM):
+            acc[a * P_XN + y] += pp[a] * vv[y]
+
+    accumulate_dims = unrolled(accumulate_dim, P_XN, 3, P_XN)
+
+    @inlined
+    def accumulate_key(key, buf, p_at, v_at, tr, tc, acc):
+        """acc += P_ij[:, key] V_j[key] (key within the half)."""
+        pp = cuda.local.array(P_RM, float32)
+        vv = cuda.local.array(P_XN, float32)
+        p_key(p_at + uint64(key) * uint64(PS), buf, tr, pp)
+        v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
+        accumulate_dims(acc, pp, vv)
+
+    accumulate_half = unrolled(accumulate_key, HK, 6, UNROLL.keys)
+
+    @inlined
+    def accumulate_seen(buf, p_at, v_at, tr, tc, acc, first, vis):
+        """acc += the half's keys each row sees (key by key, up to the last row's), on a
+        tail tile or the causal diagonal: a key a row does not see is never multiplied in."""
+        pp = cuda.local.array(P_RM, float32)
+        vv = cuda.local.array(P_XN, float32)
+        key = 0
+        while key < HK and first + key < vis[P_RM - 1]:
+            p_key(p_at + uint64(key) * uint64(PS), buf, tr, pp)
+            v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
+            for a in range(P_RM):
+                if first + key < vis[a]:
+                    for y in range(P_XN):
+                        acc[a * P_XN + y] += pp[a] * vv[y]
+            key += 1
+
+    @inlined
+    def load_v_half(buf, v, bh, key0, n_k, half, cnt):
+        """Keys key0 .. key0 + Bc/2 - 1 of V into the ring's slot half % 3 (zeros past N_k)."""
+        n_rows = max(0, min(HK, n_k - key0))
+        # V_j: reloaded from HBM by every query block, by halves (the P V warps copy it)
+        moved = copy_v_rows(buf, uint64(V + (half % 3) * HK * DV), v, bh,
+                            key0 if n_rows > 0 else 0, n_rows)
+        if COUNT:
+            cnt[V_R] += moved
+
+    @inlined
+    def pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, cnt):
+        tr, tc = t // uint32(P_TC), t % uint32(P_TC)
+        acc = cuda.local.array(P_NACC, float32)
+        vis = cuda.local.array(P_RM, int32)
+        for y in range(P_NACC):
+            acc[y] = float32(0.0)
+        for j in range(c_i):
+            key0 = j * BC
+            n_keys = min(BC, n_k - key0)
+            for a in range(P_RM):
+                vis[a] = visible(row0 + int(pv_row(tr, a)), key0, n_keys)
+            full_sync()  # P_ij^T and the rows' alpha are in shared memory
+            for a in range(P_RM):
+                alpha = buf[uint64(ALPHA) + pv_row(tr, a)]
+                if alpha != float32(1.0):  # the row's max rose (most tiles it does not)
+                    for y in range(P_XN):
+                        acc[a * P_XN + y] *= alpha
+            for hh in range(2):
+                half = 2 * j + hh
+                cp_async_wait_one()  # this thread's copies of the half have landed
+                pv_sync()  # ... every P V thread's; all are done with the half before
+                if half + 2 < 2 * c_i:
+                    load_v_half(buf, v, bh, (half + 2) * HK, n_k, half + 2, cnt)
+                else:
+                    cp_async_commit()  # an empty group: the wait above counts one a half
+                p_at = uint64(P) + uint64(hh * HK) * uint64(PS)
+                v_at = uint64(V) + uint64((half % 3) * HK * DV)
+                if vis[0] == BC:
+                    accumulate_half(buf, p_at, v_at, tr, tc, acc)
+                else:
+                    accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis)
+            if j + 1 < c_i:
+                empty_arrive()  # done with P_ij^T and alpha
+        l_sync()  # every row's l_i is in shared memory
+        for a in range(P_RM):
+            local = int(pv_row(tr, a))
+            if local < n_rows:
+                inv = float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
+                for h in range(P_XN // 4):
+                    for w in range(4):
+                        x = dim(tc, h, w)
+                        # O_i: written to HBM once, normalised
+                        o[bh, row0 + local, x] = acc[a * P_XN + 4 * h + w] * inv
+                if COUNT:
+                    cnt[O_W] += P_XN
+
+    @cuda.jit(**kernel_options(NT, 255))
+    def q_outer_ws(q, k, v, o, lse, counts, scale_log2):
+        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        i, bh = block_of(q.shape[0])
+        n_q, n_k = q.shape[1], k.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        c_i = kv_blocks(row0, n_rows, n_k)
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        t = uint32(cuda.threadIdx.x)
+        if n_rows < BR:
+            clear_q(buf)  # Q_i's rows past N_q stay zero
+            cuda.syncthreads()  # ... before Q_i lands
+        if t < uint32(NS):
+            load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
+        else:  # V_0's halves, two ahead of the first
+            load_v_half(buf, v, bh, 0, n_k, 0, cnt)
+            load_v_half(buf, v, bh, HK, n_k, 1, cnt)
+        # Q_i: read from HBM once, stays in shared memory for every K/V block
+        moved = load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        if COUNT:
+            cnt[Q_R] += moved
+        cuda.syncthreads()  # Q_i is in shared memory
+        if t < uint32(NS):
+            s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt)
+        else:
+            pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t - uint32(NS), cnt)
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer_ws
