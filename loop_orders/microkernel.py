@@ -893,17 +893,18 @@ class MicroKernelSchedule(Schedule):
 
     def specialised(self, p: Problem, stages: int) -> Specialised | None:
         """The warp-specialised kernel where p's tiles are in SPECIALISED (and K/V loads
-        run under the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws forces it
-        (for tuning and tests: a ValueError where this loop nest has no such kernel or the
-        tiles do not fit it); else None. Any other LOOP_ORDERS_LAYOUT names a thread tile
+        run under the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
+        ws,CHUNKS,KEYS[,PEEL]: its unrolling, `Specialised`) forces it (for tuning and tests:
+        a ValueError where this loop nest has no such kernel or the tiles do not fit it);
+        else None. Any other LOOP_ORDERS_LAYOUT names a thread tile
         of the shared micro-kernel."""
         forced = os.environ.get("LOOP_ORDERS_LAYOUT")
         tiles = (p.block_q, p.block_k, p.d, p.dv)
-        if forced == "ws":
+        if forced and forced.startswith("ws"):
             if not self.SPECIALISES or not Specialised.fits(*tiles):
-                raise ValueError(f"LOOP_ORDERS_LAYOUT=ws: {self.name} has no warp-specialised "
-                                 f"kernel for block_q, block_k, d, dv = {tiles}")
-            return Specialised(p.dv)
+                raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
+                                 f"specialised kernel for block_q, block_k, d, dv = {tiles}")
+            return Specialised.parse(forced, p.dv)
         if not forced and stages > 1 and tiles in self.SPECIALISED:
             return Specialised(p.dv)
         return None

@@ -24,7 +24,7 @@ an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warp
 P_ij^T has one buffer: the S warps compute S_ij+1 in registers while the PV warps fold in
 P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 the buffer is
 219,136 bytes, one CTA an SM, and each of the 4 schedulers holds one S warp and one P V warp.
-The hot loops are kept short (`UNROLL`: 3 chunks of S_ij's dims, 8 keys of P_ij V_j a trip):
+The hot loops are kept short (`Specialised`: 3 chunks of S_ij's dims, 8 keys of P_ij V_j a trip):
 each scheduler runs both loops at once, and longer ones evicted each other from the
 instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms against
 (3, 8)'s 11.9).
@@ -77,27 +77,27 @@ P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
 
 
-class Unroll(NamedTuple):
-    """Steps per trip of the two hot loops."""
-
-    chunks: int  # 4-wide chunks of head dims per trip of S_ij's loop
-    keys: int  # keys per trip of P_ij V_j's loop
-
-
-# Measured on the H200 at d = 128, N = 4096 (ws_proto_61ac419.log, two rounds): (3, 8) 11.89 ms,
-# (2, 8) 12.05, (4, 8) 12.23, (1, 4) 12.56, (2, 16) 12.92, (4, 16) 15.6, (8, 16) 19.6
-UNROLL = Unroll(chunks=3, keys=8)
-
-
 class Specialised(NamedTuple):
     """The warp-specialised kernel as a micro-kernel choice (`MicroKernelSchedule.layout`),
-    for tiles `fits` takes; `plain()` is the shared micro-kernel with plain loads, which
-    takes inputs cp.async cannot copy."""
+    for tiles `fits` takes, with the steps per trip of its two hot loops; `plain()` is the
+    shared micro-kernel with plain loads, which takes inputs cp.async cannot copy.
+    Its prototype at d = 128, N = 4096 (ws_proto_61ac419.log, two rounds; chunks, keys):
+    (3, 8) 11.89 ms, (2, 8) 12.05, (4, 8) 12.23, (1, 4) 12.56, (2, 16) 12.92, (4, 16) 15.6,
+    (8, 16) 19.6."""
 
     dv: int
+    chunks: int = 3  # 4-wide chunks of head dims per trip of S_ij's loop
+    keys: int = 8  # keys per trip of P_ij V_j's loop
+    peel: bool = True  # S_ij's first chunk sets the scores (else they start at zero)
 
     stages: int = 2  # K_j+1 under S_ij, V_j by halves two ahead
     p_in_k: bool = False
+
+    @classmethod
+    def parse(cls, text: str, dv: int) -> Specialised:
+        """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL]"."""
+        steps = [int(x) for x in text.split(",")[1:]]
+        return cls(dv, *steps[:2], *map(bool, steps[2:3]))
 
     def threads(self, block_q: int, block_k: int) -> int:
         return (block_q // S_RM) * (block_k // S_KN) + (block_q // P_RM) * (self.dv // P_XN)
@@ -111,7 +111,10 @@ class Specialised(NamedTuple):
         return Layout(8, 4)
 
     def __str__(self) -> str:
-        return "ws"
+        default = Specialised(self.dv)
+        if self == default:
+            return "ws"
+        return f"ws,{self.chunks},{self.keys},{int(self.peel)}"
 
     @staticmethod
     def fits(block_q: int, block_k: int, d: int, dv: int) -> bool:
@@ -159,9 +162,10 @@ def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
 
 
 @cache
-def make_specialised_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
+def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
     """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
-    (`Specialised.fits`); `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    (`Specialised.fits`) and SP's unrolling; `slots`: the counter slots (q, k, v, o, lse), as
+    q_outer's."""
     Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
     sm = shared(BR, BC, D, DV)
     Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
@@ -242,18 +246,25 @@ def make_specialised_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT, slots):  # n
         k_chunk(x4, buf, k_at, tc, kk)
         scores_dims(s, qq, kk)
 
-    scores_rest = unrolled(scores_chunk, DX4 - 1, 5, UNROLL.chunks, first=1)
+    scores_all = unrolled(scores_chunk, DX4, 5, SP.chunks)
+    scores_rest = unrolled(scores_chunk, DX4 - 1, 5, SP.chunks, first=1)
 
     @inlined
     def scores(s, buf, k_at, tr, tc):
-        """s = Q_i K_j^T at the thread's rows and keys: the first 4 dims set the scores."""
-        qq = cuda.local.array(S_QQ, float32)
-        kk = cuda.local.array(S_KK, float32)
-        q_chunk(uint32(0), buf, tr, qq)
-        k_chunk(uint32(0), buf, k_at, tc, kk)
-        scores_dim_set(uint32(0), s, qq, kk)
-        scores_dims_after(s, qq, kk)
-        scores_rest(s, buf, k_at, tr, tc)
+        """s = Q_i K_j^T at the thread's rows and keys: the first 4 dims set the scores
+        (SP.peel), else they start at zero."""
+        if SP.peel:
+            qq = cuda.local.array(S_QQ, float32)
+            kk = cuda.local.array(S_KK, float32)
+            q_chunk(uint32(0), buf, tr, qq)
+            k_chunk(uint32(0), buf, k_at, tc, kk)
+            scores_dim_set(uint32(0), s, qq, kk)
+            scores_dims_after(s, qq, kk)
+            scores_rest(s, buf, k_at, tr, tc)
+        else:
+            for e in range(S_NS):
+                s[e] = float32(0.0)
+            scores_all(s, buf, k_at, tr, tc)
 
     @inlined
     def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
@@ -386,7 +397,7 @@ def make_specialised_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT, slots):  # n
         v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
         accumulate_dims(acc, pp, vv)
 
-    accumulate_half = unrolled(accumulate_key, HK, 6, UNROLL.keys)
+    accumulate_half = unrolled(accumulate_key, HK, 6, SP.keys)
 
     @inlined
     def accumulate_seen(buf, p_at, v_at, tr, tc, acc, first, vis):

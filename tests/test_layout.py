@@ -444,6 +444,8 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     assert q_outer.layout(problem(64)) == Layout(8, 8, 2)
     assert isinstance(q_outer.layout(problem(dtype="float16")), TensorCores)
     assert Specialised(128).plain() == Layout(8, 4)
+    assert Specialised.parse("ws,4,8,0", 128) == Specialised(128, 4, 8, False)
+    assert str(Specialised(128, 4, 8, False)) == "ws,4,8,0"
     monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
     assert q_outer.layout(problem()) == Layout(8, 4, 1)
     monkeypatch.delenv("LOOP_ORDERS_KV_STAGES")

@@ -77,7 +77,7 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
     if isinstance(MK, Specialised):  # S warps and P V warps (`microkernel_ws`)
-        return make_specialised_kernel(BR, BC, D, DV, CAUSAL, SAVE_LSE, COUNT,
+        return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
                       transposes_q(D))
