@@ -904,10 +904,12 @@ class MicroKernelSchedule(Schedule):
             if not self.SPECIALISES or not Specialised.fits(*tiles):
                 raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
                                  f"specialised kernel for block_q, block_k, d, dv = {tiles}")
-            return Specialised.parse(forced, p.dv)
-        if not forced and stages > 1 and tiles in self.SPECIALISED:
-            return Specialised(p.dv)
-        return None
+            chosen = Specialised.parse(forced, p.dv)
+        elif not forced and stages > 1 and tiles in self.SPECIALISED:
+            chosen = Specialised(p.dv)
+        else:
+            return None
+        return chosen.for_problem(p.n_q, p.n_k, p.block_q, p.block_k)
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)

@@ -89,6 +89,9 @@ class Specialised(NamedTuple):
     chunks: int = 3  # 4-wide chunks of head dims per trip of S_ij's loop
     keys: int = 8  # keys per trip of P_ij V_j's loop
     peel: bool = True  # S_ij's first chunk sets the scores (else they start at zero)
+    # N_q and N_k whole numbers of tiles: the kernel is built without the tails' code (and,
+    # without a mask, without any masking), as FlashAttention's Is_even_MN
+    even: bool = False
 
     stages: int = 2  # K_j+1 under S_ij, V_j by halves two ahead
     p_in_k: bool = False
@@ -98,6 +101,10 @@ class Specialised(NamedTuple):
         """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL]"."""
         steps = [int(x) for x in text.split(",")[1:]]
         return cls(dv, *steps[:2], *map(bool, steps[2:3]))
+
+    def for_problem(self, n_q: int, n_k: int, block_q: int, block_k: int) -> Specialised:
+        """This choice with `even` set for p's lengths."""
+        return self._replace(even=n_q % block_q == 0 and n_k % block_k == 0)
 
     def threads(self, block_q: int, block_k: int) -> int:
         return (block_q // S_RM) * (block_k // S_KN) + (block_q // P_RM) * (self.dv // P_XN)
@@ -111,7 +118,7 @@ class Specialised(NamedTuple):
         return Layout(8, 4)
 
     def __str__(self) -> str:
-        default = Specialised(self.dv)
+        default = Specialised(self.dv, even=self.even)
         if self == default:
             return "ws"
         return f"ws,{self.chunks},{self.keys},{int(self.peel)}"
@@ -191,8 +198,10 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     kv_blocks = make_kv_blocks(BC, CAUSAL)
     clear_q = make_clear(BR * QS, NT)
     load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True, in_flight=True)
-    copy_k_rows = make_row_copier(BC, D, KS, NS, 4)
-    copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS)
+    EVEN = SP.even  # noqa: N806 - whole tiles only: no tail code, and no mask unless causal
+    MASKED = CAUSAL or not EVEN  # noqa: N806 - some tiles hold keys a row does not see
+    copy_k_rows = make_row_copier(BC, D, KS, NS, 4, WHOLE=EVEN)
+    copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS, WHOLE=EVEN)
 
     @inlined
     def visible(row, key0, n_keys):
@@ -269,7 +278,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     @inlined
     def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
         """Mask, the lazy row max, alpha, l_i, and the weights 2^(s - m) in place of s."""
-        if visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # a tail or diagonal tile
+        if MASKED and visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # tail, diagonal
             for a in range(S_RM):
                 seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
                 for b in range(S_KN):
@@ -418,7 +427,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     @inlined
     def load_v_half(buf, v, bh, key0, n_k, half, cnt):
         """Keys key0 .. key0 + Bc/2 - 1 of V into the ring's slot half % 3 (zeros past N_k)."""
-        n_rows = max(0, min(HK, n_k - key0))
+        n_rows = HK if EVEN else max(0, min(HK, n_k - key0))
         # V_j: reloaded from HBM by every query block, by halves (the P V warps copy it)
         moved = copy_v_rows(buf, uint64(V + (half % 3) * HK * DV), v, bh,
                             key0 if n_rows > 0 else 0, n_rows)
@@ -435,8 +444,9 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         for j in range(c_i):
             key0 = j * BC
             n_keys = min(BC, n_k - key0)
-            for a in range(P_RM):
-                vis[a] = visible(row0 + int(pv_row(tr, a)), key0, n_keys)
+            if MASKED:
+                for a in range(P_RM):
+                    vis[a] = visible(row0 + int(pv_row(tr, a)), key0, n_keys)
             full_sync()  # P_ij^T and the rows' alpha are in shared memory
             for a in range(P_RM):
                 alpha = buf[uint64(ALPHA) + pv_row(tr, a)]
@@ -453,7 +463,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                     cp_async_commit()  # an empty group: the wait above counts one a half
                 p_at = uint64(P) + uint64(hh * HK) * uint64(PS)
                 v_at = uint64(V) + uint64((half % 3) * HK * DV)
-                if vis[0] == BC:
+                if not MASKED or vis[0] == BC:
                     accumulate_half(buf, p_at, v_at, tr, tc, acc)
                 else:
                     accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis)
@@ -485,7 +495,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         if COUNT:
             zero_counts(cnt)
         t = uint32(cuda.threadIdx.x)
-        if n_rows < BR:
+        if not EVEN and n_rows < BR:
             clear_q(buf)  # Q_i's rows past N_q stay zero
             cuda.syncthreads()  # ... before Q_i lands
         if t < uint32(NS):

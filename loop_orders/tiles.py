@@ -184,7 +184,7 @@ def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
 
 @cache
 def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  # noqa: N803
-                    FIRST: int = 0):  # noqa: N803
+                    FIRST: int = 0, WHOLE: bool = False):  # noqa: N803
     """copy_rows(tile, at, src, bh, row0, n_rows): rows row0 .. row0 + ROWS - 1 of src[bh]
     (COLS columns, COLS a multiple of PER, the elements of one 16-byte copy) into tile[at +
     r STRIDE + c] by cp.async, HBM -> shared without passing through registers; rows past
@@ -192,7 +192,8 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
     caller waits for them (`intrinsics.cp_async_wait_all`) before its barrier. src must be
     16-byte aligned (`microkernel_tc.check_aligned`). The THREADS threads from FIRST on (all
     of the CTA's, or one group of warps) call it; returns the elements this thread counts
-    (the first thread counts the tile's n_rows COLS)."""
+    (the first thread counts the tile's n_rows COLS). WHOLE: the caller copies whole tiles
+    only (n_rows == ROWS, where STEADY), so the tail's code is left out."""
     CH = COLS // PER  # noqa: N806 - 16-byte copies per row
     TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
     # Whether every trip of the CTA copies whole rows, the same column for each thread: then
@@ -203,7 +204,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
     @cuda.jit(device=True, inline="always")
     def copy_rows(tile, at, src, bh, row0, n_rows):
         t = uint32(cuda.threadIdx.x) - uint32(FIRST)
-        if STEADY and n_rows == ROWS:  # a full tile
+        if STEADY and (WHOLE or n_rows == ROWS):  # a full tile
             r0, c = uint64(t // uint32(CH)), uint64(t % uint32(CH))
             dst = at + r0 * uint64(STRIDE) + uint64(PER) * c
             col = r0 * uint64(COLS) + uint64(PER) * c

@@ -148,8 +148,10 @@ def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
 
 # (batch, heads, n_q, n_k, d, dv, block_q, block_k, causal): the smallest tiles the
 # warp-specialised kernel takes (one warp of S threads, one of P V threads), with tails of both
-# blocks, dv != d, and the causal diagonal (two K/V tiles a query block)
-WS_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 1, 70, 70, 12, 64, 64, 32, True)]
+# blocks, dv != d, and the causal diagonal (two K/V tiles a query block); then whole tiles,
+# which build the kernel without the tails' code (`Specialised.even`)
+WS_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 1, 70, 70, 12, 64, 64, 32, True),
+            (1, 1, 64, 96, 8, 64, 64, 32, False), (1, 1, 64, 64, 8, 64, 64, 32, True)]
 
 
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: "B{}H{}N{}x{}d{}dv{}-{}x{}-{}".format(
@@ -168,7 +170,8 @@ def test_q_outer_warp_specialised(case, monkeypatch, rng):
     res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
                        save_lse=True, count=True)
     sched = lo.get_schedule("q_outer")
-    assert sched.layout(res.problem) == Specialised(dv)
+    even = n_q % bq == 0 and n_k % bk == 0
+    assert sched.layout(res.problem) == Specialised(dv, even=even)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
     np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -439,12 +439,14 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
 
     for causal in (False, True):
         p = problem(causal=causal)
-        assert q_outer.layout(p) == Specialised(128) and str(q_outer.layout(p)) == "ws"
+        assert q_outer.layout(p) == Specialised(128, even=True) and str(q_outer.layout(p)) == "ws"
         assert q_outer.threads(p) == 256 and q_outer.dynamic_shared_bytes(p) == 219_136
     assert q_outer.layout(problem(64)) == Layout(8, 8, 2)
     assert isinstance(q_outer.layout(problem(dtype="float16")), TensorCores)
     assert Specialised(128).plain() == Layout(8, 4)
     assert Specialised.parse("ws,4,8,0", 128) == Specialised(128, 4, 8, False)
+    assert not q_outer.layout(lo.make_problem("q_outer", n_q=4000, d=128, block_q=128,
+                                              block_k=64)).even  # a tail: the tails' code
     assert str(Specialised(128, 4, 8, False)) == "ws,4,8,0"
     monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
     assert q_outer.layout(problem()) == Layout(8, 4, 1)
