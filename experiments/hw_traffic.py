@@ -1,6 +1,6 @@
 """Hardware-measured traffic: Nsight Compute bytes beside our counters and the model.
 
-    python -m experiments.hw_traffic [--out DIR] [--quick] [--d D]  # on a GPU machine with ncu
+    python -m experiments.hw_traffic [--out DIR] [--quick] [--d D] [--n N ...] [--blocks 128x64]
 
 For every registered schedule and configuration (tiles, N, causal, dtype): the counted build gives
 the counters (model == counted is asserted); the uncounted build, the one we time, runs once
@@ -65,9 +65,10 @@ def ldgsts_metrics(ncu: str) -> dict[str, str]:
             n + ".sum" for n in chosen}
 
 
-def configs(quick: bool, dtypes=None, schedules=None, d: int = D) -> list[dict]:
-    ns = SWEEP["n"][:2] if quick else SWEEP["n"]
-    blocks = SWEEP["blocks"][:1] if quick else SWEEP["blocks"]
+def configs(quick: bool, dtypes=None, schedules=None, d: int = D, ns=None,
+            blocks=None) -> list[dict]:
+    ns = ns or (SWEEP["n"][:2] if quick else SWEEP["n"])
+    blocks = blocks or (SWEEP["blocks"][:1] if quick else SWEEP["blocks"])
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk,
              "d": d}
             for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
@@ -162,6 +163,10 @@ def main(argv=None) -> int:
                         "and tf32x3 are float32 inputs at that precision)")
     parser.add_argument("--schedules", help="comma-separated (default: every registered one)")
     parser.add_argument("--d", type=int, default=D, help=f"head dim (default {D})")
+    parser.add_argument("--n", type=int, nargs="+", help="sequence lengths (default: the "
+                        "sweep's, or its first two with --quick)")
+    parser.add_argument("--blocks", help="comma-separated BQxBK tiles, e.g. 128x64 (default: "
+                        "the sweep's, or its first with --quick)")
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -175,8 +180,11 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng()
+    blocks = ([tuple(map(int, b.split("x"))) for b in args.blocks.split(",")]
+              if args.blocks else None)
     cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None,
-                   args.schedules.split(",") if args.schedules else None, args.d)
+                   args.schedules.split(",") if args.schedules else None, args.d, args.n,
+                   blocks)
     METRICS.update(ldgsts_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     rows = []

@@ -863,8 +863,9 @@ class MicroKernelSchedule(Schedule):
     # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
-    # (block_q, block_k, d, dv): float32 tiles this loop nest runs on its warp-specialised
-    # kernel (`microkernel_ws`, which only q_outer's loop nest has), measured faster there
+    # (block_q, block_k, d, dv, causal): float32 tiles this loop nest runs on its
+    # warp-specialised kernel (`microkernel_ws`, which only q_outer's loop nest has), measured
+    # faster there
     SPECIALISED: ClassVar[frozenset] = frozenset()
     SPECIALISES: ClassVar[bool] = False  # whether make_kernel takes a `Specialised`
 
@@ -892,7 +893,7 @@ class MicroKernelSchedule(Schedule):
         return lay._replace(stages=stages)
 
     def specialised(self, p: Problem, stages: int) -> Specialised | None:
-        """The warp-specialised kernel where p's tiles are in SPECIALISED (and K/V loads
+        """The warp-specialised kernel where p's tiles and mask are in SPECIALISED (and K/V loads
         run under the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
         ws,CHUNKS,KEYS[,PEEL]: its unrolling, `Specialised`) forces it (for tuning and tests:
         a ValueError where this loop nest has no such kernel or the tiles do not fit it);
@@ -905,7 +906,7 @@ class MicroKernelSchedule(Schedule):
                 raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
                                  f"specialised kernel for block_q, block_k, d, dv = {tiles}")
             chosen = Specialised.parse(forced, p.dv)
-        elif not forced and stages > 1 and tiles in self.SPECIALISED:
+        elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
             chosen = Specialised(p.dv)
         else:
             return None

@@ -20,7 +20,8 @@ from loop_orders.reference import (
 @pytest.mark.parametrize("d, block_q", [(64, 128), (128, 128), (128, 64)])
 def test_q_outer_float32_at_the_benchmarks_tiles(d, block_q, causal, rng):
     """The benchmark's builds of the FMA path (128 x 64 tiles: the tuned 8 x 8 thread tile,
-    staggered cp.async K/V, at d = 64; the warp-specialised kernel at d = 128; 64 x 64 at
+    staggered cp.async K/V, at d = 64; at d = 128 the warp-specialised kernel without a mask,
+    the 8 x 4 thread tile with it; 64 x 64 at
     d = 128, causal N = 512: P_ij^T in K_j's place, two CTAs an SM), with tail blocks:
     float32 accuracy, lse, and the counted build equal to the model."""
     q, k, v = random_qkv(rng, 2, 3, 1000, d, d)
@@ -73,6 +74,23 @@ def test_tensor_cores_refuse_inputs_that_are_not_16_byte_aligned(rng):
         lo.attention(q, q, q, schedule="q_outer")
     out = lo.attention(q.clone(), q.clone(), q.clone(), schedule="q_outer").out
     assert torch.isfinite(out).all()
+
+
+@gpu
+def test_q_outer_warp_specialised_on_whole_tiles(rng):
+    """d = 128 without a mask at N a multiple of the tiles: the warp-specialised kernel built
+    without the tails' code (Specialised.even), float32 accuracy, lse, counts == model."""
+    from loop_orders.microkernel_ws import Specialised
+
+    q, k, v = random_qkv(rng, 2, 3, 1024, 128, 128)
+    res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, save_lse=True,
+                       count=True)
+    sched = lo.get_schedule("q_outer")
+    assert sched.layout(res.problem) == Specialised(128, even=True)
+    ref, ref_lse = lo.attention_reference(q, k, v)
+    assert relative_error(res.out, ref) <= 1e-5
+    np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
+    assert res.counts == sched.model(res.problem)
 
 
 @gpu

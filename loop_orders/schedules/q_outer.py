@@ -267,13 +267,15 @@ class QOuter(MicroKernelSchedule):
     # 0.832 against 0.798 at 1024) (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two
     # alternating rounds).
     TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1, ("tf32", 64, 64, 128, 128): 1}
-    # float32 at d = 128 on 128 x 64 tiles: S warps and P V warps (`microkernel_ws`), 8 x 8
-    # scores and 8 x 16 accumulators a thread, where the shared micro-kernel's threads hold
-    # 8 x 4 scores and 8 x 8 accumulators each. Its prototype ran 3.3 % faster at N = 4096
-    # (11.89 against 12.30 ms), 1.9 % at 1024 and 3.7 % at 16384
-    # (results/gpu_logs/ws_proto_61ac419.log).
+    # float32 at d = 128 on 128 x 64 tiles without a mask: S warps and P V warps
+    # (`microkernel_ws`), 8 x 8 scores and 8 x 16 accumulators a thread, where the shared
+    # micro-kernel's threads hold 8 x 4 scores and 8 x 8 accumulators each. Built for whole
+    # tiles it ran 4.3 % faster at N = 4096 (11.80 against 12.33 ms) and 3.8 % at 1024 (3.041
+    # against 3.162); causal it lost, 6.43 against 6.34 ms at N = 4096 and 2.08 against 1.85
+    # at 1024: a causal query block folds in half the K/V tiles on average, and the P V warps
+    # wait out S_i0 and the S warps the last P V (results/gpu_logs/ab_ws_f32c6cd.log).
     SPECIALISES = True
-    SPECIALISED = frozenset({(128, 64, 128, 128)})
+    SPECIALISED = frozenset({(128, 64, 128, 128, False)})
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
