@@ -189,3 +189,40 @@ def test_shfl_xor_and_exp2():
     np.testing.assert_array_equal(got[:, 0], lanes ^ 1)
     np.testing.assert_array_equal(got[:, 1], lanes ^ 2)
     np.testing.assert_allclose(got[:, 2], 2.0 ** (lanes % 4 - 2.0), rtol=2**-22)
+
+
+def test_named_barriers_hand_data_between_warps_and_vote_any():
+    """Two warps, as the warp-specialised kernel's: warp 0 writes a value for each round into
+    shared memory and arrives on barrier 1 (`full`), warp 1 waits there, reads it, and arrives
+    on barrier 2 (`empty`), which warp 0 waits on before it writes the next round; warp 1's
+    lanes then vote on whether any of them saw an odd round total."""
+    full_sync, full_arrive = ptx.named_barrier(1, 64)
+    empty_sync, empty_arrive = ptx.named_barrier(2, 64)
+
+    @cuda.jit
+    def kernel(out):
+        slot = cuda.shared.array(32, float32)
+        t = cuda.threadIdx.x
+        lane = t % 32
+        total = float32(0.0)
+        for r in range(4):
+            if t < 32:
+                if r > 0:
+                    empty_sync()  # warp 1 is done reading the previous round
+                slot[lane] = float32(100 * r + lane)
+                full_arrive()  # this round is in shared memory
+            else:
+                full_sync()
+                total += slot[31 - lane]
+                if r < 3:
+                    empty_arrive()
+        if t >= 32:
+            out[lane, 0] = total
+            out[lane, 1] = float32(ptx.vote_any(lane == 5 and total > 0))
+
+    out = to_device(np.zeros((32, 2), np.float32))
+    kernel[1, 64](out)
+    got = out.copy_to_host()
+    lanes = np.arange(32)
+    np.testing.assert_array_equal(got[:, 0], 600 + 4 * (31 - lanes))
+    np.testing.assert_array_equal(got[:, 1], 1)
