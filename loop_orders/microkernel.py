@@ -96,6 +96,7 @@ from .tiles import (
     make_row_copier,
     make_tile_loader,
     make_tile_storer,
+    odd_stride,
     unrolled,
 )
 
@@ -204,12 +205,6 @@ def _round4(n: int) -> int:
     return -(-n // 4) * 4
 
 
-def _stride(width: int) -> int:
-    """A row stride for `width` floats: whole 16-byte chunks, an odd number of them."""
-    s = _round4(width)
-    return s if (s // 4) % 2 else s + 4
-
-
 class SharedLayout(NamedTuple):
     """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
 
@@ -244,11 +239,11 @@ def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
     after P V_j."""
     tr, tc = lay.grid(BR, BC)
     rows, keys = tr * lay.rm, tc * lay.kn
-    qs = _stride(max(D, DV))  # Q_i or O_i, a row per query row
-    qts = _stride(rows)  # Q_i^T: a row per head dim, a column per query row
-    ks = _stride(D)
+    qs = odd_stride(max(D, DV))  # Q_i or O_i, a row per query row
+    qts = odd_stride(rows)  # Q_i^T: a row per head dim, a column per query row
+    ks = odd_stride(D)
     vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
-    ps = _stride(rows)  # P_ij^T: a row of the thread's query rows per key
+    ps = odd_stride(rows)  # P_ij^T: a row of the thread's query rows per key
     q_transposed = transpose_q and lay.groups == 4
     if lay.p_in_k and reload:
         raise ValueError("P_ij^T in K_j's place leaves no room for the O_i stage (reload)")

@@ -29,6 +29,12 @@ each scheduler runs both loops at once, and longer ones evicted each other from 
 instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms against
 (3, 8)'s 11.9).
 
+Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
+without a mask without any masking (`Specialised.even`): inside the tile loops that code cost
+4 % (results/gpu_logs/ab_ws_f32c6cd.log). q_outer takes this kernel without a mask only
+(its SPECIALISED): causal, each query block folds in half the K/V tiles on average, and the
+P V warps wait out its first S_ij and the S warps its last P V.
+
 The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
 by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the
 micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the keys it sees
@@ -66,6 +72,7 @@ from .tiles import (
     make_kv_blocks,
     make_row_copier,
     make_tile_loader,
+    odd_stride,
     unrolled,
     zero_counts,
 )
@@ -113,7 +120,7 @@ class Specialised(NamedTuple):
         return True
 
     def plain(self):
-        from .microkernel import Layout
+        from .microkernel import Layout  # here: microkernel imports this module
 
         return Layout(8, 4)
 
@@ -135,12 +142,6 @@ class Specialised(NamedTuple):
                 and 4 * shared_floats(block_q, block_k, d, dv) <= 232_448)
 
 
-def _stride(width: int) -> int:
-    """A row stride for `width` floats: whole 16-byte chunks, an odd number of them."""
-    s = -(-width // 4) * 4
-    return s if (s // 4) % 2 else s + 4
-
-
 class Shared(NamedTuple):
     """Offsets (floats) and row strides of the CTA's buffer."""
 
@@ -158,7 +159,7 @@ class Shared(NamedTuple):
 
 @cache
 def shared(BR: int, BC: int, D: int, DV: int) -> Shared:  # noqa: N803
-    qs, ks, ps = _stride(D), _stride(D), _stride(BR)
+    qs, ks, ps = odd_stride(D), odd_stride(D), odd_stride(BR)
     sizes = [BR * qs, 2 * BC * ks, 3 * (BC // 2) * DV, BC * ps, BR, BR]
     q, k, v, p, alpha, l_row, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     return Shared(q, qs, k, ks, v, p, ps, alpha, l_row, size)

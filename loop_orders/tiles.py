@@ -148,6 +148,13 @@ def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):  # noqa: N803
     return copy_tile
 
 
+def odd_stride(width: int) -> int:
+    """A shared-memory row stride for `width` floats: whole 16-byte chunks, an odd number of
+    them, so that 16-byte loads of the same column of 8 consecutive rows hit different banks."""
+    s = -(-width // 4) * 4
+    return s if (s // 4) % 2 else s + 4
+
+
 @cache
 def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False,  # noqa: N803
                      in_flight=False):
