@@ -37,6 +37,7 @@ column (or key) in the low half; lane = 4 g + t.
         row's end into the next rows (src's rows are contiguous: the kernels' inputs are
         C-contiguous), so a copier can step rows by a constant column offset; then
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
+                                                  groups
     cp_async_wait_one()                           wait for all of a thread's groups but the
                                                   last one it closed
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
@@ -61,8 +62,9 @@ bfloat16 has no NumPy dtype, so its arrays reach the kernels as uint16 arrays of
 On the simulator, which has no warps, each is emulated in Python: the lanes of a warp swap
 their operands through the block (`_warp_gather`, two barriers), so the kernels' fragment
 logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The emulation needs
-every thread of the CTA at every warp-collective call, which the tensor-core micro-kernel's
-uniform control flow gives.
+every lane of a warp at each of its warp-collective calls, which the kernels' warp-uniform
+control flow gives. Named barriers are emulated per CTA, counting threads (a GPU counts whole
+warps: the counts are multiples of 32); cp.async copies at once, so its waits do nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ import numpy as np
 from .runtime import SIMULATOR, cuda, inlined
 
 FULL_MASK = 0xFFFFFFFF
+
+
+def _check_barrier(ident: int, count: int) -> None:
+    """A named barrier's id and thread count as PTX takes them."""
+    if not 1 <= ident <= 15 or count <= 0 or count % 32 or count > 1024:
+        raise ValueError(f"named barrier {ident} of {count} threads: ids are 1 .. 15 (0 is "
+                         "__syncthreads'), counts whole warps up to 1024 threads")
 
 if SIMULATOR:
     from .arrays import bfloat16_bits
@@ -288,9 +297,14 @@ if SIMULATOR:
         if bar is None:
             with _CREATING:
                 bar = block.setdefault(("bar", ident), _NamedBarrier(count))
+        if bar.count != count:  # on a GPU: undefined (a hang, at best)
+            raise RuntimeError(f"named barrier {ident}: reached with {count} threads and with "
+                               f"{bar.count}")
         return bar
 
     def named_barrier(ident: int, count: int):
+        _check_barrier(ident, count)
+
         def sync():
             _barrier_of_block(ident, count).reach(True)
 
@@ -502,6 +516,7 @@ else:
     cp_async_wait_one = _void_asm("cp.async.wait_group 1;")
 
     def named_barrier(ident: int, count: int):
+        _check_barrier(ident, count)
         return (_void_asm(f"bar.sync {ident}, {count};"),
                 _void_asm(f"bar.arrive {ident}, {count};"))
 

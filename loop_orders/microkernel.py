@@ -896,7 +896,7 @@ class MicroKernelSchedule(Schedule):
         of the shared micro-kernel."""
         forced = os.environ.get("LOOP_ORDERS_LAYOUT")
         tiles = (p.block_q, p.block_k, p.d, p.dv)
-        if forced and forced.startswith("ws"):
+        if forced and forced.split(",")[0] == "ws":
             if not self.SPECIALISES or not Specialised.fits(*tiles):
                 raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
                                  f"specialised kernel for block_q, block_k, d, dv = {tiles}")
@@ -955,7 +955,8 @@ class MicroKernelSchedule(Schedule):
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
                           aligned, not isinstance(lay, TensorCores))
 
-    def dynamic_shared_bytes(self, p: Problem, lay: Layout | TensorCores | None = None) -> int:
+    def dynamic_shared_bytes(self, p: Problem,
+                             lay: Layout | TensorCores | Specialised | None = None) -> int:
         lay = lay or self.layout(p)
         if isinstance(lay, TensorCores):
             return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
@@ -969,7 +970,8 @@ class MicroKernelSchedule(Schedule):
         micro-kernel's TRANSPOSE_Q); none does unless it says so."""
         return False
 
-    def micro_kernel(self, p: Problem, count: bool, lay: Layout | None = None) -> Kernel:
+    def micro_kernel(self, p: Problem, count: bool,
+                     lay: Layout | TensorCores | Specialised | None = None) -> Kernel:
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic
         buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
         lay = lay or self.layout(p)

@@ -30,7 +30,7 @@ instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms a
 (3, 8)'s 11.9).
 
 Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
-without a mask without any masking (`Specialised.even`): inside the tile loops that code cost
+then, unless causal, without any masking (`Specialised.even`): inside the tile loops that code cost
 4 % (results/gpu_logs/ab_ws_f32c6cd.log). q_outer takes this kernel without a mask only
 (its SPECIALISED): causal, each query block folds in half the K/V tiles on average, and the
 P V warps wait out its first S_ij and the S warps its last P V.
@@ -100,14 +100,19 @@ class Specialised(NamedTuple):
     # without a mask, without any masking), as FlashAttention's Is_even_MN
     even: bool = False
 
-    stages: int = 2  # K_j+1 under S_ij, V_j by halves two ahead
+    # as a `microkernel.Layout` reads: K/V copies under the arithmetic (K_j+1 under S_ij, V_j
+    # by halves two ahead), and P_ij^T in a region of its own
+    stages: int = 2
     p_in_k: bool = False
 
     @classmethod
     def parse(cls, text: str, dv: int) -> Specialised:
-        """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL]"."""
-        steps = [int(x) for x in text.split(",")[1:]]
-        return cls(dv, *steps[:2], *map(bool, steps[2:3]))
+        """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL]" (a ValueError otherwise)."""
+        name, *steps = text.split(",")
+        if name != "ws" or len(steps) not in (0, 2, 3):
+            raise ValueError(f"LOOP_ORDERS_LAYOUT={text}: expected ws or ws,CHUNKS,KEYS[,PEEL]")
+        values = [int(x) for x in steps]
+        return cls(dv, *values[:2], *map(bool, values[2:]))
 
     def for_problem(self, n_q: int, n_k: int, block_q: int, block_k: int) -> Specialised:
         """This choice with `even` set for p's lengths."""
@@ -284,7 +289,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
                 for b in range(S_KN):
                     if int(tc) + b * S_TC >= seen:
-                        s[a * S_KN + b] = NEG_INF  # weight 0 (its score may be garbage)
+                        s[a * S_KN + b] = NEG_INF  # weight 0, whatever its K row holds
         moved = False  # a score above its row's running max by more than MAX_SLACK
         part = cuda.local.array(S_RM, float32)
         for a in range(S_RM):

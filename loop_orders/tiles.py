@@ -196,7 +196,8 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
     (COLS columns, COLS a multiple of PER, the elements of one 16-byte copy) into tile[at +
     r STRIDE + c] by cp.async, HBM -> shared without passing through registers; rows past
     n_rows are filled with zeros. The copies run asynchronously, as one commit group: the
-    caller waits for them (`intrinsics.cp_async_wait_all`) before its barrier. src must be
+    caller waits for them (`intrinsics.cp_async_wait_all`, or `cp_async_wait_one` with one
+    later group in flight) before its barrier. src must be
     16-byte aligned (`microkernel_tc.check_aligned`). The THREADS threads from FIRST on (all
     of the CTA's, or one group of warps) call it; returns the elements this thread counts
     (the first thread counts the tile's n_rows COLS). WHOLE: the caller copies whole tiles
@@ -210,7 +211,9 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
 
     @cuda.jit(device=True, inline="always")
     def copy_rows(tile, at, src, bh, row0, n_rows):
-        t = uint32(cuda.threadIdx.x) - uint32(FIRST)
+        # the thread's place among the copiers (a uint32 difference: Numba widens it)
+        t = uint32(cuda.threadIdx.x) if FIRST == 0 else uint32(uint32(cuda.threadIdx.x)
+                                                               - uint32(FIRST))
         if STEADY and (WHOLE or n_rows == ROWS):  # a full tile
             r0, c = uint64(t // uint32(CH)), uint64(t % uint32(CH))
             dst = at + r0 * uint64(STRIDE) + uint64(PER) * c

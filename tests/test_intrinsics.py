@@ -226,3 +226,9 @@ def test_named_barriers_hand_data_between_warps_and_vote_any():
     lanes = np.arange(32)
     np.testing.assert_array_equal(got[:, 0], 600 + 4 * (31 - lanes))
     np.testing.assert_array_equal(got[:, 1], 1)
+
+
+def test_named_barriers_take_ptx_ids_and_whole_warps():
+    for ident, count in ((0, 64), (16, 64), (1, 48), (1, 2048)):
+        with pytest.raises(ValueError, match="ids are 1 .. 15"):
+            ptx.named_barrier(ident, count)

@@ -448,6 +448,8 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     assert not q_outer.layout(lo.make_problem("q_outer", n_q=4000, d=128, block_q=128,
                                               block_k=64)).even  # a tail: the tails' code
     assert str(Specialised(128, 4, 8, False)) == "ws,4,8,0"
+    with pytest.raises(ValueError, match="expected ws or ws,CHUNKS,KEYS"):
+        Specialised.parse("ws,4", 128)
     monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
     assert q_outer.layout(problem()) == Layout(8, 4, 1)
     monkeypatch.delenv("LOOP_ORDERS_KV_STAGES")
