@@ -94,6 +94,7 @@ from .tiles import (
     counter_slots,
     make_clear,
     make_row_copier,
+    make_scores,
     make_tile_loader,
     make_tile_storer,
     odd_stride,
@@ -376,12 +377,10 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
     XN = 4 * XH  # noqa: N806 - accumulators per row
     NS = RM * KN  # noqa: N806 - scores per thread
-    RN = 4 * RM  # noqa: N806 - a 4-wide chunk of the thread's rows of Q_i
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
     # group and key when G = 4), the groups G TR rows apart
     G = lay.groups  # noqa: N806
     QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
-    KN4 = 4 * KN  # noqa: N806 - a 4-dim chunk of the thread's keys of K_j
     DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
     EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
     # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
@@ -445,71 +444,15 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                     qq[a * 4 + u] = buf[qa + uint64(u)]
 
     @inlined
-    def k_chunk(x4, buf, tc, kk):
-        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys."""
+    def k_chunk(x4, buf, k_at, tc, kk):
+        """kk[b 4 + u] = K_j[key b, dim 4 x4 + u], as q_chunk for the thread's keys (K_j's
+        tile at k_at)."""
         for b in range(KN):
-            kb = uint64(K) + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4) * uint64(x4)
+            kb = k_at + (uint64(tc) + uint64(b * TC)) * uint64(KS) + uint64(4) * uint64(x4)
             for u in range(4):
                 kk[b * 4 + u] = buf[kb + uint64(u)]
 
-    @inlined
-    def scores_row(a, u, s, qq, kk):
-        """s[a KN + b] += Q_i[row a, dim u] K_j[key b, dim u] for every key b of the thread:
-        one operand in KN FMAs in a row, which the register reuse cache then reads once."""
-        for b in range(KN):
-            s[a * KN + b] += qq[a * 4 + u] * kk[b * 4 + u]
-
-    # the rows (and dims) in straight-line code: a loop over them (which LLVM leaves rolled
-    # once the nest passes its unroll threshold) indexes s and acc by a variable, sending them
-    # to local memory
-    scores_dim = unrolled(scores_row, RM, 4, RM)
-    scores_dims = unrolled(scores_dim, 4, 3, 4)
-
-    @inlined
-    def scores_chunk(x4, s, buf, tr, tc):
-        """s += the outer products of one 4-wide chunk of head dims: all operands loaded
-        first, then one dim at a time over every (row, key)."""
-        qq = cuda.local.array(RN, float32)
-        kk = cuda.local.array(KN4, float32)
-        q_chunk(x4, buf, tr, qq)
-        k_chunk(x4, buf, tc, kk)
-        scores_dims(s, qq, kk)
-
-    scores_chunks = unrolled(scores_chunk, DX4, 4, UNROLL.chunks)
-
-    @inlined
-    def scores_row_set(a, u, s, qq, kk):
-        """s[a KN + b] = Q_i[row a, dim u] K_j[key b, dim u]: scores_row setting the scores."""
-        for b in range(KN):
-            s[a * KN + b] = qq[a * 4 + u] * kk[b * 4 + u]
-
-    scores_dim_set = unrolled(scores_row_set, RM, 4, RM)
-
-    scores_dims_after = unrolled(scores_dim, 3, 3, 3, first=1)
-
-    @inlined
-    def scores_first_chunk(s, buf, tr, tc):
-        """s = the outer products of head dims 0 .. 3: dim 0 sets the scores."""
-        qq = cuda.local.array(RN, float32)
-        kk = cuda.local.array(KN4, float32)
-        q_chunk(uint32(0), buf, tr, qq)
-        k_chunk(uint32(0), buf, tc, kk)
-        scores_dim_set(uint32(0), s, qq, kk)
-        scores_dims_after(s, qq, kk)
-
-    scores_chunks_after = unrolled(scores_chunk, DX4 - 1, 4, UNROLL.chunks, first=1)
-
-    @inlined
-    def scores(s, buf, tr, tc):
-        """s[a KN + b] = Q_i[row a] . K_j[key b], over whole 4-wide chunks of the head dim:
-        from zeroed scores, or (PEEL) the first chunk setting them."""
-        if PEEL:
-            scores_first_chunk(s, buf, tr, tc)
-            scores_chunks_after(s, buf, tr, tc)
-        else:
-            for e in range(NS):
-                s[e] = float32(0.0)
-            scores_chunks(s, buf, tr, tc)
+    scores = make_scores(RM, KN, DX4, UNROLL.chunks, PEEL, q_chunk, k_chunk)
 
     @inlined
     def rescale(m, l, acc, a, new_max):  # noqa: E741
@@ -618,7 +561,7 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         row_max = cuda.local.array(RM, float32)
-        scores(s, buf, tr, tc)
+        scores(s, buf, uint64(K), tr, tc)
         for a in range(RM):
             vis[a] = visible(row0 + int(row_of(tr, a)), key0, n_keys)
         full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them

@@ -71,6 +71,7 @@ from .tiles import (
     make_clear,
     make_kv_blocks,
     make_row_copier,
+    make_scores,
     make_tile_loader,
     odd_stride,
     unrolled,
@@ -190,9 +191,8 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     NT = NS + NP  # noqa: N806
     DX4 = D // 4  # noqa: N806
     LOG_TC = S_TC.bit_length() - 1  # noqa: N806
-    # local arrays take literal sizes: a chunk of the thread's Q_i and K_j, its scores, its
-    # accumulators
-    S_QQ, S_KK, S_NS, P_NACC = 4 * S_RM, 4 * S_KN, S_RM * S_KN, P_RM * P_XN  # noqa: N806
+    # local arrays take literal sizes: a thread's scores, its accumulators
+    S_NS, P_NACC = S_RM * S_KN, P_RM * P_XN  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
     full_sync, full_arrive = named_barrier(FULL, NT)
     empty_sync, empty_arrive = named_barrier(EMPTY, NT)
@@ -238,48 +238,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             for u in range(4):
                 kk[b * 4 + u] = buf[at + uint64(u)]
 
-    @inlined
-    def scores_row(a, u, s, qq, kk):
-        for b in range(S_KN):
-            s[a * S_KN + b] += qq[a * 4 + u] * kk[b * 4 + u]
-
-    @inlined
-    def scores_row_set(a, u, s, qq, kk):
-        for b in range(S_KN):
-            s[a * S_KN + b] = qq[a * 4 + u] * kk[b * 4 + u]
-
-    scores_dim = unrolled(scores_row, S_RM, 4, S_RM)
-    scores_dims_after = unrolled(scores_dim, 3, 3, 3, first=1)
-    scores_dim_set = unrolled(scores_row_set, S_RM, 4, S_RM)
-    scores_dims = unrolled(scores_dim, 4, 3, 4)
-
-    @inlined
-    def scores_chunk(x4, s, buf, k_at, tr, tc):
-        qq = cuda.local.array(S_QQ, float32)
-        kk = cuda.local.array(S_KK, float32)
-        q_chunk(x4, buf, tr, qq)
-        k_chunk(x4, buf, k_at, tc, kk)
-        scores_dims(s, qq, kk)
-
-    scores_all = unrolled(scores_chunk, DX4, 5, SP.chunks)
-    scores_rest = unrolled(scores_chunk, DX4 - 1, 5, SP.chunks, first=1)
-
-    @inlined
-    def scores(s, buf, k_at, tr, tc):
-        """s = Q_i K_j^T at the thread's rows and keys: the first 4 dims set the scores
-        (SP.peel), else they start at zero."""
-        if SP.peel:
-            qq = cuda.local.array(S_QQ, float32)
-            kk = cuda.local.array(S_KK, float32)
-            q_chunk(uint32(0), buf, tr, qq)
-            k_chunk(uint32(0), buf, k_at, tc, kk)
-            scores_dim_set(uint32(0), s, qq, kk)
-            scores_dims_after(s, qq, kk)
-            scores_rest(s, buf, k_at, tr, tc)
-        else:
-            for e in range(S_NS):
-                s[e] = float32(0.0)
-            scores_all(s, buf, k_at, tr, tc)
+    scores = make_scores(S_RM, S_KN, DX4, SP.chunks, SP.peel, q_chunk, k_chunk)
 
     @inlined
     def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741

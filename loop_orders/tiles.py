@@ -389,3 +389,62 @@ def unrolled(step, n: int, arity: int, by: int, first: int = 0):
     scope = {"step": step, "uint32": uint32}
     exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
     return inlined(scope["run"])
+
+
+def make_scores(RM: int, KN: int, DX4: int, CHUNKS: int, PEEL: bool,  # noqa: N803
+                q_chunk, k_chunk):
+    """scores(s, buf, k_at, tr, tc): s[a KN + b] = Q_i[row a] . K_j[key b] for a thread's RM
+    rows and KN keys, over DX4 4-wide chunks of the head dim: the register blocking ("outer
+    product") both CUDA-core kernels compute S_ij with. For each chunk the thread's operands
+    are loaded first, q_chunk(x4, buf, tr, qq) -> qq[a 4 + u] and k_chunk(x4, buf, k_at, tc,
+    kk) -> kk[b 4 + u] (K_j's tile at k_at), then one dim at a time over every (row, key),
+    one Q operand in KN FMAs in a row, which the register reuse cache then reads once; CHUNKS
+    chunks a trip (`unrolled`). PEEL: the first chunk sets the scores (its first dim by
+    multiplies), else they start at zero."""
+    RN, KN4, NS = 4 * RM, 4 * KN, RM * KN  # noqa: N806 - local arrays take literal sizes
+
+    @inlined
+    def scores_row(a, u, s, qq, kk):
+        for b in range(KN):
+            s[a * KN + b] += qq[a * 4 + u] * kk[b * 4 + u]
+
+    @inlined
+    def scores_row_set(a, u, s, qq, kk):
+        for b in range(KN):
+            s[a * KN + b] = qq[a * 4 + u] * kk[b * 4 + u]
+
+    # the rows (and dims) in straight-line code: a loop over them (which LLVM leaves rolled
+    # once the nest passes its unroll threshold) indexes s by a variable, sending it to local
+    # memory
+    scores_dim = unrolled(scores_row, RM, 4, RM)
+    scores_dims = unrolled(scores_dim, 4, 3, 4)
+    scores_dim_set = unrolled(scores_row_set, RM, 4, RM)
+    scores_dims_after = unrolled(scores_dim, 3, 3, 3, first=1)
+
+    @inlined
+    def scores_chunk(x4, s, buf, k_at, tr, tc):
+        qq = cuda.local.array(RN, float32)
+        kk = cuda.local.array(KN4, float32)
+        q_chunk(x4, buf, tr, qq)
+        k_chunk(x4, buf, k_at, tc, kk)
+        scores_dims(s, qq, kk)
+
+    scores_all = unrolled(scores_chunk, DX4, 5, CHUNKS)
+    scores_rest = unrolled(scores_chunk, DX4 - 1, 5, CHUNKS, first=1)
+
+    @inlined
+    def scores(s, buf, k_at, tr, tc):
+        if PEEL:
+            qq = cuda.local.array(RN, float32)
+            kk = cuda.local.array(KN4, float32)
+            q_chunk(uint32(0), buf, tr, qq)
+            k_chunk(uint32(0), buf, k_at, tc, kk)
+            scores_dim_set(uint32(0), s, qq, kk)
+            scores_dims_after(s, qq, kk)
+            scores_rest(s, buf, k_at, tr, tc)
+        else:
+            for e in range(NS):
+                s[e] = float32(0.0)
+            scores_all(s, buf, k_at, tr, tc)
+
+    return scores
