@@ -374,20 +374,47 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     accumulate_half = unrolled(accumulate_key, HK, 6, SP.keys)
 
     @inlined
-    def accumulate_seen(buf, p_at, v_at, tr, tc, acc, first, vis):
-        """acc += the half's keys each row sees (key by key, up to the last row's), on a
-        tail tile or the causal diagonal: a key a row does not see is never multiplied in."""
-        pp = cuda.local.array(P_RM, float32)
+    def row_group_key(g, key, buf, p_at, v_at, tr, tc, acc):
+        """acc += P_ij[rows of group g, key] V_j[key], the group's 4 rows a P V thread holds
+        (a = 4 g .. 4 g + 3, consecutive rows: one 16-byte load of P_ij^T)."""
+        pp = cuda.local.array(4, float32)
         vv = cuda.local.array(P_XN, float32)
-        key = 0
-        while key < HK and first + key < vis[P_RM - 1]:
-            p_key(p_at + uint64(key) * uint64(PS), buf, tr, pp)
+        at = p_at + uint64(key) * uint64(PS)
+        for a in range(4):
+            pp[a] = buf[at + pv_row(tr, 4 * g + a)]
+        v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
+        for a in range(4):
+            for y in range(P_XN):
+                acc[(4 * g + a) * P_XN + y] += pp[a] * vv[y]
+
+    @inlined
+    def row_group_seen(g, buf, p_at, v_at, tr, tc, acc, first, vis):
+        """acc += the half's keys that rows of group g see: those all 4 see (a row sees a
+        prefix of the tile's keys, the later row the longer one) 4 rows at a time, then key
+        by key the few that only some see; a key no row sees is never multiplied in."""
+        every = min(max(vis[4 * g] - first, 0), HK)  # keys all 4 rows see
+        some = min(max(vis[4 * g + 3] - first, 0), HK)  # keys the last row sees
+        key = int32(0)
+        while key < every:
+            row_group_key(g, key, buf, p_at, v_at, tr, tc, acc)
+            key = int32(key + 1)
+        pp = cuda.local.array(4, float32)
+        vv = cuda.local.array(P_XN, float32)
+        while key < some:
+            at = p_at + uint64(key) * uint64(PS)
+            for a in range(4):
+                pp[a] = buf[at + pv_row(tr, 4 * g + a)]
             v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
-            for a in range(P_RM):
-                if first + key < vis[a]:
+            for a in range(4):
+                if first + key < vis[4 * g + a]:
                     for y in range(P_XN):
-                        acc[a * P_XN + y] += pp[a] * vv[y]
-            key += 1
+                        acc[(4 * g + a) * P_XN + y] += pp[a] * vv[y]
+            key = int32(key + 1)
+
+    # acc += the half's keys each row sees, on a tail tile or the causal diagonal, a group of
+    # 4 rows at a time: accumulate_seen(buf, p_at, v_at, tr, tc, acc, first, vis), with
+    # `first` the half's first key in the tile and vis the keys each row sees
+    accumulate_seen = unrolled(row_group_seen, P_RM // 4, 8, P_RM // 4)
 
     @inlined
     def load_v_half(buf, v, bh, key0, n_k, half, cnt):
