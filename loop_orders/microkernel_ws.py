@@ -31,14 +31,17 @@ instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms a
 
 Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
 then, unless causal, without any masking (`Specialised.even`): inside the tile loops that code cost
-4 % (results/gpu_logs/ab_ws_f32c6cd.log). q_outer takes this kernel without a mask only
-(its SPECIALISED): causal, each query block folds in half the K/V tiles on average, and the
-P V warps wait out its first S_ij and the S warps its last P V.
+4 % (results/gpu_logs/ab_ws_f32c6cd.log). On a tail tile or the causal diagonal the P V
+warps take each group of 4 consecutive rows apart: the keys all four see at 64 FMAs a key,
+then key by key the few only some see (a row sees a prefix of the tile's keys). Key by key
+for all 8 rows, a branch a row, the diagonal's two tiles cost about two tiles' time more a
+query block, and causal the kernel lost to the shared micro-kernel (6.43 against 6.34 ms at
+N = 4096); by groups it wins (6.11; results/gpu_logs/ab_ws_causal_4bbdeed.log).
 
 The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
 by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the
 micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the keys it sees
-(key by key on a tail tile or the causal diagonal), K and V rows past N_k arrive as zeros.
+(by row groups on a tail tile or the causal diagonal), K and V rows past N_k arrive as zeros.
 
 Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
 S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it

@@ -13,7 +13,7 @@ When K_j, V_j land (the counts are the same either way): on tensor cores K_j+1, 
 second buffer while K_j, V_j are folded in; on CUDA cores, with one K and one V buffer, V_j
 is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`; K_0
 while Q_i loads), by cp.async where rows are whole 16-byte copies. Float32 at d = 128 on
-128 x 64 tiles without a mask runs a kernel of its own, the same loop nest with its warps
+128 x 64 tiles, causal or not, runs a kernel of its own, the same loop nest with its warps
 specialised (`microkernel_ws`: S warps and P V warps). Causal query blocks start heaviest
 first, over every (batch, head).
 
@@ -269,15 +269,17 @@ class QOuter(MicroKernelSchedule):
     # 0.832 against 0.798 at 1024) (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two
     # alternating rounds).
     TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1, ("tf32", 64, 64, 128, 128): 1}
-    # float32 at d = 128 on 128 x 64 tiles without a mask: S warps and P V warps
-    # (`microkernel_ws`), 8 x 8 scores and 8 x 16 accumulators a thread, where the shared
-    # micro-kernel's threads hold 8 x 4 scores and 8 x 8 accumulators each. Built for whole
-    # tiles it ran 4.3 % faster at N = 4096 (11.80 against 12.33 ms) and 3.8 % at 1024 (3.041
-    # against 3.162); causal it lost, 6.43 against 6.34 ms at N = 4096 and 2.08 against 1.85
-    # at 1024: a causal query block folds in half the K/V tiles on average, and the P V warps
-    # wait out S_i0 and the S warps the last P V (results/gpu_logs/ab_ws_f32c6cd.log).
+    # float32 at d = 128 on 128 x 64 tiles: S warps and P V warps (`microkernel_ws`), 8 x 8
+    # scores and 8 x 16 accumulators a thread, where the shared micro-kernel's threads hold
+    # 8 x 4 scores and 8 x 8 accumulators each. Built for whole tiles it ran 4.3 % faster at
+    # N = 4096 (11.80 against 12.33 ms) and 3.8 % at 1024 (3.041 against 3.162)
+    # (results/gpu_logs/ab_ws_f32c6cd.log). Causal it lost at first (6.43 against 6.34 ms at
+    # N = 4096, 2.08 against 1.85 at 1024), its P V warps taking the diagonal's two tiles key
+    # by key; by groups of 4 rows it wins (6.11 against 6.34 ms, 3.24 against 3.35 at 2048,
+    # 1.81 against 1.85 at 1024; results/gpu_logs/ab_ws_causal_4bbdeed.log). At N = 512 the
+    # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.058 ms; 1.10 here).
     SPECIALISES = True
-    SPECIALISED = frozenset({(128, 64, 128, 128, False)})
+    SPECIALISED = frozenset({(128, 64, 128, 128, False), (128, 64, 128, 128, True)})
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
