@@ -142,14 +142,12 @@ class Specialised(NamedTuple):
     @staticmethod
     def fits(block_q: int, block_k: int, d: int, dv: int) -> bool:
         """Whether the kernel can run these tiles: whole thread tiles, each role whole warps
-        whose lanes hold whole rows of S, 16-byte rows, O_i's stage in the regions before
-        alpha, and the buffer under 227 KB."""
+        whose lanes hold whole rows of S, 16-byte rows, and the buffer under 227 KB."""
         ns = (block_q // S_RM) * (block_k // S_KN)
         np_ = (block_q // P_RM) * (dv // P_XN)
         return (block_q % S_RM == 0 and block_k % (2 * S_KN) == 0 and dv % P_XN == 0
                 and d % 4 == 0 and ns % 32 == 0 and np_ % 32 == 0 and ns + np_ <= 1024
                 and 32 % (block_k // S_KN) == 0
-                and block_q * dv <= shared(block_q, block_k, d, dv).alpha  # O_i's stage
                 and 4 * shared_floats(block_q, block_k, d, dv) <= 232_448)
 
 
@@ -466,33 +464,18 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                     accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis)
             if j + 1 < c_i:
                 empty_arrive()  # done with P_ij^T and alpha
-        l_sync()  # every row's l_i is in shared memory; the S warps are done with the buffer
-        store_o(buf, o, bh, row0, n_rows, acc, tr, tc, t, cnt)
-
-    @inlined
-    def store_o(buf, o, bh, row0, n_rows, acc, tr, tc, t, cnt):
-        """O_i = acc_i / l_i into the buffer's start (Q_i, K_j, ... : `Specialised.fits`),
-        Br rows of dv, then to HBM by rows, the P V threads on consecutive elements: whole
-        32-byte sectors, where each thread's own 4-float pieces, 16 bytes apart across a
-        warp, took 4 times the sectors."""
-        inv_l = cuda.local.array(P_RM, float32)
+        l_sync()  # every row's l_i is in shared memory
         for a in range(P_RM):
-            inv_l[a] = float32(1.0) / buf[uint64(L_ROW) + pv_row(tr, a)]
-        pv_sync()  # every P V thread is done with P_ij^T and V_j
-        for a in range(P_RM):
-            for h in range(P_XN // 4):
-                for w in range(4):
-                    buf[pv_row(tr, a) * uint64(DV) + dim(tc, h, w)] = \
-                        acc[a * P_XN + 4 * h + w] * inv_l[a]
-        pv_sync()  # O_i is in shared memory for every P V thread
-        for n in range(-(-BR * DV // NP)):
-            e = t + uint32(n * NP)
-            row, col = e // uint32(DV), e % uint32(DV)
-            if row < uint32(n_rows):
-                # O_i: written to HBM once, normalised
-                o[bh, row0 + row, col] = buf[uint64(e)]
+            local = int(pv_row(tr, a))
+            if local < n_rows:
+                inv = float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
+                for h in range(P_XN // 4):
+                    for w in range(4):
+                        x = dim(tc, h, w)
+                        # O_i: written to HBM once, normalised
+                        o[bh, row0 + local, x] = acc[a * P_XN + 4 * h + w] * inv
                 if COUNT:
-                    cnt[O_W] += 1
+                    cnt[O_W] += P_XN
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_ws(q, k, v, o, lse, counts, scale_log2):
