@@ -472,7 +472,10 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 for h in range(P_XN // 4):
                     for w in range(4):
                         x = dim(tc, h, w)
-                        # O_i: written to HBM once, normalised
+                        # O_i: written to HBM once, normalised (a warp's stores 16 bytes
+                        # apart, so ncu counts 4x O_i's bytes in sectors; staged through
+                        # shared memory it ran 1-3 % slower:
+                        # results/gpu_logs/ab_ws_o_stage_61a5aa3.log)
                         o[bh, row0 + local, x] = acc[a * P_XN + 4 * h + w] * inv
                 if COUNT:
                     cnt[O_W] += P_XN
