@@ -40,8 +40,8 @@ from loop_orders.backward_schedule import grad_variants  # noqa: E402
 
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),
-    (4096, 128, 128, 128, 64, True, "float32"),
-    (4096, 128, 128, 128, 64, False, "float32"),  # q_outer's warp-specialised kernel
+    (4096, 128, 128, 128, 64, True, "float32"),  # q_outer: the warp-specialised kernel, causal
+    (4096, 128, 128, 128, 64, False, "float32"),  # ... and without a mask
     (1000, 64, 64, 64, 64, True, "float16"),
     (4096, 64, 64, 128, 64, False, "float16"),
     (4096, 128, 128, 128, 64, True, "float16"),
