@@ -377,18 +377,14 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     accumulate_half = unrolled(accumulate_key, HK, 6, SP.keys)
 
     @inlined
-    def row_group_key(g, key, buf, p_at, v_at, tr, tc, acc):
-        """acc += P_ij[rows of group g, key] V_j[key], the group's 4 rows a P V thread holds
-        (a = 4 g .. 4 g + 3, consecutive rows: one 16-byte load of P_ij^T)."""
-        pp = cuda.local.array(4, float32)
-        vv = cuda.local.array(P_XN, float32)
+    def row_group_operands(g, key, buf, p_at, v_at, tr, tc, pp, vv):
+        """pp = P_ij[rows of group g, key], vv = the thread's dims of V_j[key]: the group's 4
+        rows a P V thread holds (a = 4 g .. 4 g + 3, consecutive rows: one 16-byte load of
+        P_ij^T)."""
         at = p_at + uint64(key) * uint64(PS)
         for a in range(4):
             pp[a] = buf[at + pv_row(tr, 4 * g + a)]
         v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
-        for a in range(4):
-            for y in range(P_XN):
-                acc[(4 * g + a) * P_XN + y] += pp[a] * vv[y]
 
     @inlined
     def row_group_seen(g, buf, p_at, v_at, tr, tc, acc, first, vis):
@@ -397,17 +393,17 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         by key the few that only some see; a key no row sees is never multiplied in."""
         every = min(max(vis[4 * g] - first, 0), HK)  # keys all 4 rows see
         some = min(max(vis[4 * g + 3] - first, 0), HK)  # keys the last row sees
-        key = int32(0)
-        while key < every:
-            row_group_key(g, key, buf, p_at, v_at, tr, tc, acc)
-            key = int32(key + 1)
         pp = cuda.local.array(4, float32)
         vv = cuda.local.array(P_XN, float32)
-        while key < some:
-            at = p_at + uint64(key) * uint64(PS)
+        key = int32(0)
+        while key < every:
+            row_group_operands(g, key, buf, p_at, v_at, tr, tc, pp, vv)
             for a in range(4):
-                pp[a] = buf[at + pv_row(tr, 4 * g + a)]
-            v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
+                for y in range(P_XN):
+                    acc[(4 * g + a) * P_XN + y] += pp[a] * vv[y]
+            key = int32(key + 1)
+        while key < some:
+            row_group_operands(g, key, buf, p_at, v_at, tr, tc, pp, vv)
             for a in range(4):
                 if first + key < vis[4 * g + a]:
                     for y in range(P_XN):
