@@ -277,7 +277,8 @@ class QOuter(MicroKernelSchedule):
     # N = 4096, 2.08 against 1.85 at 1024), its P V warps taking the diagonal's two tiles key
     # by key; by groups of 4 rows it wins (6.11 against 6.34 ms, 3.24 against 3.35 at 2048,
     # 1.81 against 1.85 at 1024; results/gpu_logs/ab_ws_causal_4bbdeed.log). At N = 512 the
-    # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.058 ms; 1.10 here).
+    # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.06 ms, against this
+    # kernel's 1.10 on 128 x 64: results/gpu_logs/ws_causal_4a73e41.log and the log above).
     SPECIALISES = True
     SPECIALISED = frozenset({(128, 64, 128, 128, False), (128, 64, 128, 128, True)})
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
