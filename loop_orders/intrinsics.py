@@ -40,6 +40,11 @@ column (or key) in the low half; lane = 4 g + t.
                                                   groups
     cp_async_wait_one()                           wait for all of a thread's groups but the
                                                   last one it closed
+    st_global_v4(dst, bh, row, col, x0, x1, x2, x3)
+                                                  dst[bh, row, col:col + 4] = x0 .. x3 as one
+        16-byte store (st.global.v4.f32; that address 16-byte aligned): a warp whose lanes
+        hold consecutive 16-byte pieces of a row fills whole 32-byte sectors, where four
+        scalar stores 16 bytes apart would each touch the same sectors partly
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
     vote_any(x)                                   whether x holds on any lane of the warp
 
@@ -256,6 +261,10 @@ if SIMULATOR:
         for u in range(per):
             r, c = divmod(int(col) + u, width)  # a column past the row's end: the next rows
             tile[e + u] = src[bh, row + r, c] if u * tile.itemsize < n_bytes else 0
+
+    def st_global_v4(dst, bh, row, col, x0, x1, x2, x3):
+        for u, x in enumerate((x0, x1, x2, x3)):
+            dst[bh, row, col + u] = x
 
     def cp_async_commit():
         pass
@@ -497,6 +506,21 @@ else:
             return context.get_dummy_value()
 
         return types.void(tile, e, src, bh, row, col, n_bytes), codegen
+
+    @intrinsic
+    def st_global_v4(typingctx, dst, bh, row, col, x0, x1, x2, x3):
+        def codegen(context, builder, sig, args):
+            addr = _element_pointer(context, builder, sig.args[0], args[0], args[1:4],
+                                    sig.args[1:4])
+            values = [context.cast(builder, x, ty, types.float32)
+                      for x, ty in zip(args[4:], sig.args[4:], strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64), *[_F32] * 4]),
+                               "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+                               "l,f,f,f,f,~{memory}", side_effect=True)
+            builder.call(asm, [addr, *values])
+            return context.get_dummy_value()
+
+        return types.void(dst, bh, row, col, x0, x1, x2, x3), codegen
 
     def _void_asm(text: str):
         @intrinsic

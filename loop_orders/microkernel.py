@@ -772,7 +772,9 @@ class LaunchPlan(NamedTuple):
     fn: object  # the compiled kernel
     threads: int
     shared: int  # dynamic shared bytes
-    aligned: str  # the inputs (of "qkv") cp.async copies: 16-byte aligned, or ...
+    # the arrays (of "qkvo") moved 16 bytes at a time (cp.async copies, the warp-specialised
+    # kernel's O_i stores): 16-byte aligned, or ...
+    aligned: str
     falls_back: bool  # ... True: the plain-load kernel takes them; False: refused
 
 
@@ -892,7 +894,8 @@ class MicroKernelSchedule(Schedule):
         lay = self.layout(p)
         if plain:
             lay = lay.plain()
-        copied = "qkv" if isinstance(lay, TensorCores) else "kv"
+        copied = ("qkv" if isinstance(lay, TensorCores) else
+                  "kvo" if isinstance(lay, Specialised) else "kv")
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
@@ -928,12 +931,13 @@ class MicroKernelSchedule(Schedule):
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
         """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
-        one scales S). Inputs cp.async would copy from an address that is not 16-byte aligned
-        get the CUDA-core kernel with plain loads, or are refused on tensor cores."""
+        one scales S). Arrays it would move 16 bytes at a time from or to an address that is
+        not 16-byte aligned get the CUDA-core kernel with plain loads, or are refused on
+        tensor cores."""
         forced = (os.environ.get("LOOP_ORDERS_LAYOUT"), os.environ.get("LOOP_ORDERS_KV_STAGES"))
         plan = self._launch_plan(p, count, forced)
-        if plan.aligned:  # cp.async copies some inputs: they must be 16-byte aligned
-            copied = {name: a for name, a in zip("qkv", args[:3], strict=True)
+        if plan.aligned:  # some arrays move 16 bytes at a time: they must be 16-byte aligned
+            copied = {name: a for name, a in zip("qkvo", args[:4], strict=True)
                       if name in plan.aligned}
             if any(data_pointer(a) % 16 for a in copied.values()):
                 if plan.falls_back:

@@ -63,6 +63,7 @@ from .intrinsics import (
     exp2,
     named_barrier,
     shfl_xor,
+    st_global_v4,
     vote_any,
 )
 from .runtime import SHARED_ALIGN, SHARED_F32, cuda, inlined, kernel_options
@@ -466,13 +467,11 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             if local < n_rows:
                 inv = float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
                 for h in range(P_XN // 4):
-                    for w in range(4):
-                        x = dim(tc, h, w)
-                        # O_i: written to HBM once, normalised (a warp's stores 16 bytes
-                        # apart, so ncu counts 4x O_i's bytes in sectors; staged through
-                        # shared memory it ran 1-3 % slower:
-                        # results/gpu_logs/ab_ws_o_stage_61a5aa3.log)
-                        o[bh, row0 + local, x] = acc[a * P_XN + 4 * h + w] * inv
+                    y = a * P_XN + 4 * h
+                    # O_i: written to HBM once, normalised, 16 bytes a thread and store (a
+                    # warp's 8 pieces of a row consecutive: whole sectors)
+                    st_global_v4(o, bh, row0 + local, dim(tc, h, 0), acc[y] * inv,
+                                 acc[y + 1] * inv, acc[y + 2] * inv, acc[y + 3] * inv)
                 if COUNT:
                     cnt[O_W] += P_XN
 

@@ -100,19 +100,32 @@ def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
 @pytest.mark.parametrize("causal", [False, True])
 def test_float32_keys_not_16_byte_aligned_take_the_plain_loads(causal, d, rng):
     """q_outer's float32 kernels copy K and V rows with cp.async (staggered loads at d = 64,
-    the warp-specialised kernel at d = 128); a view that starts 4 bytes into its buffer gets
-    the shared micro-kernel with plain loads instead, with the same output and counts, at
-    128 x 64 tiles and a tail."""
+    the warp-specialised kernel at d = 128, which also stores O_i 16 bytes at a time); a k, v
+    or o that starts 4 bytes into its buffer gets the shared micro-kernel with plain loads
+    instead, with the same output and counts, at 128 x 64 tiles and a tail."""
     torch = pytest.importorskip("torch")
+    from numba import cuda
+
     n = 1000
     base = torch.randn(3 * n * d + 1, device="cuda", dtype=torch.float32)
     q, k, v = (base[1 + i * n * d: 1 + (i + 1) * n * d].view(1, 1, n, d) for i in range(3))
-    got = [lo.attention(*x, schedule="q_outer", causal=causal, count=True)
+    tiles = {"block_q": 128, "block_k": 64}
+    got = [lo.attention(*x, schedule="q_outer", causal=causal, count=True, **tiles)
            for x in ((q, k, v), (q.clone(), k.clone(), v.clone()))]
     ref, _ = lo.attention_reference(*(x.cpu().numpy() for x in (q, k, v)), causal=causal)
+    sched = lo.get_schedule("q_outer")
     for res in got:
         assert relative_error(res.out.cpu().numpy(), ref) <= 1e-5
-        assert res.counts == lo.get_schedule("q_outer").model(res.problem)
+        assert res.counts == sched.model(res.problem)
+    # aligned inputs, an output 4 bytes into its buffer (a launch of one's own: the API
+    # allocates its outputs aligned)
+    o_base = torch.full((n * d + 1,), float("nan"), device="cuda")
+    p = got[1].problem
+    arrays = [cuda.as_cuda_array(x.view(1, n, d)) for x in (q.clone(), k.clone(), v.clone(),
+                                                            o_base[1:])]
+    sched.launch(p, *arrays, cuda.device_array((1, 1), np.float32),
+                 cuda.device_array(1, np.int64), scale=d ** -0.5, count=False)
+    assert relative_error(o_base[1:].view(1, 1, n, d).cpu().numpy(), ref) <= 1e-5
 
 
 def _backward_variants():

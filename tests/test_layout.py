@@ -336,8 +336,10 @@ def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_c
 def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
     """The launch plan as on a GPU (the simulator has no cp.async alignment to keep): k and v
     at 16-byte aligned addresses launch the staggered cp.async kernel; a k 4 bytes off takes
-    the plain-load kernel; on tensor cores the same k is refused with the reason. Tiles of
-    their own (24 x 12, d = 8), so the kernels built here are no other test's."""
+    the plain-load kernel; on tensor cores the same k is refused with the reason; the
+    warp-specialised kernel, which also stores O_i 16 bytes at a time, takes the plain-load
+    kernel for an o 4 bytes off too. Tiles of their own (24 x 12, d = 8; 64 x 32, d = 64), so
+    the kernels built here are no other test's."""
     import loop_orders as lo
     from loop_orders import microkernel, runtime
     from loop_orders.arrays import DeviceView, c_strides
@@ -350,8 +352,8 @@ def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
         shape = (p.bh, p.n_q, width)
         return DeviceView(ptr, shape, c_strides(shape, np.dtype(dtype).itemsize), dtype)
 
-    def launched(p, dtype, k_ptr):
-        q, k, v, o = (at(ptr, p, 8, dtype) for ptr in (1 << 20, k_ptr, 3 << 20, 4 << 20))
+    def launched(p, dtype, k_ptr, o_ptr=4 << 20):
+        q, k, v, o = (at(ptr, p, p.d, dtype) for ptr in (1 << 20, k_ptr, 3 << 20, o_ptr))
         with runtime.recording_launches() as launches:
             sched.launch_kernel(p, (p.tr, p.bh), False, 0.25, q, k, v, o)
         return launches[0][0]
@@ -367,6 +369,15 @@ def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
         p16 = lo.make_problem("q_outer", n_q=48, d=8, block_q=24, block_k=12, dtype="float16")
         with pytest.raises(ValueError, match="k: the tensor-core kernels need its data 16-byte"):
             launched(p16, "float16", (2 << 20) + 2)
+        monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+        pw = lo.make_problem("q_outer", n_q=128, d=64, block_q=64, block_k=32)
+        ws = sched.layout(pw)
+        specialised = sched.micro_kernel(pw, False, ws).fn
+        plain_ws = sched.micro_kernel(pw, False, ws.plain()).fn
+        assert specialised is not plain_ws
+        assert launched(pw, "float32", 2 << 20) is specialised
+        assert launched(pw, "float32", 2 << 20, (4 << 20) + 4) is plain_ws
+        assert launched(pw, "float32", (2 << 20) + 4) is plain_ws
     finally:
         sched._launch_plan.cache_clear()
 
