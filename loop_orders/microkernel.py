@@ -803,10 +803,10 @@ class MicroKernelSchedule(Schedule):
     # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
-    # (block_q, block_k, d, dv, causal): float32 tiles this loop nest runs on its
-    # warp-specialised kernel (`microkernel_ws`, which only q_outer's loop nest has), measured
-    # faster there
-    SPECIALISED: ClassVar[frozenset] = frozenset()
+    # (block_q, block_k, d, dv, causal) -> (chunks, keys): float32 tiles this loop nest runs on
+    # its warp-specialised kernel (`microkernel_ws`, which only q_outer's loop nest has),
+    # measured faster there, with that kernel's unrolling (`Specialised`) measured fastest
+    SPECIALISED: ClassVar[dict] = {}
     SPECIALISES: ClassVar[bool] = False  # whether make_kernel takes a `Specialised`
 
     @staticmethod
@@ -833,12 +833,12 @@ class MicroKernelSchedule(Schedule):
         return lay._replace(stages=stages)
 
     def specialised(self, p: Problem, stages: int) -> Specialised | None:
-        """The warp-specialised kernel where p's tiles and mask are in SPECIALISED (and K/V loads
-        run under the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
-        ws,CHUNKS,KEYS[,PEEL]: its unrolling, `Specialised`) forces it (for tuning and tests:
-        a ValueError where this loop nest has no such kernel or the tiles do not fit it);
-        else None. Any other LOOP_ORDERS_LAYOUT names a thread tile
-        of the shared micro-kernel."""
+        """The warp-specialised kernel, unrolled as SPECIALISED says, where p's tiles and mask
+        are in it (and K/V loads run under the arithmetic, `stages` 2), or where
+        LOOP_ORDERS_LAYOUT=ws (or ws,CHUNKS,KEYS[,PEEL]: its unrolling, `Specialised`) forces
+        it (for tuning and tests: a ValueError where this loop nest has no such kernel or the
+        tiles do not fit it); else None. Any other LOOP_ORDERS_LAYOUT names a thread tile of
+        the shared micro-kernel."""
         forced = os.environ.get("LOOP_ORDERS_LAYOUT")
         tiles = (p.block_q, p.block_k, p.d, p.dv)
         if forced and forced.split(",")[0] == "ws":
@@ -847,7 +847,7 @@ class MicroKernelSchedule(Schedule):
                                  f"specialised kernel for block_q, block_k, d, dv = {tiles}")
             chosen = Specialised.parse(forced, p.dv)
         elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
-            chosen = Specialised(p.dv)
+            chosen = Specialised(p.dv, *self.SPECIALISED[(*tiles, p.causal)])
         else:
             return None
         return chosen.for_problem(p.n_q, p.n_k, p.block_q, p.block_k)

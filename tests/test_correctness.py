@@ -158,20 +158,22 @@ WS_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 1, 70, 70, 12, 64, 64, 32
     *c[:-1], "causal" if c[-1] else "full"))
 def test_q_outer_warp_specialised(case, monkeypatch, rng):
     """q_outer's warp-specialised kernel (`microkernel_ws`: what SPECIALISED takes at d = 128
-    on 128 x 64 tiles; LOOP_ORDERS_LAYOUT=ws forces it here, at small tiles): S warps and P V
-    warps under named barriers, float32's accuracy, lse, counters == model."""
+    on 128 x 64 tiles; LOOP_ORDERS_LAYOUT=ws forces it here, at small tiles, unrolled as
+    there for the mask): S warps and P V warps under named barriers, float32's accuracy, lse,
+    counters == model."""
     from loop_orders.microkernel_ws import Specialised
     from loop_orders.reference import FLOAT32_TOLERANCE
 
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
-    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")  # 256 threads' worth of work
+    sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case
+    chunks, keys = sched.SPECIALISED[(128, 64, 128, 128, causal)]  # the GPU's for the mask
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},1")
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")  # 256 threads' worth of work
     q, k, v = random_qkv(rng, b, h, n_q, d, dv, n_k=n_k)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
                        save_lse=True, count=True)
-    sched = lo.get_schedule("q_outer")
     even = n_q % bq == 0 and n_k % bk == 0
-    assert sched.layout(res.problem) == Specialised(dv, even=even)
+    assert sched.layout(res.problem) == Specialised(dv, chunks, keys, even=even)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
     np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5)

@@ -449,7 +449,8 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
         return lo.make_problem("q_outer", n_q=4096, d=d, block_q=128, block_k=64, **kw)
 
     p = problem()
-    assert q_outer.layout(p) == Specialised(128, even=True) and str(q_outer.layout(p)) == "ws"
+    assert q_outer.layout(p) == Specialised(128, 3, 4, even=True)  # 4 keys a trip
+    assert str(q_outer.layout(p)) == "ws,3,4,1"
     assert q_outer.threads(p) == 256 and q_outer.dynamic_shared_bytes(p) == 219_136
     assert q_outer.layout(problem(causal=True)) == Specialised(128, even=True)
     assert q_outer.layout(lo.make_problem("q_outer", n_q=4096, d=128, block_q=64, block_k=64,

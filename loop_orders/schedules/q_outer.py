@@ -279,8 +279,13 @@ class QOuter(MicroKernelSchedule):
     # 1.81 against 1.85 at 1024; results/gpu_logs/ab_ws_causal_4bbdeed.log). At N = 512 the
     # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.06 ms, against this
     # kernel's 1.10 on 128 x 64: results/gpu_logs/ws_causal_4a73e41.log and the log above).
+    # Its unrolling (chunks of S_ij's dims, keys of P_ij V_j a trip) per mask, measured after
+    # O_i's 16-byte stores (d02c9f2) moved the code: 4 keys a trip took 1.3 % off without a
+    # mask (11.80 against 11.96 ms at N = 4096, 5.96 against 6.04 at 2048) and cost the causal
+    # build 1.7 % (6.25 against 6.14); (2, 8), (4, 8) and S_ij unpeeled lost both ways
+    # (results/gpu_logs/ab_ws_unroll_d02c9f2.log, two alternating rounds).
     SPECIALISES = True
-    SPECIALISED = frozenset({(128, 64, 128, 128, False), (128, 64, 128, 128, True)})
+    SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
