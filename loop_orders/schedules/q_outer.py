@@ -283,7 +283,9 @@ class QOuter(MicroKernelSchedule):
     # O_i's 16-byte stores (d02c9f2) moved the code: 4 keys a trip took 1.3 % off without a
     # mask (11.80 against 11.96 ms at N = 4096, 5.96 against 6.04 at 2048) and cost the causal
     # build 1.7 % (6.25 against 6.14); (2, 8), (4, 8) and S_ij unpeeled lost both ways
-    # (results/gpu_logs/ab_ws_unroll_d02c9f2.log, two alternating rounds).
+    # (results/gpu_logs/ab_ws_unroll_d02c9f2.log, two alternating rounds); causal, (2, 4),
+    # (4, 4) and (3, 2) lost too, by 0.1-2.6 % at N = 1024 ... 16384
+    # (results/gpu_logs/ws_unroll_1176fe2.log).
     SPECIALISES = True
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
