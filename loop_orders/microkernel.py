@@ -125,6 +125,8 @@ class Layout(NamedTuple):
     kn: int
     stages: int = 1
     p_in_k: bool = False
+    # the arrays (of "qkvo") moved 16 bytes at a time where `copies_rows`: 16-byte aligned
+    ALIGNED = "kv"
 
     @property
     def groups(self) -> int:
@@ -894,9 +896,7 @@ class MicroKernelSchedule(Schedule):
         lay = self.layout(p)
         if plain:
             lay = lay.plain()
-        copied = ("qkv" if isinstance(lay, TensorCores) else
-                  "kvo" if isinstance(lay, Specialised) else "kv")
-        aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else copied
+        aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else lay.ALIGNED
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
                           aligned, not isinstance(lay, TensorCores))

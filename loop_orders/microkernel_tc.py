@@ -105,6 +105,8 @@ class TensorCores(NamedTuple):
         """Elements one 16-byte cp.async copies."""
         return 16 // self.itemsize
 
+    ALIGNED = "qkv"  # the arrays moved 16 bytes at a time where `copies_rows` (`Layout`)
+
     def copies_rows(self, *widths: int) -> bool:
         """Whether rows of these widths arrive by cp.async (whole 16-byte copies; the source
         must then be 16-byte aligned, `check_aligned`), else by plain loads."""

@@ -24,10 +24,10 @@ an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warp
 P_ij^T has one buffer: the S warps compute S_ij+1 in registers while the PV warps fold in
 P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 the buffer is
 219,136 bytes, one CTA an SM, and each of the 4 schedulers holds one S warp and one P V warp.
-The hot loops are kept short (`Specialised`: 3 chunks of S_ij's dims, 8 keys of P_ij V_j a trip):
-each scheduler runs both loops at once, and longer ones evicted each other from the
-instruction cache (results/gpu_logs/ws_proto_61ac419.log: (8, 16) took 19.6 ms against
-(3, 8)'s 11.9).
+The hot loops are kept short (`Specialised`: 3 chunks of S_ij's dims, 4 or 8 keys of P_ij V_j
+a trip, per mask as q_outer's SPECIALISED says): each scheduler runs both loops at once, and
+longer ones evicted each other from the instruction cache (results/gpu_logs/ws_proto_61ac419.log:
+(8, 16) took 19.6 ms against (3, 8)'s 11.9).
 
 Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
 then, unless causal, without any masking (`Specialised.even`): inside the tile loops that code cost
@@ -125,6 +125,9 @@ class Specialised(NamedTuple):
 
     def threads(self, block_q: int, block_k: int) -> int:
         return (block_q // S_RM) * (block_k // S_KN) + (block_q // P_RM) * (self.dv // P_XN)
+
+    # K/V rows by cp.async, O_i by 16-byte stores: those arrays 16-byte aligned (`Layout`)
+    ALIGNED = "kvo"
 
     def copies_rows(self, d: int, dv: int) -> bool:
         return True
