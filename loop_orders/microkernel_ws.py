@@ -84,7 +84,7 @@ from .tiles import (
 
 NEG_INF = float32(-math.inf)
 MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`microkernel.MAX_SLACK`)
-S_RM = 8  # an S thread's rows
+S_RM, S_KN = 8, 8  # an S thread's rows and keys
 P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
 
@@ -124,8 +124,7 @@ class Specialised(NamedTuple):
         return self._replace(even=n_q % block_q == 0 and n_k % block_k == 0)
 
     def threads(self, block_q: int, block_k: int) -> int:
-        return (block_q // S_RM) * (block_k // s_keys(block_k, self.dv)) \
-            + (block_q // P_RM) * (self.dv // P_XN)
+        return (block_q // S_RM) * (block_k // S_KN) + (block_q // P_RM) * (self.dv // P_XN)
 
     # K/V rows by cp.async, O_i by 16-byte stores: those arrays 16-byte aligned (`Layout`)
     ALIGNED = "kvo"
@@ -148,20 +147,12 @@ class Specialised(NamedTuple):
     def fits(block_q: int, block_k: int, d: int, dv: int) -> bool:
         """Whether the kernel can run these tiles: whole thread tiles, each role whole warps
         whose lanes hold whole rows of S, 16-byte rows, and the buffer under 227 KB."""
-        s_kn = s_keys(block_k, dv)
-        ns = (block_q // S_RM) * (block_k // s_kn)
+        ns = (block_q // S_RM) * (block_k // S_KN)
         np_ = (block_q // P_RM) * (dv // P_XN)
-        return (block_q % S_RM == 0 and block_k % (2 * s_kn) == 0 and dv % P_XN == 0
+        return (block_q % S_RM == 0 and block_k % (2 * S_KN) == 0 and dv % P_XN == 0
                 and d % 4 == 0 and ns % 32 == 0 and np_ % 32 == 0 and ns + np_ <= 1024
-                and 32 % (block_k // s_kn) == 0
+                and 32 % (block_k // S_KN) == 0
                 and 4 * shared_floats(block_q, block_k, d, dv) <= 232_448)
-
-
-def s_keys(block_k: int, dv: int) -> int:
-    """An S thread's keys: 8, or 4 where 8 would give the S warps fewer threads than the P V
-    warps (Bc/8 < dv/16), so that both roles, whose products are the same size when d = dv,
-    get half the CTA (Bc = 32 at dv = 128: 2 + 2 warps a 64-row block)."""
-    return 8 if block_k // 8 >= dv // P_XN else 4
 
 
 class Shared(NamedTuple):
@@ -201,7 +192,6 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
     ALPHA, L_ROW = sm.alpha, sm.l_row  # noqa: N806
     HK = BC // 2  # noqa: N806 - keys of a V half
-    S_KN = s_keys(BC, DV)  # noqa: N806 - an S thread's keys
     S_TR, S_TC = BR // S_RM, BC // S_KN  # noqa: N806
     P_TR, P_TC = BR // P_RM, DV // P_XN  # noqa: N806
     NS, NP = S_TR * S_TC, P_TR * P_TC  # noqa: N806
