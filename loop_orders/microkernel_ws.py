@@ -391,15 +391,25 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
 
     @inlined
-    def row_group_seen(g, buf, p_at, v_at, tr, tc, acc, first, vis):
-        """acc += the half's keys that rows of group g see: those all 4 see (a row sees a
-        prefix of the tile's keys, the later row the longer one) 4 rows at a time, then key
-        by key the few that only some see; a key no row sees is never multiplied in."""
+    def accumulate_first(n, buf, p_at, v_at, tr, tc, acc):
+        """acc += the half's first n keys, all 8 rows (n at run time: the keys every row of
+        the thread sees on a tail tile or the causal diagonal)."""
+        key = uint32(0)
+        while key < uint32(n):
+            accumulate_key(key, buf, p_at, v_at, tr, tc, acc)
+            key = uint32(key + uint32(1))
+
+    @inlined
+    def row_group_seen(g, buf, p_at, v_at, tr, tc, acc, first, vis, start):
+        """acc += the half's keys from `start` on that rows of group g see: those all 4 see
+        (a row sees a prefix of the tile's keys, the later row the longer one) 4 rows at a
+        time, then key by key the few that only some see; a key no row sees is never
+        multiplied in."""
         every = min(max(vis[4 * g] - first, 0), HK)  # keys all 4 rows see
         some = min(max(vis[4 * g + 3] - first, 0), HK)  # keys the last row sees
         pp = cuda.local.array(4, float32)
         vv = cuda.local.array(P_XN, float32)
-        key = int32(0)
+        key = int32(start)
         while key < every:
             row_group_operands(g, key, buf, p_at, v_at, tr, tc, pp, vv)
             for a in range(4):
@@ -414,10 +424,11 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                         acc[(4 * g + a) * P_XN + y] += pp[a] * vv[y]
             key = int32(key + 1)
 
-    # acc += the half's keys each row sees, on a tail tile or the causal diagonal, a group of
-    # 4 rows at a time: accumulate_seen(buf, p_at, v_at, tr, tc, acc, first, vis), with
-    # `first` the half's first key in the tile and vis the keys each row sees
-    accumulate_seen = unrolled(row_group_seen, P_RM // 4, 8, P_RM // 4)
+    # acc += the half's keys from `start` on that each row sees, on a tail tile or the causal
+    # diagonal, a group of 4 rows at a time: accumulate_seen(buf, p_at, v_at, tr, tc, acc,
+    # first, vis, start), with `first` the half's first key in the tile and vis the keys each
+    # row sees
+    accumulate_seen = unrolled(row_group_seen, P_RM // 4, 9, P_RM // 4)
 
     @inlined
     def load_v_half(buf, v, bh, key0, n_k, half, cnt):
@@ -460,8 +471,10 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 v_at = uint64(V) + uint64((half % 3) * HK * DV)
                 if not MASKED or vis[0] == BC:
                     accumulate_half(buf, p_at, v_at, tr, tc, acc)
-                else:
-                    accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis)
+                else:  # the keys all 8 rows see (the first row's) 8 rows a key, then groups
+                    every = min(max(vis[0] - hh * HK, 0), HK)
+                    accumulate_first(every, buf, p_at, v_at, tr, tc, acc)
+                    accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis, every)
             if j + 1 < c_i:
                 empty_arrive()  # done with P_ij^T and alpha
         l_sync()  # every row's l_i is in shared memory
