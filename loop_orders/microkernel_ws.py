@@ -8,8 +8,7 @@ an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warp
     PV warps  (NP = Br/8 x dv/16 threads, 8 rows x 16 dims of O_i each: 6 loads per 128)
 
     all:       Q_i -> shared, pre-scaled by scale log2 e                     # once
-    all:       S_ij, P_ij^T, alpha for j = 0, half an S thread's rows each   # `first_scores`
-    S warps:   for 0 < j < c_i:
+    S warps:   for j < c_i:
                    K_j landed (two K buffers; K_j+1 copied under S_ij)
                    S_ij = Q_i K_j^T, masked; lazy row max m_i (as the micro-kernel's);
                    alpha = 2^(m_old - m_i); l_i = alpha l_i + rowsum(P_ij), P_ij = 2^(S - m_i)
@@ -23,10 +22,8 @@ an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warp
                [wait: l_i]  O_i = acc_i / l_i -> HBM
 
 P_ij^T has one buffer: the S warps compute S_ij+1 in registers while the PV warps fold in
-P_ij, and only its store waits for them. S_i0 is every warp's, so that the P V warps do not
-wait a whole S tile for their first P_ij at the start of each query block. With Br = 128,
-Bc = 64, d = dv = 128 the buffer is 227,328 bytes, one CTA an SM, and each of the 4
-schedulers holds one S warp and one P V warp.
+P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 the buffer is
+219,136 bytes, one CTA an SM, and each of the 4 schedulers holds one S warp and one P V warp.
 The hot loops are kept short (`Specialised`: 3 chunks of S_ij's dims, 4 or 8 keys of P_ij V_j
 a trip, per mask as q_outer's SPECIALISED says): each scheduler runs both loops at once, and
 longer ones evicted each other from the instruction cache (results/gpu_logs/ws_proto_61ac419.log:
@@ -170,17 +167,15 @@ class Shared(NamedTuple):
     ps: int
     alpha: int  # the rows' rescale factors of the tile
     l_row: int  # the rows' l_i, at the end
-    stats: int  # m_i, then l_i, after S_i0: per S thread and row (2 x S_RM x NS)
     size: int
 
 
 @cache
 def shared(BR: int, BC: int, D: int, DV: int) -> Shared:  # noqa: N803
     qs, ks, ps = odd_stride(D), odd_stride(D), odd_stride(BR)
-    ns = (BR // S_RM) * (BC // S_KN)
-    sizes = [BR * qs, 2 * BC * ks, 3 * (BC // 2) * DV, BC * ps, BR, BR, 2 * S_RM * ns]
-    q, k, v, p, alpha, l_row, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    return Shared(q, qs, k, ks, v, p, ps, alpha, l_row, stats, size)
+    sizes = [BR * qs, 2 * BC * ks, 3 * (BC // 2) * DV, BC * ps, BR, BR]
+    q, k, v, p, alpha, l_row, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return Shared(q, qs, k, ks, v, p, ps, alpha, l_row, size)
 
 
 def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
@@ -195,7 +190,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
     sm = shared(BR, BC, D, DV)
     Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
-    ALPHA, L_ROW, STATS = sm.alpha, sm.l_row, sm.stats  # noqa: N806
+    ALPHA, L_ROW = sm.alpha, sm.l_row  # noqa: N806
     HK = BC // 2  # noqa: N806 - keys of a V half
     S_TR, S_TC = BR // S_RM, BC // S_KN  # noqa: N806
     P_TR, P_TC = BR // P_RM, DV // P_XN  # noqa: N806
@@ -205,7 +200,6 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     LOG_TC = S_TC.bit_length() - 1  # noqa: N806
     # local arrays take literal sizes: a thread's scores, its accumulators
     S_NS, P_NACC = S_RM * S_KN, P_RM * P_XN  # noqa: N806
-    HALF, HALF_NS = S_RM // 2, S_RM // 2 * S_KN  # noqa: N806 - S_i0's rows, scores a thread
     NCNT = counter_slots(COUNT)  # noqa: N806
     full_sync, full_arrive = named_barrier(FULL, NT)
     empty_sync, empty_arrive = named_barrier(EMPTY, NT)
@@ -234,20 +228,15 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     @inlined
     def s_row(tr, a):
         """An S thread's row a: pairs of rows, 2 tr + a % 2 + 2 S_TR (a // 2), so that the
-        4 rows a warp loads of Q_i at once sit in different banks. Its rows a < S_RM/2 lie
-        in the block's first half and the others in its second: row a + S_RM/2 of thread tr
-        is row a of "thread" tr + 2 S_TR (`first_scores`)."""
+        4 rows a warp loads of Q_i at once sit in different banks."""
         return uint64((a // 2) * 2 * S_TR + a % 2) + uint64(2) * uint64(tr)
 
-    def make_q_chunk(RM):  # noqa: N803
-        @inlined
-        def q_chunk(x4, buf, tr, qq):
-            for a in range(RM):
-                at = uint64(Q) + s_row(tr, a) * uint64(QS) + uint64(4) * uint64(x4)
-                for u in range(4):
-                    qq[a * 4 + u] = buf[at + uint64(u)]
-
-        return q_chunk
+    @inlined
+    def q_chunk(x4, buf, tr, qq):
+        for a in range(S_RM):
+            at = uint64(Q) + s_row(tr, a) * uint64(QS) + uint64(4) * uint64(x4)
+            for u in range(4):
+                qq[a * 4 + u] = buf[at + uint64(u)]
 
     @inlined
     def k_chunk(x4, buf, k_at, tc, kk):
@@ -256,64 +245,52 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             for u in range(4):
                 kk[b * 4 + u] = buf[at + uint64(u)]
 
-    scores = make_scores(S_RM, S_KN, DX4, SP.chunks, SP.peel, make_q_chunk(S_RM), k_chunk)
-    half_scores = make_scores(HALF, S_KN, DX4, SP.chunks, SP.peel, make_q_chunk(HALF), k_chunk)
+    scores = make_scores(S_RM, S_KN, DX4, SP.chunks, SP.peel, q_chunk, k_chunk)
 
-    def make_weigh(RM):  # noqa: N803
-        @inlined
-        def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
-            """Mask, the lazy row max, alpha, l_i, and the weights 2^(s - m) in place of s,
-            for a thread's RM rows."""
-            if MASKED and visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # tail, diag.
-                for a in range(RM):
-                    seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
-                    for b in range(S_KN):
-                        if int(tc) + b * S_TC >= seen:
-                            s[a * S_KN + b] = NEG_INF  # weight 0, whatever its K row holds
-            moved = False  # a score above its row's running max by more than MAX_SLACK
-            part = cuda.local.array(RM, float32)
-            for a in range(RM):
-                x = s[a * S_KN]
-                for b in range(1, S_KN):
-                    x = max(x, s[a * S_KN + b])
-                part[a] = x
-                alpha[a] = float32(1.0)
-                moved |= x > m[a] + MAX_SLACK
-            if vote_any(moved):  # a warp holds whole rows of S threads
-                for a in range(RM):
-                    x = part[a]
-                    for r in range(LOG_TC):
-                        x = max(x, shfl_xor(x, 1 << r))
-                    if x > m[a]:
-                        alpha[a] = exp2(m[a] - x)  # 0 before the first key
-                        l[a] *= alpha[a]
-                        m[a] = x
-            for a in range(RM):
-                shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
+    @inlined
+    def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
+        """Mask, the lazy row max, alpha, l_i, and the weights 2^(s - m) in place of s."""
+        if MASKED and visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # tail, diagonal
+            for a in range(S_RM):
+                seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
                 for b in range(S_KN):
-                    w = exp2(s[a * S_KN + b] - shift)
-                    l[a] += w
-                    s[a * S_KN + b] = w
-
-        return weigh
-
-    def make_give_p(RM):  # noqa: N803
-        @inlined
-        def give_p(buf, s, alpha, tr, tc):
-            """P_ij^T (a row per key) and the rows' alpha into shared memory, for a thread's
-            RM rows."""
+                    if int(tc) + b * S_TC >= seen:
+                        s[a * S_KN + b] = NEG_INF  # weight 0, whatever its K row holds
+        moved = False  # a score above its row's running max by more than MAX_SLACK
+        part = cuda.local.array(S_RM, float32)
+        for a in range(S_RM):
+            x = s[a * S_KN]
+            for b in range(1, S_KN):
+                x = max(x, s[a * S_KN + b])
+            part[a] = x
+            alpha[a] = float32(1.0)
+            moved |= x > m[a] + MAX_SLACK
+        if vote_any(moved):  # a warp holds whole rows of S threads
+            for a in range(S_RM):
+                x = part[a]
+                for r in range(LOG_TC):
+                    x = max(x, shfl_xor(x, 1 << r))
+                if x > m[a]:
+                    alpha[a] = exp2(m[a] - x)  # 0 before the first key
+                    l[a] *= alpha[a]
+                    m[a] = x
+        for a in range(S_RM):
+            shift = m[a] if m[a] > NEG_INF else float32(0.0)  # no key seen yet: 2^-inf = 0
             for b in range(S_KN):
-                at = uint64(P) + (uint64(tc) + uint64(b * S_TC)) * uint64(PS)
-                for a in range(RM):
-                    buf[at + s_row(tr, a)] = s[a * S_KN + b]
-            if tc == uint32(0):
-                for a in range(RM):
-                    buf[uint64(ALPHA) + s_row(tr, a)] = alpha[a]
+                w = exp2(s[a * S_KN + b] - shift)
+                l[a] += w
+                s[a * S_KN + b] = w
 
-        return give_p
-
-    weigh, give_p = make_weigh(S_RM), make_give_p(S_RM)
-    half_weigh, half_give_p = make_weigh(HALF), make_give_p(HALF)
+    @inlined
+    def give_p(buf, s, alpha, tr, tc):
+        """P_ij^T (a row per key) and the rows' alpha into shared memory."""
+        for b in range(S_KN):
+            at = uint64(P) + (uint64(tc) + uint64(b * S_TC)) * uint64(PS)
+            for a in range(S_RM):
+                buf[at + s_row(tr, a)] = s[a * S_KN + b]
+        if tc == uint32(0):
+            for a in range(S_RM):
+                buf[uint64(ALPHA) + s_row(tr, a)] = alpha[a]
 
     @inlined
     def load_k(buf, k, bh, key0, n_k, stage, cnt):
@@ -323,41 +300,16 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             cnt[K_R] += moved
 
     @inlined
-    def first_scores(buf, k, bh, row0, n_k, c_i, t, cnt):
-        """S_i0 by every warp of the CTA, so that no warp waits for it: thread t takes S
-        thread t % NS's rows in half t // NS of the block (S_RM/2 rows x S_KN keys), leaves
-        P_i0^T and alpha in shared memory as the S warps' loop does, and its rows' m_i and
-        partial l_i in STATS for that S thread."""
-        if t < uint32(NS) and c_i > 1:
-            load_k(buf, k, bh, BC, n_k, 1, cnt)  # K_1 lands under S_i0
-        h, ts = t // uint32(NS), t % uint32(NS)
-        tr, tc = ts // uint32(S_TC) + h * uint32(2 * S_TR), ts % uint32(S_TC)  # `s_row`
-        m = cuda.local.array(HALF, float32)
-        l = cuda.local.array(HALF, float32)  # noqa: E741
-        s = cuda.local.array(HALF_NS, float32)
-        alpha = cuda.local.array(HALF, float32)
-        for a in range(HALF):
-            m[a] = NEG_INF
-            l[a] = float32(0.0)
-        half_scores(s, buf, uint64(K), tr, tc)
-        half_weigh(s, m, l, alpha, tr, tc, row0, 0, min(BC, n_k))
-        half_give_p(buf, s, alpha, tr, tc)
-        for a in range(HALF):
-            row = uint64(h * uint32(HALF) + uint32(a))
-            buf[uint64(STATS) + row * uint64(NS) + uint64(ts)] = m[a]
-            buf[uint64(STATS + S_RM * NS) + row * uint64(NS) + uint64(ts)] = l[a]
-
-    @inlined
     def s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
         tr, tc = t // uint32(S_TC), t % uint32(S_TC)
         m = cuda.local.array(S_RM, float32)
         l = cuda.local.array(S_RM, float32)  # noqa: E741 - this thread's partial row sums
         s = cuda.local.array(S_NS, float32)
         alpha = cuda.local.array(S_RM, float32)
-        for a in range(S_RM):  # after S_i0 (`first_scores`)
-            m[a] = buf[uint64(STATS + a * NS) + uint64(t)]
-            l[a] = buf[uint64(STATS + (S_RM + a) * NS) + uint64(t)]
-        for j in range(1, c_i):
+        for a in range(S_RM):
+            m[a] = NEG_INF
+            l[a] = float32(0.0)
+        for j in range(c_i):
             key0 = j * BC
             cp_async_wait_all()  # this thread's copies of K_j have landed
             s_sync()  # ... every S thread's; all are done with the other buffer (K_j-1)
@@ -365,7 +317,8 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
             scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
             weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
-            empty_sync()  # the P V warps are done with P_ij-1 and its alpha
+            if j > 0:
+                empty_sync()  # the P V warps are done with P_ij-1 and its alpha
             give_p(buf, s, alpha, tr, tc)
             full_arrive()  # P_ij^T and alpha are in shared memory
         for a in range(S_RM):
@@ -500,8 +453,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             if MASKED:
                 for a in range(P_RM):
                     vis[a] = visible(row0 + int(pv_row(tr, a)), key0, n_keys)
-            if j > 0:  # (P_i0^T: the barrier after `first_scores`)
-                full_sync()  # P_ij^T and the rows' alpha are in shared memory
+            full_sync()  # P_ij^T and the rows' alpha are in shared memory
             for a in range(P_RM):
                 alpha = buf[uint64(ALPHA) + pv_row(tr, a)]
                 if alpha != float32(1.0):  # the row's max rose (most tiles it does not)
@@ -564,11 +516,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         moved = load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
         if COUNT:
             cnt[Q_R] += moved
-        if t < uint32(NS):
-            cp_async_wait_all()  # this thread's copies of K_0 have landed
-        cuda.syncthreads()  # Q_i and K_0 are in shared memory
-        first_scores(buf, k, bh, row0, n_k, c_i, t, cnt)
-        cuda.syncthreads()  # P_i0^T, alpha and m_i, l_i are in shared memory; K_0 is read
+        cuda.syncthreads()  # Q_i is in shared memory
         if t < uint32(NS):
             s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt)
         else:
