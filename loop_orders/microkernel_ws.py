@@ -31,12 +31,16 @@ longer ones evicted each other from the instruction cache (results/gpu_logs/ws_p
 
 Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
 then, unless causal, without any masking (`Specialised.even`): inside the tile loops that code cost
-4 % (results/gpu_logs/ab_ws_f32c6cd.log). On a tail tile or the causal diagonal the P V
-warps take each group of 4 consecutive rows apart: the keys all four see at 64 FMAs a key,
-then key by key the few only some see (a row sees a prefix of the tile's keys). Key by key
-for all 8 rows, a branch a row, the diagonal's two tiles cost about two tiles' time more a
-query block, and causal the kernel lost to the shared micro-kernel (6.43 against 6.34 ms at
-N = 4096); by groups it wins (6.11; results/gpu_logs/ab_ws_causal_4bbdeed.log).
+4 % (results/gpu_logs/ab_ws_f32c6cd.log). On a tail tile or the causal diagonal a P V
+thread takes the keys all 8 of its rows see 8 rows a key, as on any other tile, then each
+group of 4 consecutive rows apart: the further keys all four see at 64 FMAs a key, then key
+by key the few only some see (a row sees a prefix of the tile's keys). Key by key for all 8
+rows, a branch a row, the diagonal's two tiles cost about two tiles' time more a query block,
+and causal the kernel lost to the shared micro-kernel (6.43 against 6.34 ms at N = 4096); by
+groups it won (6.11; results/gpu_logs/ab_ws_causal_4bbdeed.log), and with the common keys 8
+rows a key it gained 0.8 % more at N = 4096 and 2.3 % at 512: the warp holding the rows just
+below the diagonal's middle took most of the first diagonal tile's keys by groups, and it set
+the step (results/gpu_logs/ws_diagonal_fast_path_1379107.log).
 
 The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
 by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the

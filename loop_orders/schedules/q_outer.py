@@ -278,14 +278,18 @@ class QOuter(MicroKernelSchedule):
     # by key; by groups of 4 rows it wins (6.11 against 6.34 ms, 3.24 against 3.35 at 2048,
     # 1.81 against 1.85 at 1024; results/gpu_logs/ab_ws_causal_4bbdeed.log). At N = 512 the
     # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.06 ms, against this
-    # kernel's 1.10 on 128 x 64: results/gpu_logs/ws_causal_4a73e41.log and the log above).
+    # kernel's 1.10 on 128 x 64: results/gpu_logs/ws_causal_4a73e41.log and the log above;
+    # 1.073 since the diagonal's fast path, results/gpu_logs/ws_diagonal_fast_path_1379107.log).
     # Its unrolling (chunks of S_ij's dims, keys of P_ij V_j a trip) per mask, measured after
     # O_i's 16-byte stores (d02c9f2) moved the code: 4 keys a trip took 1.3 % off without a
     # mask (11.80 against 11.96 ms at N = 4096, 5.96 against 6.04 at 2048) and cost the causal
     # build 1.7 % (6.25 against 6.14); (2, 8), (4, 8) and S_ij unpeeled lost both ways
     # (results/gpu_logs/ab_ws_unroll_d02c9f2.log, two alternating rounds); causal, (2, 4),
     # (4, 4) and (3, 2) lost too, by 0.1-2.6 % at N = 1024 ... 16384
-    # (results/gpu_logs/ws_unroll_1176fe2.log).
+    # (results/gpu_logs/ws_unroll_1176fe2.log), and (3, 4), (2, 8) again by 0.1-0.3 % once the
+    # diagonal's common keys went 8 rows a key (results/gpu_logs/ws_unroll_causal_1b996c9.log).
+    # 64-row blocks, two CTAs an SM (64 x 32, 2 S + 2 P V warps), lost 6-24 % causal, and
+    # without a mask ran 14-16 % behind SDPA (results/gpu_logs/ws_64_rows_99621b7.log).
     SPECIALISES = True
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
