@@ -45,7 +45,8 @@ the step (results/gpu_logs/ws_diagonal_fast_path_1379107.log).
 The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
 by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the
 micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the keys it sees
-(by row groups on a tail tile or the causal diagonal), K and V rows past N_k arrive as zeros.
+(on a tail tile or the causal diagonal, the keys all of a thread's rows see 8 rows a key, the
+rest by row groups), K and V rows past N_k arrive as zeros.
 
 Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
 S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it
@@ -395,6 +396,12 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         v_key(v_at + uint64(key) * uint64(DV), buf, tc, vv)
 
     @inlined
+    def seen_in_half(seen, first):
+        """Of the V half starting at key `first` of the tile, the keys a row that sees the
+        tile's first `seen` keys sees."""
+        return min(max(seen - first, 0), HK)
+
+    @inlined
     def accumulate_first(n, buf, p_at, v_at, tr, tc, acc):
         """acc += the half's first n keys, all 8 rows (n at run time: the keys every row of
         the thread sees on a tail tile or the causal diagonal)."""
@@ -409,8 +416,8 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         (a row sees a prefix of the tile's keys, the later row the longer one) 4 rows at a
         time, then key by key the few that only some see; a key no row sees is never
         multiplied in."""
-        every = min(max(vis[4 * g] - first, 0), HK)  # keys all 4 rows see
-        some = min(max(vis[4 * g + 3] - first, 0), HK)  # keys the last row sees
+        every = seen_in_half(vis[4 * g], first)  # keys all 4 rows see
+        some = seen_in_half(vis[4 * g + 3], first)  # keys the last row sees
         pp = cuda.local.array(4, float32)
         vv = cuda.local.array(P_XN, float32)
         key = int32(start)
@@ -476,7 +483,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 if not MASKED or vis[0] == BC:
                     accumulate_half(buf, p_at, v_at, tr, tc, acc)
                 else:  # the keys all 8 rows see (the first row's) 8 rows a key, then groups
-                    every = min(max(vis[0] - hh * HK, 0), HK)
+                    every = seen_in_half(vis[0], hh * HK)
                     accumulate_first(every, buf, p_at, v_at, tr, tc, acc)
                     accumulate_seen(buf, p_at, v_at, tr, tc, acc, hh * HK, vis, every)
             if j + 1 < c_i:
