@@ -390,9 +390,8 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             cnt[Q_R] += moved
 
     @inlined
-    def s_block(buf, k, lse, bh, row0, n_rows, n_k, c_i, later, t, cnt):
-        """The S warps' part of query block i (Q_i and K_0 copied); `later`: not the CTA's
-        first block, whose P_ij^T the P V warps may still be folding in."""
+    def s_block(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
+        """The S warps' part of query block i (Q_i and K_0 copied)."""
         tr, tc = t // uint32(S_TC), t % uint32(S_TC)
         m = cuda.local.array(S_RM, float32)
         l = cuda.local.array(S_RM, float32)  # noqa: E741 - this thread's partial row sums
@@ -410,8 +409,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
             scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
             weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
-            if j > 0 or later:
-                empty_sync()  # the P V warps are done with the P_ij^T before and its alpha
+            empty_sync()  # the P V warps are done with the P_ij^T before and its alpha
             give_p(buf, s, alpha, tr, tc)
             full_arrive()  # P_ij^T and alpha are in shared memory
         for a in range(S_RM):
@@ -447,8 +445,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             load_q(buf, q, bh, row0, n_rows, scale_log2, cnt)
             if t == uint32(0):  # for both roles (the P V warps read it after FULL)
                 publish(drawn, tickets, q, next_item, 2 * ((folded + 1) % 2))
-            s_block(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k),
-                    folded > 0, t, cnt)
+            s_block(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, cnt)
             folded = int32(folded + 1)
             s_sync()  # every S thread is done with Q_i and K's buffers, and has the next item
             i, bh = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
@@ -628,6 +625,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         inv_l = cuda.local.array(P_RM, float32)
         i, bh = item_of(int32(cuda.blockIdx.x), q)
         folded = int32(0)  # query blocks the CTA has folded in
+        empty_arrive()  # the P buffer is empty: the S warps' first P_ij^T may take it
         while i >= 0:
             row0 = i * BR
             n_rows = min(BR, n_q - row0)
