@@ -430,25 +430,20 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                         cnt[LSE_W] += 1
 
     @inlined
-    def s_role(buf, q, k, lse, tickets, next_item, scale_log2, t, cnt):
-        """The S warps' query blocks: the CTA's first work item, then those it draws."""
+    def s_item(buf, q, k, lse, tickets, next_item, i, bh, folded, scale_log2, t, cnt):
+        """The S warps' part of query block i, head bh; the next item drawn, for both roles."""
         n_q, n_k = q.shape[1], k.shape[1]
-        i, bh = item_of(int32(cuda.blockIdx.x), q)  # (every CTA has a first item)
-        folded = int32(0)  # query blocks the CTA has folded in
-        while i >= 0:
-            row0 = i * BR
-            n_rows = min(BR, n_q - row0)
-            load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
-            drawn = int32(0)
-            if t == uint32(0):  # the next item, drawn now, back under Q_i's load
-                drawn = cuda.atomic.add(tickets, 0, 1)
-            load_q(buf, q, bh, row0, n_rows, scale_log2, cnt)
-            if t == uint32(0):  # for both roles (the P V warps read it after FULL)
-                publish(drawn, tickets, q, next_item, 2 * ((folded + 1) % 2))
-            s_block(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, cnt)
-            folded = int32(folded + 1)
-            s_sync()  # every S thread is done with Q_i and K's buffers, and has the next item
-            i, bh = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
+        drawn = int32(0)
+        if t == uint32(0):  # the next item, drawn now, back under Q_i's load
+            drawn = cuda.atomic.add(tickets, 0, 1)
+        load_q(buf, q, bh, row0, n_rows, scale_log2, cnt)
+        if t == uint32(0):  # for both roles (the P V warps read it after FULL)
+            publish(drawn, tickets, q, next_item, 2 * ((folded + 1) % 2))
+        s_block(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, cnt)
+        s_sync()  # every S thread is done with Q_i and K's buffers, and has the next item
 
     # --- the P V warps -----------------------------------------------------------------
 
@@ -617,31 +612,21 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                     cnt[O_W] += P_XN
 
     @inlined
-    def pv_role(buf, q, v, o, next_item, t, cnt):
-        """The P V warps' query blocks: the CTA's first work item, then those the S warps
-        draw."""
+    def pv_item(buf, q, v, o, next_item, i, bh, folded, t, acc, inv_l, cnt):
+        """The P V warps' part of query block i, head bh."""
         n_q, n_k = q.shape[1], v.shape[1]
-        acc = cuda.local.array(P_NACC, float32)
-        inv_l = cuda.local.array(P_RM, float32)
-        i, bh = item_of(int32(cuda.blockIdx.x), q)
-        folded = int32(0)  # query blocks the CTA has folded in
-        empty_arrive()  # the P buffer is empty: the S warps' first P_ij^T may take it
-        while i >= 0:
-            row0 = i * BR
-            n_rows = min(BR, n_q - row0)
-            # V_0's halves, two ahead of the first
-            load_v_half(buf, v, bh, 0, n_k, 0, cnt)
-            load_v_half(buf, v, bh, HK, n_k, 1, cnt)
-            pv_block(buf, v, bh, row0, n_k, kv_blocks(row0, n_rows, n_k), t, acc, inv_l, cnt)
-            folded = int32(folded + 1)
-            i_next, bh_next = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
-            if i_next >= 0:
-                # done with the last P_ij^T, its alpha and l_i: the S warps' next block's
-                # first P_ij^T may take their place
-                empty_arrive()
-            store_o(o, bh, row0, n_rows, acc, inv_l, t, cnt)
-            pv_sync()  # every P V thread is done with V's ring: the next V_0 may take it
-            i, bh = i_next, bh_next
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        # V_0's halves, two ahead of the first
+        load_v_half(buf, v, bh, 0, n_k, 0, cnt)
+        load_v_half(buf, v, bh, HK, n_k, 1, cnt)
+        pv_block(buf, v, bh, row0, n_k, kv_blocks(row0, n_rows, n_k), t, acc, inv_l, cnt)
+        if next_item[2 * ((folded + 1) % 2)] >= 0:
+            # done with the last P_ij^T, its alpha and l_i: the S warps' next block's first
+            # P_ij^T may take their place
+            empty_arrive()
+        store_o(o, bh, row0, n_rows, acc, inv_l, t, cnt)
+        pv_sync()  # every P V thread is done with V's ring: the next V_0 may take it
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_ws(q, k, v, o, lse, counts, tickets, scale_log2):
@@ -652,10 +637,20 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         if COUNT:
             zero_counts(cnt)
         t = uint32(cuda.threadIdx.x)
-        if t < uint32(NS):
-            s_role(buf, q, k, lse, tickets, next_item, scale_log2, t, cnt)
-        else:
-            pv_role(buf, q, v, o, next_item, t - uint32(NS), cnt)
+        acc = cuda.local.array(P_NACC, float32)  # (the P V warps')
+        inv_l = cuda.local.array(P_RM, float32)
+        if t >= uint32(NS):
+            empty_arrive()  # the P buffer is empty: the S warps' first P_ij^T may take it
+        i, bh = item_of(int32(cuda.blockIdx.x), q)  # (every CTA has a first item)
+        folded = int32(0)  # query blocks the CTA has folded in
+        while i >= 0:
+            if t < uint32(NS):
+                s_item(buf, q, k, lse, tickets, next_item, i, bh, folded, scale_log2, t, cnt)
+            else:
+                pv_item(buf, q, v, o, next_item, i, bh, folded, t - uint32(NS), acc, inv_l,
+                        cnt)
+            folded = int32(folded + 1)
+            i, bh = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
         if COUNT:
             flush_counts(cnt, counts)
 
