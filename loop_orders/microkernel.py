@@ -77,7 +77,7 @@ from .microkernel_tc import (
     tc_shared_layout,
     warp_exchanges_per_tile,
 )
-from .microkernel_ws import Specialised, persistent_grid, shared_floats, tickets
+from .microkernel_ws import Specialised, shared_floats
 from .runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
@@ -778,9 +778,6 @@ class LaunchPlan(NamedTuple):
     # kernel's O_i stores): 16-byte aligned, or ...
     aligned: str
     falls_back: bool  # ... True: the plain-load kernel takes them; False: refused
-    # CTAs that fold work items in turn, drawing them from `microkernel_ws.tickets()`, one an
-    # SM (`persistent_grid`): the warp-specialised kernel
-    persistent: bool
 
 
 class MicroKernelSchedule(Schedule):
@@ -902,8 +899,7 @@ class MicroKernelSchedule(Schedule):
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else lay.ALIGNED
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
-                          aligned, not isinstance(lay, TensorCores),
-                          isinstance(lay, Specialised))
+                          aligned, not isinstance(lay, TensorCores))
 
     def dynamic_shared_bytes(self, p: Problem,
                              lay: Layout | TensorCores | Specialised | None = None) -> int:
@@ -933,8 +929,7 @@ class MicroKernelSchedule(Schedule):
         return [self.micro_kernel(p, count)]
 
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
-        """The micro-kernel's kernel for p on `grid` (a CTA per work item; the warp-specialised
-        kernel's persistent CTAs draw them in turn), with `args` and then the softmax scale
+        """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
         one scales S). Arrays it would move 16 bytes at a time from or to an address that is
         not 16-byte aligned get the CUDA-core kernel with plain loads, or are refused on
@@ -949,6 +944,4 @@ class MicroKernelSchedule(Schedule):
                     plan = self._launch_plan(p, count, forced, plain=True)
                 else:
                     check_aligned(**copied)  # refused, with the reason
-        if plan.persistent:
-            grid, args = persistent_grid(grid), (*args, tickets())
         launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

@@ -7,21 +7,19 @@ an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warp
     S warps   (NS = Br/8 x Bc/8 threads, 8 rows x 8 keys each: 16 loads per 256 FMAs)
     PV warps  (NP = Br/8 x dv/16 threads, 8 rows x 16 dims of O_i each: 6 loads per 128)
 
-    for each query block i the CTA draws (persistent CTAs, one an SM; see below):
-      S warps:   Q_i -> shared, pre-scaled by scale log2 e; K_0               # once
-                 for j < c_i:
-                     K_j landed (two K buffers; K_j+1 copied under S_ij)
-                     S_ij = Q_i K_j^T, masked; lazy row max m_i (as the micro-kernel's);
-                     alpha = 2^(m_old - m_i); l_i = alpha l_i + rowsum(P_ij), P_ij = 2^(S - m_i)
-                     [wait: P buffer empty]  P_ij^T, alpha -> shared  [signal: full]
-                 l_i -> shared  [signal]; lse_i (save_lse)
-      PV warps:  V_0's halves
-                 for j < c_i:
-                     [wait: full]  acc_i *= alpha
-                     acc_i += P_ij V_j, over V_j's two halves of Bc/2 keys (a ring of three
-                     halves, each copied two halves ahead)
-                     [signal: P buffer empty]
-                 [wait: l_i]  [signal: P buffer empty]  O_i = acc_i / l_i -> HBM
+    all:       Q_i -> shared, pre-scaled by scale log2 e                     # once
+    S warps:   for j < c_i:
+                   K_j landed (two K buffers; K_j+1 copied under S_ij)
+                   S_ij = Q_i K_j^T, masked; lazy row max m_i (as the micro-kernel's);
+                   alpha = 2^(m_old - m_i); l_i = alpha l_i + rowsum(P_ij), P_ij = 2^(S - m_i)
+                   [wait: P buffer empty]  P_ij^T, alpha -> shared  [signal: full]
+               l_i -> shared  [signal]; lse_i (save_lse)
+    PV warps:  for j < c_i:
+                   [wait: full]  acc_i *= alpha
+                   acc_i += P_ij V_j, over V_j's two halves of Bc/2 keys (a ring of three
+                   halves, each copied two halves ahead)
+                   [signal: P buffer empty]
+               [wait: l_i]  O_i = acc_i / l_i -> HBM
 
 P_ij^T has one buffer: the S warps compute S_ij+1 in registers while the PV warps fold in
 P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 the buffer is
@@ -50,19 +48,9 @@ micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the 
 (on a tail tile or the causal diagonal, the keys all of a thread's rows see 8 rows a key, the
 rest by row groups), K and V rows past N_k arrive as zeros.
 
-The CTAs are persistent, as many as there are SMs (`persistent_grid`), and the roles run on
-from one query block into the next: while the P V warps fold in a block's last P_ij V_j and
-write O_i, the S warps load the next Q_i and K_0 and compute its first S_ij. With a CTA per
-query block the P V warps waited out each block's first S_ij and the S warps its last P_ij V_j
-and the next CTA's Q_i: about 0.65 of a tile's time a block, fitted from the times without a
-mask at N = 1024 and 4096, which is 11 % of a causal block's time at N = 512. CTA c takes work
-item c first (a query block and batch x head; heaviest first when causal, as
-`tiles.block_grid`), then draws the next from a counter in HBM (`tickets`) while it folds in
-the one before, so that the SMs finish together as a CTA-per-block grid's did.
-
 Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
 S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it
-is done with the buffer the next copies take), L_READY for l_i at a block's end.
+is done with the buffer the next copies take), L_READY for l_i at the end.
 """
 
 from __future__ import annotations
@@ -71,7 +59,6 @@ import math
 from functools import cache
 from typing import NamedTuple
 
-import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
 from .intrinsics import (
@@ -84,22 +71,12 @@ from .intrinsics import (
     st_global_v4,
     vote_any,
 )
-from .runtime import (
-    SHARED_ALIGN,
-    SHARED_F32,
-    SIMULATOR,
-    cuda,
-    current_stream,
-    device_zeros,
-    inlined,
-    is_recording,
-    kernel_options,
-    multiprocessor_count,
-)
+from .runtime import SHARED_ALIGN, SHARED_F32, cuda, inlined, kernel_options
 from .tiles import (
     LN2,
     counter_slots,
     counts_flusher,
+    make_block_of,
     make_clear,
     make_kv_blocks,
     make_row_copier,
@@ -115,34 +92,6 @@ MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`microkernel.MAX_SL
 S_RM, S_KN = 8, 8  # an S thread's rows and keys
 P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
-# CTAs on the simulator: fewer than its tests' query blocks, so that CTAs fold several
-SIMULATED_CTAS = 2
-
-
-def persistent_grid(grid: tuple) -> tuple[int]:
-    """The kernel's grid for the work items of `grid` (a CTA per query block and batch x
-    head): a CTA an SM (its buffer takes an SM's shared memory), fewer where items are fewer."""
-    slots = SIMULATED_CTAS if SIMULATOR else multiprocessor_count()
-    return (min(math.prod(grid), slots),)
-
-
-_tickets: dict = {}
-
-
-def tickets():
-    """The work-item counter of launches on the current stream (and device): one int32 in HBM,
-    zero between launches. A launch's CTAs draw from it (the kernel's `draw`) and the last
-    draw sets it back to zero; launches on one stream run in turn, and each stream has its
-    own. While launches are recorded (`runtime.recording_launches`), a host stand-in."""
-    if is_recording():
-        return np.zeros(1, np.int32)  # typed as the counter is; never launched
-    key = (0 if SIMULATOR else cuda.get_current_device().id, current_stream())
-    held = _tickets.get(key)
-    if held is None:
-        held = _tickets[key] = device_zeros(1, np.int32)
-    elif SIMULATOR:
-        held[0] = 0  # a simulated launch can stop part-way (its budget) and the process go on
-    return held
 
 
 class Specialised(NamedTuple):
@@ -240,9 +189,9 @@ def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
 
 @cache
 def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
-    """The kernel q_outer(q, k, v, o, lse, counts, tickets, scale_log2) for these compile-time
-    sizes (`Specialised.fits`) and SP's unrolling, on `persistent_grid`'s grid with `tickets()`;
-    `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
+    (`Specialised.fits`) and SP's unrolling; `slots`: the counter slots (q, k, v, o, lse), as
+    q_outer's."""
     Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
     sm = shared(BR, BC, D, DV)
     Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
@@ -263,37 +212,14 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     pv_sync, _ = named_barrier(PV_ONLY, NP)
     l_sync, l_arrive = named_barrier(L_READY, NT)
     flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
     kv_blocks = make_kv_blocks(BC, CAUSAL)
-    clear_q = make_clear(BR * QS, NS)
-    load_q_tile = make_tile_loader(BR, D, NS, (Q, QS), scaled=True, in_flight=True)
+    clear_q = make_clear(BR * QS, NT)
+    load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True, in_flight=True)
     EVEN = SP.even  # noqa: N806 - whole tiles only: no tail code, and no mask unless causal
     MASKED = CAUSAL or not EVEN  # noqa: N806 - some tiles hold keys a row does not see
     copy_k_rows = make_row_copier(BC, D, KS, NS, 4, WHOLE=EVEN)
     copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS, WHOLE=EVEN)
-
-    @inlined
-    def item_of(w, q):
-        """Query block and batch x head of work item w (int32), or block -1 past the last
-        item: heaviest first when causal (the last query blocks of every head, as
-        `tiles.block_grid`), else each head's blocks in turn."""
-        n_bh, n_blocks = int32(q.shape[0]), int32((q.shape[1] + BR - 1) // BR)
-        if w >= n_bh * n_blocks:
-            return int32(-1), int32(0)
-        if CAUSAL:
-            return int32(n_blocks - 1 - w // n_bh), int32(w % n_bh)
-        return int32(w % n_blocks), int32(w // n_blocks)
-
-    @inlined
-    def publish(drawn, tickets, q, next_item, slot):
-        """The work item of the counter's value `drawn` into next_item[slot], next_item[slot +
-        1] (block -1: none left): item gridDim.x + drawn. A CTA draws (raises the counter by
-        one) once an item it folds and once more, as many draws as items: the last sets the
-        counter back to zero for the stream's next launch."""
-        if drawn == int32(q.shape[0] * ((q.shape[1] + BR - 1) // BR)) - 1:
-            tickets[0] = 0
-        i, bh = item_of(int32(drawn + int32(cuda.gridDim.x)), q)
-        next_item[slot] = i
-        next_item[slot + 1] = bh
 
     @inlined
     def visible(row, key0, n_keys):
@@ -379,19 +305,7 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             cnt[K_R] += moved
 
     @inlined
-    def load_q(buf, q, bh, row0, n_rows, scale_log2, cnt):
-        """Q_i into its tile, pre-scaled (by the S warps, which alone read it)."""
-        if not EVEN and n_rows < BR:
-            clear_q(buf)  # Q_i's rows past N_q stay zero
-            s_sync()  # ... before Q_i lands
-        # Q_i: read from HBM once, stays in shared memory for every K/V block
-        moved = load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
-        if COUNT:
-            cnt[Q_R] += moved
-
-    @inlined
-    def s_block(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
-        """The S warps' part of query block i (Q_i and K_0 copied)."""
+    def s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
         tr, tc = t // uint32(S_TC), t % uint32(S_TC)
         m = cuda.local.array(S_RM, float32)
         l = cuda.local.array(S_RM, float32)  # noqa: E741 - this thread's partial row sums
@@ -403,13 +317,13 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         for j in range(c_i):
             key0 = j * BC
             cp_async_wait_all()  # this thread's copies of K_j have landed
-            # ... every S thread's (and Q_i's rows); all are done with the other buffer (K_j-1)
-            s_sync()
+            s_sync()  # ... every S thread's; all are done with the other buffer (K_j-1)
             if j + 1 < c_i:
                 load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
             scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
             weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
-            empty_sync()  # the P V warps are done with the P_ij^T before and its alpha
+            if j > 0:
+                empty_sync()  # the P V warps are done with P_ij-1 and its alpha
             give_p(buf, s, alpha, tr, tc)
             full_arrive()  # P_ij^T and alpha are in shared memory
         for a in range(S_RM):
@@ -428,22 +342,6 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                     lse[bh, row0 + local] = (m[a] + math.log2(l[a])) * float32(LN2)
                     if COUNT:
                         cnt[LSE_W] += 1
-
-    @inlined
-    def s_item(buf, q, k, lse, tickets, next_item, i, bh, folded, scale_log2, t, cnt):
-        """The S warps' part of query block i, head bh; the next item drawn, for both roles."""
-        n_q, n_k = q.shape[1], k.shape[1]
-        row0 = i * BR
-        n_rows = min(BR, n_q - row0)
-        load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
-        drawn = int32(0)
-        if t == uint32(0):  # the next item, drawn now, back under Q_i's load
-            drawn = cuda.atomic.add(tickets, 0, 1)
-        load_q(buf, q, bh, row0, n_rows, scale_log2, cnt)
-        if t == uint32(0):  # for both roles (the P V warps read it after FULL)
-            publish(drawn, tickets, q, next_item, 2 * ((folded + 1) % 2))
-        s_block(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, cnt)
-        s_sync()  # every S thread is done with Q_i and K's buffers, and has the next item
 
     # --- the P V warps -----------------------------------------------------------------
 
@@ -554,10 +452,9 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             cnt[V_R] += moved
 
     @inlined
-    def pv_block(buf, v, bh, row0, n_k, c_i, t, acc, inv_l, cnt):
-        """The P V warps' part of query block i (V_0's halves copied): acc = O_i l_i, and
-        inv_l = 1 / l_i of the thread's rows."""
+    def pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, cnt):
         tr, tc = t // uint32(P_TC), t % uint32(P_TC)
+        acc = cuda.local.array(P_NACC, float32)
         vis = cuda.local.array(P_RM, int32)
         for y in range(P_NACC):
             acc[y] = float32(0.0)
@@ -593,15 +490,9 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 empty_arrive()  # done with P_ij^T and alpha
         l_sync()  # every row's l_i is in shared memory
         for a in range(P_RM):
-            inv_l[a] = float32(1.0) / buf[uint64(L_ROW) + pv_row(tr, a)]
-
-    @inlined
-    def store_o(o, bh, row0, n_rows, acc, inv_l, t, cnt):
-        tr, tc = t // uint32(P_TC), t % uint32(P_TC)
-        for a in range(P_RM):
             local = int(pv_row(tr, a))
             if local < n_rows:
-                inv = inv_l[a]
+                inv = float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
                 for h in range(P_XN // 4):
                     y = a * P_XN + 4 * h
                     # O_i: written to HBM once, normalised, 16 bytes a thread and store (a
@@ -611,46 +502,36 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 if COUNT:
                     cnt[O_W] += P_XN
 
-    @inlined
-    def pv_item(buf, q, v, o, next_item, i, bh, folded, t, acc, inv_l, cnt):
-        """The P V warps' part of query block i, head bh."""
-        n_q, n_k = q.shape[1], v.shape[1]
+    @cuda.jit(**kernel_options(NT, 255))
+    def q_outer_ws(q, k, v, o, lse, counts, scale_log2):
+        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        i, bh = block_of(q.shape[0])
+        n_q, n_k = q.shape[1], k.shape[1]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
-        # V_0's halves, two ahead of the first
-        load_v_half(buf, v, bh, 0, n_k, 0, cnt)
-        load_v_half(buf, v, bh, HK, n_k, 1, cnt)
-        pv_block(buf, v, bh, row0, n_k, kv_blocks(row0, n_rows, n_k), t, acc, inv_l, cnt)
-        if next_item[2 * ((folded + 1) % 2)] >= 0:
-            # done with the last P_ij^T, its alpha and l_i: the S warps' next block's first
-            # P_ij^T may take their place
-            empty_arrive()
-        store_o(o, bh, row0, n_rows, acc, inv_l, t, cnt)
-        pv_sync()  # every P V thread is done with V's ring: the next V_0 may take it
-
-    @cuda.jit(**kernel_options(NT, 255))
-    def q_outer_ws(q, k, v, o, lse, counts, tickets, scale_log2):
+        c_i = kv_blocks(row0, n_rows, n_k)
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
-        # the work items drawn, (query block, batch x head) by the parity of the CTA's blocks
-        next_item = cuda.shared.array(4, int32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
         t = uint32(cuda.threadIdx.x)
-        acc = cuda.local.array(P_NACC, float32)  # (the P V warps')
-        inv_l = cuda.local.array(P_RM, float32)
-        if t >= uint32(NS):
-            empty_arrive()  # the P buffer is empty: the S warps' first P_ij^T may take it
-        i, bh = item_of(int32(cuda.blockIdx.x), q)  # (every CTA has a first item)
-        folded = int32(0)  # query blocks the CTA has folded in
-        while i >= 0:
-            if t < uint32(NS):
-                s_item(buf, q, k, lse, tickets, next_item, i, bh, folded, scale_log2, t, cnt)
-            else:
-                pv_item(buf, q, v, o, next_item, i, bh, folded, t - uint32(NS), acc, inv_l,
-                        cnt)
-            folded = int32(folded + 1)
-            i, bh = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
+        if not EVEN and n_rows < BR:
+            clear_q(buf)  # Q_i's rows past N_q stay zero
+            cuda.syncthreads()  # ... before Q_i lands
+        if t < uint32(NS):
+            load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
+        else:  # V_0's halves, two ahead of the first
+            load_v_half(buf, v, bh, 0, n_k, 0, cnt)
+            load_v_half(buf, v, bh, HK, n_k, 1, cnt)
+        # Q_i: read from HBM once, stays in shared memory for every K/V block
+        moved = load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        if COUNT:
+            cnt[Q_R] += moved
+        cuda.syncthreads()  # Q_i is in shared memory
+        if t < uint32(NS):
+            s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt)
+        else:
+            pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t - uint32(NS), cnt)
         if COUNT:
             flush_counts(cnt, counts)
 

@@ -97,32 +97,6 @@ def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
 
 
 @gpu
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [1000, 1024])
-def test_q_outer_warp_specialised_ctas_fold_several_blocks(n, causal, rng):
-    """The warp-specialised kernel's persistent CTAs on 640 query blocks, about 5 a CTA: each
-    draws its next block from the stream's counter while it folds one in, and the S warps
-    start the next block's Q_i and S_i0 under the P V warps' last tile. With tails (N = 1000)
-    and built without the tails' code (N = 1024); twice in a row, so that the second launch
-    finds the counter the first set back (else it would skip blocks and leave their rows of
-    O unwritten); float32 accuracy, lse, counts == model."""
-    from loop_orders.microkernel_ws import Specialised, persistent_grid, tickets
-
-    q, k, v = random_qkv(rng, 2, 40, n, 128, 128)
-    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
-    sched = lo.get_schedule("q_outer")
-    for _ in range(2):
-        res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64,
-                           causal=causal, save_lse=True, count=True)
-        assert isinstance(sched.layout(res.problem), Specialised)
-        assert relative_error(res.out, ref) <= 1e-5
-        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
-        assert res.counts == sched.model(res.problem)
-        assert tickets().copy_to_host()[0] == 0
-    assert 4 * persistent_grid((res.problem.tr, res.problem.bh))[0] < res.problem.tr * 80
-
-
-@gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_float32_keys_not_16_byte_aligned_take_the_plain_loads(causal, d, rng):
