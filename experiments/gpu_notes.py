@@ -724,7 +724,8 @@ def sass_loops(results_dir: Path) -> str:
         return ("*Not measured yet: `sass_loops.json` is written by `python -m experiments."
                 "sass_loops --out results/sass_loops.json`.*")
     lines = ["| commit | d | dtype | causal | registers | K/V loop: instructions, FFMA | inner "
-             "loops: FFMA share | cheapest cp.async block: instructions a copy |",
+             "loops: FFMA share (register-bank conflict cycles a trip, where counted) | "
+             "cheapest cp.async block: instructions a copy |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         sha = run["provenance"]["git_sha"][:7]
@@ -734,7 +735,9 @@ def sass_loops(results_dir: Path) -> str:
             cheapest = min((c["per_copy"] for c in r["copies"]), default=None)
             lines.append(f"| {sha} | {r['d']} | {r['dtype']} | {r['causal']} | "
                          f"{r['registers']} | {outer['instructions']}, {outer['ffma']} | "
-                         + (" / ".join(f"{lp['ffma_share']:.0%}" for lp in hot) or "—") + " | "
+                         + (" / ".join(f"{lp['ffma_share']:.0%}" + (
+                             f" ({lp['bank_conflicts']})" if "bank_conflicts" in lp else "")
+                             for lp in hot) or "—") + " | "
                          + ("—" if cheapest is None else f"{cheapest:g}") + " |")
     return "\n".join(lines)
 

@@ -11,8 +11,9 @@ kernel limited by issue slots runs at best at the share of FFMA among the instru
 issues, so this prints, per kernel:
 
     loops:   each backward branch's body (first and last address), its instructions, FFMA,
-             shared loads, and the loops nested in it: the hot loops over S_ij's chunks
-             and P_ij V_j's keys, the K/V loop around them
+             shared loads, the loops nested in it (the hot loops over S_ij's chunks and
+             P_ij V_j's keys, the K/V loop around them), and the cycles a trip of it may lose
+             to register-bank conflicts on its FFMAs (`bank_conflicts`)
     copies:  each basic block holding cp.async (LDGSTS) instructions: its instructions per
              copy, the address arithmetic a tile load costs
 
@@ -35,6 +36,8 @@ from typing import NamedTuple
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+GUARD = re.compile(r"^@!?U?P[T0-9]+\s+")
+REGISTER = re.compile(r"^[-|]*R(\d+)(\.reuse)?")
 
 
 class Instruction(NamedTuple):
@@ -44,8 +47,13 @@ class Instruction(NamedTuple):
     @property
     def opcode(self) -> str:
         """The opcode without its guard predicate and modifiers (FFMA, LDS, BRA, ...)."""
-        body = re.sub(r"^@!?U?P[T0-9]+\s+", "", self.text)
-        return body.split()[0].split(".")[0]
+        return GUARD.sub("", self.text).split()[0].split(".")[0]
+
+    @property
+    def operands(self) -> list[str]:
+        """The operands' text, destination first."""
+        parts = GUARD.sub("", self.text).split(None, 1)
+        return [o.strip() for o in parts[1].split(",")] if len(parts) > 1 else []
 
 
 class Block(NamedTuple):
@@ -60,6 +68,7 @@ class Loop(NamedTuple):
     ffma: int
     shared_loads: int
     nested: int
+    bank_conflicts: int  # `bank_conflicts` of a trip
 
 
 def parse(sass: str) -> tuple[list[Instruction], dict[str, int], list[Block]]:
@@ -81,6 +90,32 @@ def parse(sass: str) -> tuple[list[Instruction], dict[str, int], list[Block]]:
     return instructions, labels, [b for b in blocks if b.instructions]
 
 
+def bank_conflicts(body: list[Instruction]) -> int:
+    """A static estimate of the cycles a trip of `body` loses to register-bank conflicts on
+    its FFMAs. The register file has two banks (register number mod 2, as measured on Volta
+    by Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking");
+    an FFMA reads its three sources from them, except a source the operand reuse cache holds
+    (the same register in the same slot, marked .reuse by the instruction before), and each
+    source beyond the first from one bank costs a cycle. The compiler assigns registers to
+    keep this low; where it cannot, ncu shows the cycles as dispatch stalls (q_outer's
+    warp-specialised kernel with persistent CTAs: results/gpu_logs/
+    ws_persistent_tickets_6d1d23f.log)."""
+    cycles, cached = 0, [None, None, None]  # the register the reuse cache holds per slot
+    for ins in body:
+        if ins.opcode != "FFMA":
+            cached = [None, None, None]
+            continue
+        banks = [0, 0]
+        for slot, text in enumerate(ins.operands[1:4]):
+            m = REGISTER.match(text)
+            reg = int(m.group(1)) if m else None
+            if reg is not None and reg != cached[slot]:
+                banks[reg % 2] += 1
+            cached[slot] = reg if m and m.group(2) else None
+        cycles += max(0, max(banks) - 1)
+    return cycles
+
+
 def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]:
     """One loop per backward branch: the instructions from its target to the branch."""
     spans = []
@@ -90,9 +125,11 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]
             spans.append((labels[m.group(1)], ins.address))
     found = []
     for start, end in spans:
-        body = Counter(i.opcode for i in instructions if start <= i.address <= end)
+        body = [i for i in instructions if start <= i.address <= end]
+        ops = Counter(i.opcode for i in body)
         nested = sum(1 for s, e in spans if (s, e) != (start, end) and start <= s and e <= end)
-        found.append(Loop(start, end, sum(body.values()), body["FFMA"], body["LDS"], nested))
+        found.append(Loop(start, end, len(body), ops["FFMA"], ops["LDS"], nested,
+                          bank_conflicts(body)))
     return found
 
 
@@ -187,7 +224,7 @@ def print_row(row: dict) -> None:
     for lp in row["loops"]:
         print(f"  loop {lp['start']}-{lp['end']}: {lp['instructions']} instructions, "
               f"{lp['ffma']} FFMA ({lp['ffma_share']:.0%}), {lp['shared_loads']} LDS, "
-              f"{lp['nested']} nested")
+              f"{lp['nested']} nested, {lp['bank_conflicts']} bank-conflict cycles")
     for cp in row["copies"]:
         print(f"  copies at {cp['start']}: {cp['copies']} cp.async in {cp['instructions']} "
               f"instructions ({cp['per_copy']} a copy)")

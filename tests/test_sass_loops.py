@@ -2,7 +2,7 @@
 (no toolkit needed): loops from backward branches, nesting, opcodes without predicates or
 modifiers, copy blocks."""
 
-from experiments.sass_loops import copy_blocks, loops, parse
+from experiments.sass_loops import bank_conflicts, copy_blocks, loops, parse
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -32,9 +32,33 @@ def test_parse_finds_loops_nesting_and_opcodes():
     inner, outer = found[0x20, 0x40], found[0x10, 0x80]
     assert (inner.instructions, inner.ffma, inner.shared_loads, inner.nested) == (3, 2, 0, 0)
     assert (outer.instructions, outer.ffma, outer.shared_loads, outer.nested) == (8, 2, 1, 1)
+    # FFMA R8, R4, R5, R8: R4 and R8 share bank 0 (one cycle); then R4, R6 and R9 (one)
+    assert inner.bank_conflicts == outer.bank_conflicts == 2
 
 
 def test_copy_blocks_count_instructions_per_cp_async():
     _, _, blocks = parse(LISTING)
     assert copy_blocks(blocks) == [{"label": ".L_x_1", "start": "0x20", "instructions": 8,
                                     "copies": 2, "per_copy": 4.0}]
+
+
+def test_bank_conflicts_count_sources_sharing_a_bank_past_the_reuse_cache():
+    """Sources in the same of two banks (register mod 2) beyond the first cost a cycle each,
+    unless the operand reuse cache holds them (the same register in the same slot, marked
+    .reuse by the FFMA before); any other instruction empties the cache."""
+    listing = """
+        /*0000*/                   FFMA R10, R2, R4, R6 ;
+        /*0010*/                   FFMA R11, R3, R5.reuse, R7 ;
+        /*0020*/                   FFMA R12, R2, R5, R7 ;
+        /*0030*/                   FFMA R13, R3, R5.reuse, R9 ;
+        /*0040*/                   MOV R1, R0 ;
+        /*0050*/                   FFMA R14, -R3, R5, |R1| ;
+        /*0060*/                   FFMA R15, R2, 0x3f800000, R3 ;
+"""
+    instructions, _, _ = parse(listing)
+    # alone: three even sources, three odd, one even and two odd, three odd, (MOV), three odd
+    # (negated or absolute values read their registers too), an immediate beside one of each
+    assert [bank_conflicts([ins]) for ins in instructions] == [2, 2, 1, 2, 0, 2, 0]
+    # in a row, the third finds R5 in slot 1's cache (R2 and R7 apart: 0); the fourth does
+    # not (the third did not mark it .reuse), and the MOV empties the cache before the sixth
+    assert bank_conflicts(instructions) == 2 + 2 + 0 + 2 + 2
