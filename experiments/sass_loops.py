@@ -92,14 +92,14 @@ def parse(sass: str) -> tuple[list[Instruction], dict[str, int], list[Block]]:
 
 def bank_conflicts(body: list[Instruction]) -> int:
     """A static estimate of the cycles a trip of `body` loses to register-bank conflicts on
-    its FFMAs. The register file has two banks (register number mod 2, as measured on Volta
-    by Jia et al. 2018, "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking");
-    an FFMA reads its three sources from them, except a source the operand reuse cache holds
-    (the same register in the same slot, marked .reuse by the instruction before), and each
-    source beyond the first from one bank costs a cycle. The compiler assigns registers to
-    keep this low; where it cannot, ncu shows the cycles as dispatch stalls (q_outer's
-    warp-specialised kernel with persistent CTAs: results/gpu_logs/
-    ws_persistent_tickets_6d1d23f.log)."""
+    its FFMAs, on the model of two register banks (register number mod 2), which Jia et al.
+    2018 ("Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking") measured on
+    Volta; NVIDIA documents none for Hopper. An FFMA reads its three sources from the banks,
+    except a source the operand reuse cache holds (the same register in the same slot,
+    marked .reuse by the instruction before), and each source beyond the first from one bank
+    costs a cycle. The compiler assigns registers to keep this low. On the H200 the count
+    followed ncu's dispatch stalls across three builds of q_outer's warp-specialised kernel
+    (results/gpu_logs/ws_persistent_tickets_6d1d23f.log)."""
     cycles, cached = 0, [None, None, None]  # the register the reuse cache holds per slot
     for ins in body:
         if ins.opcode != "FFMA":
