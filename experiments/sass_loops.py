@@ -98,7 +98,8 @@ def bank_conflicts(body: list[Instruction]) -> int:
     except a source the operand reuse cache holds (the same register in the same slot,
     marked .reuse by the instruction before), and each source beyond the first from one bank
     costs a cycle. The compiler assigns registers to keep this low. On the H200 the count
-    followed ncu's dispatch stalls across three builds of q_outer's warp-specialised kernel
+    ranked three builds of q_outer's warp-specialised kernel as their times did, and ncu's
+    dispatch stalls rose with it between two of them
     (results/gpu_logs/ws_persistent_tickets_6d1d23f.log)."""
     cycles, cached = 0, [None, None, None]  # the register the reuse cache holds per slot
     for ins in body:
