@@ -77,7 +77,7 @@ from .microkernel_tc import (
     tc_shared_layout,
     warp_exchanges_per_tile,
 )
-from .microkernel_ws import Specialised, shared_floats
+from .microkernel_ws import Specialised, persistent_grid, shared_floats, tickets
 from .runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
@@ -778,6 +778,9 @@ class LaunchPlan(NamedTuple):
     # kernel's O_i stores): 16-byte aligned, or ...
     aligned: str
     falls_back: bool  # ... True: the plain-load kernel takes them; False: refused
+    # CTAs that fold work items in turn, drawing them from `microkernel_ws.tickets()`, one an
+    # SM (`persistent_grid`): the warp-specialised kernel where `Specialised.persistent`
+    persistent: bool
 
 
 class MicroKernelSchedule(Schedule):
@@ -809,6 +812,9 @@ class MicroKernelSchedule(Schedule):
     # its warp-specialised kernel (`microkernel_ws`, which only q_outer's loop nest has),
     # measured faster there, with that kernel's unrolling (`Specialised`) measured fastest
     SPECIALISED: ClassVar[dict] = {}
+    # The same key -> (largest N_q, (chunks, keys, peel)): up to that N_q the warp-specialised
+    # kernel runs on persistent CTAs (`Specialised.persistent`), unrolled so, instead
+    PERSISTENT: ClassVar[dict] = {}
     SPECIALISES: ClassVar[bool] = False  # whether make_kernel takes a `Specialised`
 
     @staticmethod
@@ -835,10 +841,11 @@ class MicroKernelSchedule(Schedule):
         return lay._replace(stages=stages)
 
     def specialised(self, p: Problem, stages: int) -> Specialised | None:
-        """The warp-specialised kernel, unrolled as SPECIALISED says, where p's tiles and mask
-        are in it (and K/V loads run under the arithmetic, `stages` 2), or where
-        LOOP_ORDERS_LAYOUT=ws (or ws,CHUNKS,KEYS[,PEEL]: its unrolling, `Specialised`) forces
-        it (for tuning and tests: a ValueError where this loop nest has no such kernel or the
+        """The warp-specialised kernel, unrolled as SPECIALISED says (on persistent CTAs up to
+        the N_q PERSISTENT gives), where p's tiles and mask are in it (and K/V loads run under
+        the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
+        ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]: its unrolling and CTAs, `Specialised`) forces it
+        (for tuning and tests: a ValueError where this loop nest has no such kernel or the
         tiles do not fit it); else None. Any other LOOP_ORDERS_LAYOUT names a thread tile of
         the shared micro-kernel."""
         forced = os.environ.get("LOOP_ORDERS_LAYOUT")
@@ -849,7 +856,11 @@ class MicroKernelSchedule(Schedule):
                                  f"specialised kernel for block_q, block_k, d, dv = {tiles}")
             chosen = Specialised.parse(forced, p.dv)
         elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
-            chosen = Specialised(p.dv, *self.SPECIALISED[(*tiles, p.causal)])
+            largest_n, steps = self.PERSISTENT.get((*tiles, p.causal), (0, ()))
+            if p.n_q <= largest_n:
+                chosen = Specialised(p.dv, *steps, persistent=True)
+            else:
+                chosen = Specialised(p.dv, *self.SPECIALISED[(*tiles, p.causal)])
         else:
             return None
         return chosen.for_problem(p.n_q, p.n_k, p.block_q, p.block_k)
@@ -899,7 +910,8 @@ class MicroKernelSchedule(Schedule):
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else lay.ALIGNED
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
-                          aligned, not isinstance(lay, TensorCores))
+                          aligned, not isinstance(lay, TensorCores),
+                          isinstance(lay, Specialised) and lay.persistent)
 
     def dynamic_shared_bytes(self, p: Problem,
                              lay: Layout | TensorCores | Specialised | None = None) -> int:
@@ -929,7 +941,8 @@ class MicroKernelSchedule(Schedule):
         return [self.micro_kernel(p, count)]
 
     def launch_kernel(self, p: Problem, grid, count: bool, scale: float, *args) -> None:
-        """The micro-kernel's kernel for p on `grid`, with `args` and then the softmax scale
+        """The micro-kernel's kernel for p on `grid` (a CTA per work item; persistent CTAs
+        draw the items in turn), with `args` and then the softmax scale
         in log2 units (the CUDA-core micro-kernel loads Q_i pre-scaled by it, the tensor-core
         one scales S). Arrays it would move 16 bytes at a time from or to an address that is
         not 16-byte aligned get the CUDA-core kernel with plain loads, or are refused on
@@ -944,4 +957,6 @@ class MicroKernelSchedule(Schedule):
                     plan = self._launch_plan(p, count, forced, plain=True)
                 else:
                     check_aligned(**copied)  # refused, with the reason
+        if plan.persistent:
+            grid, args = persistent_grid(grid), (*args, tickets())
         launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

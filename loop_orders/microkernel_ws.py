@@ -59,6 +59,7 @@ import math
 from functools import cache
 from typing import NamedTuple
 
+import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
 from .intrinsics import (
@@ -71,7 +72,18 @@ from .intrinsics import (
     st_global_v4,
     vote_any,
 )
-from .runtime import SHARED_ALIGN, SHARED_F32, cuda, inlined, kernel_options
+from .runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    SIMULATOR,
+    cuda,
+    current_stream,
+    device_zeros,
+    inlined,
+    is_recording,
+    kernel_options,
+    multiprocessor_count,
+)
 from .tiles import (
     LN2,
     counter_slots,
@@ -92,6 +104,36 @@ MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`microkernel.MAX_SL
 S_RM, S_KN = 8, 8  # an S thread's rows and keys
 P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
+# CTAs on the simulator: fewer than its tests' query blocks, so that CTAs fold several
+SIMULATED_CTAS = 2
+
+
+def persistent_grid(grid: tuple) -> tuple[int]:
+    """The persistent kernel's grid for the work items of `grid` (a CTA per query block and
+    batch x head): a CTA an SM (its buffer takes an SM's shared memory), fewer where items
+    are fewer."""
+    slots = SIMULATED_CTAS if SIMULATOR else multiprocessor_count()
+    return (min(math.prod(grid), slots),)
+
+
+_tickets: dict = {}
+
+
+def tickets():
+    """The work-item counter of persistent launches on the current stream (and device): one
+    int32 in HBM, zero between launches. A launch's CTAs draw from it (the kernel's `publish`)
+    and the last draw sets it back to zero; launches on one stream run in turn, and each
+    stream has its own. While launches are recorded (`runtime.recording_launches`), a host
+    stand-in."""
+    if is_recording():
+        return np.zeros(1, np.int32)  # typed as the counter is; never launched
+    key = (0 if SIMULATOR else cuda.get_current_device().id, current_stream())
+    held = _tickets.get(key)
+    if held is None:
+        held = _tickets[key] = device_zeros(1, np.int32)
+    elif SIMULATOR:
+        held[0] = 0  # a simulated launch can stop part-way (its budget) and the process go on
+    return held
 
 
 class Specialised(NamedTuple):
@@ -106,6 +148,8 @@ class Specialised(NamedTuple):
     chunks: int = 3  # 4-wide chunks of head dims per trip of S_ij's loop
     keys: int = 8  # keys per trip of P_ij V_j's loop
     peel: bool = True  # S_ij's first chunk sets the scores (else they start at zero)
+    # a CTA an SM, folding query blocks in turn (`make_persistent_kernel`), else a CTA a block
+    persistent: bool = False
     # N_q and N_k whole numbers of tiles: the kernel is built without the tails' code (and,
     # without a mask, without any masking), as FlashAttention's Is_even_MN
     even: bool = False
@@ -117,10 +161,12 @@ class Specialised(NamedTuple):
 
     @classmethod
     def parse(cls, text: str, dv: int) -> Specialised:
-        """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL]" (a ValueError otherwise)."""
+        """LOOP_ORDERS_LAYOUT's "ws" or "ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]" (a ValueError
+        otherwise)."""
         name, *steps = text.split(",")
-        if name != "ws" or len(steps) not in (0, 2, 3):
-            raise ValueError(f"LOOP_ORDERS_LAYOUT={text}: expected ws or ws,CHUNKS,KEYS[,PEEL]")
+        if name != "ws" or len(steps) not in (0, 2, 3, 4):
+            raise ValueError(f"LOOP_ORDERS_LAYOUT={text}: expected ws or "
+                             "ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]")
         values = [int(x) for x in steps]
         return cls(dv, *values[:2], *map(bool, values[2:]))
 
@@ -146,7 +192,8 @@ class Specialised(NamedTuple):
         default = Specialised(self.dv, even=self.even)
         if self == default:
             return "ws"
-        return f"ws,{self.chunks},{self.keys},{int(self.peel)}"
+        text = f"ws,{self.chunks},{self.keys},{int(self.peel)}"
+        return f"{text},1" if self.persistent else text
 
     @staticmethod
     def fits(block_q: int, block_k: int, d: int, dv: int) -> bool:
@@ -190,8 +237,9 @@ def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
 @cache
 def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
     """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
-    (`Specialised.fits`) and SP's unrolling; `slots`: the counter slots (q, k, v, o, lse), as
-    q_outer's."""
+    (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
+    q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with
+    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
     Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
     sm = shared(BR, BC, D, DV)
     Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
@@ -214,8 +262,11 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
     kv_blocks = make_kv_blocks(BC, CAUSAL)
-    clear_q = make_clear(BR * QS, NT)
-    load_q_tile = make_tile_loader(BR, D, NT, (Q, QS), scaled=True, in_flight=True)
+    PERSISTENT = SP.persistent  # noqa: N806 - CTAs fold query blocks in turn
+    # Q_i: every thread loads it, or (persistent) the S warps, under the P V warps' last tile
+    Q_THREADS = NS if PERSISTENT else NT  # noqa: N806
+    clear_q = make_clear(BR * QS, Q_THREADS)
+    load_q_tile = make_tile_loader(BR, D, Q_THREADS, (Q, QS), scaled=True, in_flight=True)
     EVEN = SP.even  # noqa: N806 - whole tiles only: no tail code, and no mask unless causal
     MASKED = CAUSAL or not EVEN  # noqa: N806 - some tiles hold keys a row does not see
     copy_k_rows = make_row_copier(BC, D, KS, NS, 4, WHOLE=EVEN)
@@ -322,8 +373,10 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
             scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
             weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
-            if j > 0:
-                empty_sync()  # the P V warps are done with P_ij-1 and its alpha
+            if PERSISTENT or j > 0:
+                # the P V warps are done with the P_ij^T before (this block's or the last
+                # one's) and its alpha
+                empty_sync()
             give_p(buf, s, alpha, tr, tc)
             full_arrive()  # P_ij^T and alpha are in shared memory
         for a in range(S_RM):
@@ -452,7 +505,9 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             cnt[V_R] += moved
 
     @inlined
-    def pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, cnt):
+    def pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, items, slot, cnt):
+        """The P V warps' part of query block i (V_0's halves copied), O_i written; persistent,
+        `items[slot]` holds the CTA's next block (-1: none)."""
         tr, tc = t // uint32(P_TC), t % uint32(P_TC)
         acc = cuda.local.array(P_NACC, float32)
         vis = cuda.local.array(P_RM, int32)
@@ -489,10 +544,18 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             if j + 1 < c_i:
                 empty_arrive()  # done with P_ij^T and alpha
         l_sync()  # every row's l_i is in shared memory
+        inv_l = cuda.local.array(P_RM, float32)
+        if PERSISTENT:  # 1 / l_i before the next block's l_i takes its place
+            for a in range(P_RM):
+                inv_l[a] = float32(1.0) / buf[uint64(L_ROW) + pv_row(tr, a)]
+            if items[slot] >= 0:
+                # done with the last P_ij^T, its alpha and l_i: the S warps' next block's
+                # first P_ij^T may take their place
+                empty_arrive()
         for a in range(P_RM):
             local = int(pv_row(tr, a))
             if local < n_rows:
-                inv = float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
+                inv = inv_l[a] if PERSISTENT else float32(1.0) / buf[uint64(L_ROW) + uint64(local)]
                 for h in range(P_XN // 4):
                     y = a * P_XN + 4 * h
                     # O_i: written to HBM once, normalised, 16 bytes a thread and store (a
@@ -531,8 +594,96 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         if t < uint32(NS):
             s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt)
         else:
-            pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t - uint32(NS), cnt)
+            pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t - uint32(NS), None, 0, cnt)
         if COUNT:
             flush_counts(cnt, counts)
 
-    return q_outer_ws
+    # --- persistent CTAs ---------------------------------------------------------------
+
+    @inlined
+    def item_of(w, q):
+        """Query block and batch x head of work item w (int32), or block -1 past the last
+        item: heaviest first when causal (the last query blocks of every head, as
+        `tiles.block_grid`), else each head's blocks in turn."""
+        n_bh, n_blocks = int32(q.shape[0]), int32((q.shape[1] + BR - 1) // BR)
+        if w >= n_bh * n_blocks:
+            return int32(-1), int32(0)
+        if CAUSAL:
+            return int32(n_blocks - 1 - w // n_bh), int32(w % n_bh)
+        return int32(w % n_blocks), int32(w // n_blocks)
+
+    @inlined
+    def publish(drawn, tickets, q, next_item, slot):
+        """The work item of the counter's value `drawn` into next_item[slot], next_item[slot +
+        1] (block -1: none left): item gridDim.x + drawn. A CTA draws (raises the counter by
+        one) once an item it folds, as many draws as items: the last sets the counter back to
+        zero for the stream's next launch."""
+        if drawn == int32(q.shape[0] * ((q.shape[1] + BR - 1) // BR)) - 1:
+            tickets[0] = 0
+        i, bh = item_of(int32(drawn + int32(cuda.gridDim.x)), q)
+        next_item[slot] = i
+        next_item[slot + 1] = bh
+
+    @inlined
+    def s_item(buf, q, k, lse, tickets, next_item, i, bh, slot, scale_log2, t, cnt):
+        """The S warps' part of query block i, head bh, with its Q_i and K_0; the CTA's next
+        item drawn, into next_item[slot], for both roles."""
+        n_q, n_k = q.shape[1], k.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        load_k(buf, k, bh, 0, n_k, 0, cnt)  # K_0 while Q_i loads
+        drawn = int32(0)
+        if t == uint32(0):  # the next item, drawn now, back under Q_i's load
+            drawn = cuda.atomic.add(tickets, 0, 1)
+        if not EVEN and n_rows < BR:
+            clear_q(buf)  # Q_i's rows past N_q stay zero
+            s_sync()  # ... before Q_i lands
+        # Q_i: read from HBM once, stays in shared memory for every K/V block (the S warps
+        # alone read it)
+        moved = load_q_tile(buf, q, bh, row0, n_rows, 0, D, scale_log2)
+        if COUNT:
+            cnt[Q_R] += moved
+        if t == uint32(0):  # the P V warps read it after FULL
+            publish(drawn, tickets, q, next_item, slot)
+        # (s_role's first barrier waits for every S thread's rows of Q_i and K_0)
+        s_role(buf, k, lse, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, cnt)
+        s_sync()  # every S thread is done with Q_i and K's buffers, and has the next item
+
+    @inlined
+    def pv_item(buf, q, v, o, next_item, i, bh, slot, t, cnt):
+        """The P V warps' part of query block i, head bh, with V_0's halves."""
+        n_q, n_k = q.shape[1], v.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        # V_0's halves, two ahead of the first
+        load_v_half(buf, v, bh, 0, n_k, 0, cnt)
+        load_v_half(buf, v, bh, HK, n_k, 1, cnt)
+        pv_role(buf, v, o, bh, row0, n_rows, n_k, kv_blocks(row0, n_rows, n_k), t, next_item,
+                slot, cnt)
+        pv_sync()  # every P V thread is done with V's ring: the next V_0 may take it
+
+    @cuda.jit(**kernel_options(NT, 255))
+    def q_outer_ws_persistent(q, k, v, o, lse, counts, tickets, scale_log2):
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
+        # the items drawn, (query block, batch x head), by the parity of the CTA's blocks
+        next_item = cuda.shared.array(4, int32)
+        cnt = cuda.local.array(NCNT, int64)
+        if COUNT:
+            zero_counts(cnt)
+        t = uint32(cuda.threadIdx.x)
+        if t >= uint32(NS):
+            empty_arrive()  # the P buffer is empty: the S warps' first P_ij^T may take it
+        i, bh = item_of(int32(cuda.blockIdx.x), q)  # (every CTA has a first item)
+        folded = int32(0)  # query blocks the CTA has folded in
+        while i >= 0:
+            slot = 2 * ((folded + 1) % 2)  # where the next item goes
+            if t < uint32(NS):
+                s_item(buf, q, k, lse, tickets, next_item, i, bh, slot, scale_log2, t, cnt)
+            else:
+                pv_item(buf, q, v, o, next_item, i, bh, slot, t - uint32(NS), cnt)
+            folded = int32(folded + 1)
+            i, bh = next_item[2 * (folded % 2)], next_item[2 * (folded % 2) + 1]
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer_ws_persistent if PERSISTENT else q_outer_ws

@@ -345,6 +345,11 @@ def on_stream(handle: int):
         _stream.handle = previous
 
 
+def is_recording() -> bool:
+    """Whether `launch` records launches now (`recording_launches`) instead of running them."""
+    return _recording is not None
+
+
 def current_stream() -> int:
     return getattr(_stream, "handle", 0)
 

@@ -180,6 +180,46 @@ def test_q_outer_warp_specialised(case, monkeypatch, rng):
     assert res.counts == sched.model(res.problem)
 
 
+# (batch, heads, n_q, n_k, d, dv, block_q, block_k, causal): more work items (query blocks x
+# heads) than the simulator's persistent CTAs (`microkernel_ws.SIMULATED_CTAS`, 2), so that a
+# CTA folds block after block, the first its own and the next ones drawn; tails of both blocks
+# and dv != d, the causal diagonal, and whole tiles (`Specialised.even`)
+PERSISTENT_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 2, 70, 70, 12, 64, 64, 32, True),
+                    (1, 3, 64, 64, 8, 64, 64, 32, True)]
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES,
+                         ids=lambda c: "B{}H{}N{}x{}d{}dv{}-{}x{}-{}".format(
+                             *c[:-1], "causal" if c[-1] else "full"))
+def test_q_outer_warp_specialised_on_persistent_ctas(case, monkeypatch, rng):
+    """The warp-specialised kernel on persistent CTAs (what PERSISTENT takes causal at d = 128
+    and short N; forced here, unrolled as there): each CTA draws its next block from the
+    stream's counter while it folds one in, the S warps start the next block's Q_i and S_i0
+    under the P V warps' last tile; float32's accuracy, lse, counters == model, and the
+    counter back at zero for the next launch (twice in a row: a second launch that found it
+    raised would skip blocks and leave their rows of O unwritten)."""
+    from loop_orders.microkernel_ws import Specialised, persistent_grid, tickets
+    from loop_orders.reference import FLOAT32_TOLERANCE
+
+    sched = lo.get_schedule("q_outer")
+    b, h, n_q, n_k, d, dv, bq, bk, causal = case
+    _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
+    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},{int(peel)},1")
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")
+    q, k, v = random_qkv(rng, b, h, n_q, d, dv, n_k=n_k)
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+    for _ in range(2):
+        res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
+                           save_lse=True, count=True)
+        even = n_q % bq == 0 and n_k % bk == 0
+        assert sched.layout(res.problem) == Specialised(dv, chunks, keys, peel, True, even)
+        assert relative_error(res.out, ref) <= FLOAT32_TOLERANCE
+        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-5)
+        assert res.counts == sched.model(res.problem)
+        assert tickets().copy_to_host()[0] == 0
+    assert persistent_grid((res.problem.tr, res.problem.bh))[0] < res.problem.tr * b * h
+
+
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_q_outer_warp_specialised_never_multiplies_a_masked_key(where, monkeypatch, rng):
     """A NaN in key 40's row of K or V reaches only the rows that see key 40 (causal): the

@@ -20,10 +20,9 @@ from loop_orders.reference import (
 @pytest.mark.parametrize("d, block_q", [(64, 128), (128, 128), (128, 64)])
 def test_q_outer_float32_at_the_benchmarks_tiles(d, block_q, causal, rng):
     """The benchmark's builds of the FMA path (128 x 64 tiles: the tuned 8 x 8 thread tile,
-    staggered cp.async K/V, at d = 64; at d = 128 the warp-specialised kernel without a mask,
-    the 8 x 4 thread tile with it; 64 x 64 at
-    d = 128, causal N = 512: P_ij^T in K_j's place, two CTAs an SM), with tail blocks:
-    float32 accuracy, lse, and the counted build equal to the model."""
+    staggered cp.async K/V, at d = 64; at d = 128 the warp-specialised kernel, causal on
+    persistent CTAs at this N; 64 x 64 at d = 128: P_ij^T in K_j's place, two CTAs an SM),
+    with tail blocks: float32 accuracy, lse, and the counted build equal to the model."""
     q, k, v = random_qkv(rng, 2, 3, 1000, d, d)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=block_q, block_k=64,
                        causal=causal, save_lse=True, count=True)
@@ -81,10 +80,11 @@ def test_tensor_cores_refuse_inputs_that_are_not_16_byte_aligned(rng):
 def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
     """d = 128 at N a multiple of the tiles: the warp-specialised kernel built without the
     tails' code (Specialised.even; causal, the diagonal by row groups), unrolled as q_outer's
-    SPECIALISED says for the mask, float32 accuracy, lse, counts == model."""
+    SPECIALISED says for the mask (a CTA a query block: past PERSISTENT's N), float32
+    accuracy, lse, counts == model."""
     from loop_orders.microkernel_ws import Specialised
 
-    q, k, v = random_qkv(rng, 2, 3, 1024, 128, 128)
+    q, k, v = random_qkv(rng, 2, 3, 2048, 128, 128)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal,
                        save_lse=True, count=True)
     sched = lo.get_schedule("q_outer")
@@ -94,6 +94,36 @@ def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
     assert relative_error(res.out, ref) <= 1e-5
     np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
     assert res.counts == sched.model(res.problem)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_q_outer_warp_specialised_ctas_fold_several_blocks(n, causal, monkeypatch, rng):
+    """The warp-specialised kernel's persistent CTAs (q_outer's PERSISTENT causal; forced
+    without the mask) on 640 query blocks, about 5 a CTA: each draws its next block from the
+    stream's counter while it folds one in, and the S warps start the next block's Q_i and
+    S_i0 under the P V warps' last tile. With tails (N = 1000) and built without the tails'
+    code (N = 1024); twice in a row, so that the second launch finds the counter the first set
+    back (else it would skip blocks and leave their rows of O unwritten); float32 accuracy,
+    lse, counts == model."""
+    from loop_orders.microkernel_ws import persistent_grid, tickets
+
+    sched = lo.get_schedule("q_outer")
+    _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
+    if not causal:
+        monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},{int(peel)},1")
+    q, k, v = random_qkv(rng, 2, 40, n, 128, 128)
+    ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
+    for _ in range(2):
+        res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64,
+                           causal=causal, save_lse=True, count=True)
+        assert sched.layout(res.problem).persistent
+        assert relative_error(res.out, ref) <= 1e-5
+        np.testing.assert_allclose(res.lse, ref_lse, rtol=1e-5, atol=1e-4)
+        assert res.counts == sched.model(res.problem)
+        assert tickets().copy_to_host()[0] == 0
+    assert 4 * persistent_grid((res.problem.tr, res.problem.bh))[0] < res.problem.tr * 80
 
 
 @gpu

@@ -38,7 +38,8 @@ def test_tuned_tiles_take_the_measured_layouts():
 
 
 def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
-    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 and 128 at N = 512 on CUDA cores;
+    """q_outer's SHORT_TILES: 64 x 64 for causal d = 64 at N = 512 on CUDA cores (d = 128
+    keeps 128 x 64, on persistent CTAs);
     TC_SHORT_TILES: 64 x 64 for causal 3xTF32 at d = 128 up to N = 2048, where (TF32 too)
     they take one K/V buffer (TC_KV_STAGES: two CTAs an SM). The benchmark's sweep takes
     them there and BLOCKS everywhere else (and for SDPA's rows)."""
@@ -56,9 +57,9 @@ def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
     assert tiles(512) == (64, 64, (64, 64))
     assert tiles(1024) == (*bench.BLOCKS[64], None)
     assert tiles(512, causal=False) == (*bench.BLOCKS[64], None)
-    assert tiles(512, d=128) == (64, 64, (64, 64))  # on the p_in_k layout, two CTAs an SM
+    assert tiles(512, d=128) == (*bench.BLOCKS[128], None)
     assert q_outer.layout(bench.sweep_problem("q_outer", q_outer, "float32", 512, 128,
-                                              True)).p_in_k
+                                              True)).persistent
     assert tiles(1024, d=128) == (*bench.BLOCKS[128], None)
     assert tiles(512, dtype="float16") == (*bench.BLOCKS[64], None)  # tensor cores
     assert tiles(512, dtype="tf32x3") == (*bench.BLOCKS[64], None)
@@ -435,8 +436,9 @@ def test_which_rows_the_tensor_cores_copy_with_cp_async():
 
 def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(monkeypatch):
     """float32 at d = 128 on 128 x 64 tiles, causal or not (q_outer's SPECIALISED): S warps
-    and P V warps, 256 threads, 219,136 bytes; other tiles and head dims, 16-bit inputs,
-    one K/V stage and a forced thread tile take the shared micro-kernel;
+    and P V warps, 256 threads, 219,136 bytes, a CTA a query block, or persistent CTAs
+    causal up to N = 1024 (PERSISTENT, unrolled as it says); other tiles and head dims,
+    16-bit inputs, one K/V stage and a forced thread tile take the shared micro-kernel;
     LOOP_ORDERS_LAYOUT=ws is refused where the loop nest or the tiles have no such kernel;
     inputs cp.async cannot copy get the shared micro-kernel's plain loads."""
     import loop_orders as lo
@@ -445,20 +447,28 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
 
     q_outer = lo.get_schedule("q_outer")
 
-    def problem(d=128, **kw):
-        return lo.make_problem("q_outer", n_q=4096, d=d, block_q=128, block_k=64, **kw)
+    def problem(d=128, n_q=4096, **kw):
+        return lo.make_problem("q_outer", n_q=n_q, d=d, block_q=128, block_k=64, **kw)
 
     p = problem()
     assert q_outer.layout(p) == Specialised(128, 3, 4, even=True)  # 4 keys a trip
     assert str(q_outer.layout(p)) == "ws,3,4,1"
     assert q_outer.threads(p) == 256 and q_outer.dynamic_shared_bytes(p) == 219_136
     assert q_outer.layout(problem(causal=True)) == Specialised(128, even=True)
+    for n, persistent in ((512, True), (1024, True), (1000, True), (1025, False)):
+        causal = lo.make_problem("q_outer", n_q=n, d=128, block_q=128, block_k=64, causal=True)
+        assert q_outer.layout(causal).persistent == persistent
+    assert q_outer.layout(problem(causal=True, n_q=1024)) == Specialised(128, 3, 4, False, True,
+                                                                        even=True)
+    assert not q_outer.layout(problem(n_q=1024)).persistent  # without a mask, a CTA a block
+    assert str(q_outer.layout(problem(causal=True, n_q=1024))) == "ws,3,4,0,1"
     assert q_outer.layout(lo.make_problem("q_outer", n_q=4096, d=128, block_q=64, block_k=64,
                                           causal=True)) == Layout(8, 4, 2, True)
     assert q_outer.layout(problem(64)) == Layout(8, 8, 2)
     assert isinstance(q_outer.layout(problem(dtype="float16")), TensorCores)
     assert Specialised(128).plain() == Layout(8, 4)
     assert Specialised.parse("ws,4,8,0", 128) == Specialised(128, 4, 8, False)
+    assert Specialised.parse("ws,3,4,0,1", 128) == Specialised(128, 3, 4, False, True)
     assert not q_outer.layout(lo.make_problem("q_outer", n_q=4000, d=128, block_q=128,
                                               block_k=64)).even  # a tail: the tails' code
     assert str(Specialised(128, 4, 8, False)) == "ws,4,8,0"

@@ -257,8 +257,9 @@ class QOuter(MicroKernelSchedule):
     # an SM) beat 128 x 64 causal at N = 512 only, 1.058 against 1.109 ms; from N = 1024 on they
     # lose (1.876 against 1.850 ms, 6.668 against 6.342 at N = 4096), and without the mask
     # at every N (13.19 against 12.30 ms at N = 4096): three barriers a tile, K_j and V_j
-    # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log).
-    SHORT_TILES = {(64, True): ((512, (64, 64)),), (128, True): ((512, (64, 64)),)}
+    # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log). Since
+    # the warp-specialised kernel's persistent CTAs (PERSISTENT) 128 x 64 beats them there too.
+    SHORT_TILES = {(64, True): ((512, (64, 64)),)}
     # TF32 and 3xTF32 at d = 128 on 64 x 64 tiles: two K/V buffers take 169 KB, one CTA of 4
     # warps an SM; one buffer takes 101 KB, two CTAs an SM, and ran 21-24 % faster in 3xTF32
     # and 19-22 % in TF32 at N = 1024 and 4096, causal or not (the API's default tiles).
@@ -292,6 +293,15 @@ class QOuter(MicroKernelSchedule):
     # without a mask ran 14-16 % behind SDPA (results/gpu_logs/ws_64_rows_99621b7.log).
     SPECIALISES = True
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
+    # Causal, up to N_q = 1024: persistent CTAs, a CTA an SM folding query blocks in turn (a
+    # causal block at N = 512 folds 5 K/V tiles on average, and the pipeline's fill and drain
+    # a CTA pays once weigh), 4 keys a trip and S_ij unpeeled: the build whose tile loops ptxas
+    # gave few register-bank conflicts (`experiments.sass_loops`; peeled, 666 cycles a trip
+    # of the P V loop against 179 a CTA a block, and 6 % slower tiles). Against a CTA a block
+    # (3, 8): 1.010 against 1.075 ms at N = 512, 1.743 against 1.786 at 1024, 3.226 against
+    # 3.219 at 2048, 6.185 against 6.108 at 4096, SDPA efficient at 0.997, 1.747, 3.243 and
+    # 6.24 (results/gpu_logs/ws_persistent_unpeeled_df30f4d.log, two alternating rounds).
+    PERSISTENT = {(128, 64, 128, 128, True): (1024, (3, 4, False))}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
