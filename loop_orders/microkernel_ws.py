@@ -281,18 +281,30 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
 
     # --- the S warps -------------------------------------------------------------------
 
-    @inlined
-    def s_row(tr, a):
-        """An S thread's row a: pairs of rows, 2 tr + a % 2 + 2 S_TR (a // 2), so that the
-        4 rows a warp loads of Q_i at once sit in different banks."""
-        return uint64((a // 2) * 2 * S_TR + a % 2) + uint64(2) * uint64(tr)
+    # persistent, causal: a tile whose keys all lie past the block's first half of rows (the
+    # diagonal's second when Br = 2 Bc) takes the scores of the S threads' rows in its second
+    # half only
+    HALF = PERSISTENT and CAUSAL  # noqa: N806
+    FIRST_ROW = S_RM // 2 if HALF else 0  # noqa: N806 - an S thread's first row in the block
 
     @inlined
-    def q_chunk(x4, buf, tr, qq):
-        for a in range(S_RM):
-            at = uint64(Q) + s_row(tr, a) * uint64(QS) + uint64(4) * uint64(x4)
-            for u in range(4):
-                qq[a * 4 + u] = buf[at + uint64(u)]
+    def s_row(tr, a):
+        """An S thread's row a: pairs of rows in the block's quarters, 2 tr + a % 2 +
+        2 S_TR quarter(a), so that the 4 rows a warp loads of Q_i at once sit in different
+        banks; quarter(a) = a // 2, or (HALF) rows a < S_RM/2 in the block's second half
+        (quarters 2, 3) and the rest in its first."""
+        quarter = (a // 2 + S_RM // 4) % (S_RM // 2) if HALF else a // 2
+        return uint64(quarter * 2 * S_TR + a % 2) + uint64(2) * uint64(tr)
+
+    def make_q_chunk(rows):
+        @inlined
+        def q_chunk(x4, buf, tr, qq):
+            for a in range(rows):
+                at = uint64(Q) + s_row(tr, a) * uint64(QS) + uint64(4) * uint64(x4)
+                for u in range(4):
+                    qq[a * 4 + u] = buf[at + uint64(u)]
+
+        return q_chunk
 
     @inlined
     def k_chunk(x4, buf, k_at, tc, kk):
@@ -301,12 +313,16 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             for u in range(4):
                 kk[b * 4 + u] = buf[at + uint64(u)]
 
-    scores = make_scores(S_RM, S_KN, DX4, SP.chunks, SP.peel, q_chunk, k_chunk)
+    scores = make_scores(S_RM, S_KN, DX4, SP.chunks, SP.peel, make_q_chunk(S_RM), k_chunk)
+    # (HALF) the scores of the thread's rows in the block's second half (a < S_RM/2)
+    scores_second_half = make_scores(S_RM // 2, S_KN, DX4, SP.chunks, SP.peel,
+                                     make_q_chunk(S_RM // 2), k_chunk)
 
     @inlined
     def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
         """Mask, the lazy row max, alpha, l_i, and the weights 2^(s - m) in place of s."""
-        if MASKED and visible(row0 + int(s_row(tr, 0)), key0, n_keys) < BC:  # tail, diagonal
+        # a tail tile, or the causal diagonal (the thread's first row sees the fewest keys)
+        if MASKED and visible(row0 + int(s_row(tr, FIRST_ROW)), key0, n_keys) < BC:
             for a in range(S_RM):
                 seen = visible(row0 + int(s_row(tr, a)), key0, n_keys)
                 for b in range(S_KN):
@@ -371,7 +387,11 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             s_sync()  # ... every S thread's; all are done with the other buffer (K_j-1)
             if j + 1 < c_i:
                 load_k(buf, k, bh, key0 + BC, n_k, (j + 1) % 2, cnt)  # lands under S_ij
-            scores(s, buf, uint64(K) + uint64((j % 2) * BC * KS), tr, tc)
+            k_at = uint64(K) + uint64((j % 2) * BC * KS)
+            if HALF and row0 + BR // 2 <= key0:  # the block's first half sees no key here
+                scores_second_half(s, buf, k_at, tr, tc)  # (the rest: masked in weigh)
+            else:
+                scores(s, buf, k_at, tr, tc)
             weigh(s, m, l, alpha, tr, tc, row0, key0, min(BC, n_k - key0))
             if PERSISTENT or j > 0:
                 # the P V warps are done with the P_ij^T before (this block's or the last
