@@ -48,9 +48,25 @@ micro-kernel's: a masked score is -inf (weight 0), a row multiplies in only the 
 (on a tail tile or the causal diagonal, the keys all of a thread's rows see 8 rows a key, the
 rest by row groups), K and V rows past N_k arrive as zeros.
 
+Persistent CTAs (`Specialised.persistent`; q_outer takes them causal at short N, PERSISTENT):
+as many CTAs as SMs (`persistent_grid`), and the roles run on from one query block into the
+next. While the P V warps fold in a block's last P_ij V_j and write O_i, the S warps load the
+next Q_i (they alone read it) and K_0 and compute its first S_ij, so that a block no longer
+pays the pipeline's fill and drain, about 0.65 of a tile's time with a CTA a block (fitted
+from the times without a mask at N = 1024 and 4096), 11 % of a causal block's at N = 512.
+CTA c takes work item c first (a query block and batch x head, heaviest first when causal, as
+`tiles.block_grid`), then draws the next from a counter in HBM (`tickets`) while it folds the
+one before, so that the SMs finish together. Causal, the S warps there also skip the scores of
+the block's first half of rows on a tile whose keys all lie past them (the diagonal's second
+when Br = 2 Bc): `s_row` puts a thread's rows a < 4 in the block's second half. Which code
+surrounds the tile loops moves ptxas's register assignment inside them, so the unrolling
+PERSISTENT names is the one whose loops compiled with few register-bank conflicts
+(`experiments.sass_loops`): built as a CTA a block's, the persistent kernel's tiles ran 6 %
+slower (results/gpu_logs/ws_persistent_tickets_6d1d23f.log).
+
 Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
 S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it
-is done with the buffer the next copies take), L_READY for l_i at the end.
+is done with the buffer the next copies take), L_READY for l_i at a block's end.
 """
 
 from __future__ import annotations

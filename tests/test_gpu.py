@@ -84,7 +84,7 @@ def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
     accuracy, lse, counts == model."""
     from loop_orders.microkernel_ws import Specialised
 
-    q, k, v = random_qkv(rng, 2, 3, 2048, 128, 128)
+    q, k, v = random_qkv(rng, 2, 3, 4096, 128, 128)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal,
                        save_lse=True, count=True)
     sched = lo.get_schedule("q_outer")

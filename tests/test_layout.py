@@ -437,7 +437,7 @@ def test_which_rows_the_tensor_cores_copy_with_cp_async():
 def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(monkeypatch):
     """float32 at d = 128 on 128 x 64 tiles, causal or not (q_outer's SPECIALISED): S warps
     and P V warps, 256 threads, 219,136 bytes, a CTA a query block, or persistent CTAs
-    causal up to N = 1024 (PERSISTENT, unrolled as it says); other tiles and head dims,
+    causal up to N = 2048 (PERSISTENT, unrolled as it says); other tiles and head dims,
     16-bit inputs, one K/V stage and a forced thread tile take the shared micro-kernel;
     LOOP_ORDERS_LAYOUT=ws is refused where the loop nest or the tiles have no such kernel;
     inputs cp.async cannot copy get the shared micro-kernel's plain loads."""
@@ -455,13 +455,13 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     assert str(q_outer.layout(p)) == "ws,3,4,1"
     assert q_outer.threads(p) == 256 and q_outer.dynamic_shared_bytes(p) == 219_136
     assert q_outer.layout(problem(causal=True)) == Specialised(128, even=True)
-    for n, persistent in ((512, True), (1024, True), (1000, True), (1025, False)):
+    for n, persistent in ((512, True), (1000, True), (2048, True), (2049, False)):
         causal = lo.make_problem("q_outer", n_q=n, d=128, block_q=128, block_k=64, causal=True)
         assert q_outer.layout(causal).persistent == persistent
-    assert q_outer.layout(problem(causal=True, n_q=1024)) == Specialised(128, 3, 4, False, True,
+    assert q_outer.layout(problem(causal=True, n_q=1024)) == Specialised(128, 3, 8, False, True,
                                                                         even=True)
     assert not q_outer.layout(problem(n_q=1024)).persistent  # without a mask, a CTA a block
-    assert str(q_outer.layout(problem(causal=True, n_q=1024))) == "ws,3,4,0,1"
+    assert str(q_outer.layout(problem(causal=True, n_q=1024))) == "ws,3,8,0,1"
     assert q_outer.layout(lo.make_problem("q_outer", n_q=4096, d=128, block_q=64, block_k=64,
                                           causal=True)) == Layout(8, 4, 2, True)
     assert q_outer.layout(problem(64)) == Layout(8, 8, 2)

@@ -258,7 +258,7 @@ class QOuter(MicroKernelSchedule):
     # lose (1.876 against 1.850 ms, 6.668 against 6.342 at N = 4096), and without the mask
     # at every N (13.19 against 12.30 ms at N = 4096): three barriers a tile, K_j and V_j
     # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log). Since
-    # the warp-specialised kernel's persistent CTAs (PERSISTENT) 128 x 64 beats them there too.
+    # the warp-specialised kernel's persistent CTAs (PERSISTENT), 128 x 64 beats them there.
     SHORT_TILES = {(64, True): ((512, (64, 64)),)}
     # TF32 and 3xTF32 at d = 128 on 64 x 64 tiles: two K/V buffers take 169 KB, one CTA of 4
     # warps an SM; one buffer takes 101 KB, two CTAs an SM, and ran 21-24 % faster in 3xTF32
@@ -293,15 +293,18 @@ class QOuter(MicroKernelSchedule):
     # without a mask ran 14-16 % behind SDPA (results/gpu_logs/ws_64_rows_99621b7.log).
     SPECIALISES = True
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
-    # Causal, up to N_q = 1024: persistent CTAs, a CTA an SM folding query blocks in turn (a
+    # Causal, up to N_q = 2048: persistent CTAs, a CTA an SM folding query blocks in turn (a
     # causal block at N = 512 folds 5 K/V tiles on average, and the pipeline's fill and drain
-    # a CTA pays once weigh), 4 keys a trip and S_ij unpeeled: the build whose tile loops ptxas
-    # gave few register-bank conflicts (`experiments.sass_loops`; peeled, 666 cycles a trip
-    # of the P V loop against 179 a CTA a block, and 6 % slower tiles). Against a CTA a block
-    # (3, 8): 1.010 against 1.075 ms at N = 512, 1.743 against 1.786 at 1024, 3.226 against
-    # 3.219 at 2048, 6.185 against 6.108 at 4096, SDPA efficient at 0.997, 1.747, 3.243 and
-    # 6.24 (results/gpu_logs/ws_persistent_unpeeled_df30f4d.log, two alternating rounds).
-    PERSISTENT = {(128, 64, 128, 128, True): (1024, (3, 4, False))}
+    # a CTA pays once weigh), whose S warps skip the scores of the block's first half of rows
+    # on the diagonal's second tile, 8 keys a trip and S_ij unpeeled: the build whose tile
+    # loops ptxas gave few register-bank conflicts (`experiments.sass_loops`: peeled, 666
+    # cycles a trip of the P V loop against 179 a CTA a block, and 6 % slower tiles). Against
+    # a CTA a block (3, 8), ms: 0.974 against 1.074 at N = 512, 1.706 against 1.787 at 1024,
+    # 3.184 against 3.217 at 2048, beside SDPA efficient's 0.999, 1.748, 3.240
+    # (results/gpu_logs/ws_persistent_half_1c039c5.log, two alternating rounds, and
+    # ws_persistent_827daa1.log); without the skip, 4 keys a trip: 1.008, 1.742, 3.228, and
+    # 6.18 against 6.10 at 4096 (ws_persistent_unpeeled_df30f4d.log).
+    PERSISTENT = {(128, 64, 128, 128, True): (2048, (3, 8, False))}
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
