@@ -41,6 +41,7 @@ from loop_orders.backward_schedule import grad_variants  # noqa: E402
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),
     (4096, 128, 128, 128, 64, True, "float32"),  # q_outer: the warp-specialised kernel, causal
+    (1024, 128, 128, 128, 64, True, "float32"),  # ... on persistent CTAs (q_outer's PERSISTENT)
     (4096, 128, 128, 128, 64, False, "float32"),  # ... and without a mask
     (1000, 64, 64, 64, 64, True, "float16"),
     (4096, 64, 64, 128, 64, False, "float16"),
