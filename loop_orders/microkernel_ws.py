@@ -164,7 +164,7 @@ class Specialised(NamedTuple):
     chunks: int = 3  # 4-wide chunks of head dims per trip of S_ij's loop
     keys: int = 8  # keys per trip of P_ij V_j's loop
     peel: bool = True  # S_ij's first chunk sets the scores (else they start at zero)
-    # a CTA an SM, folding query blocks in turn (`make_persistent_kernel`), else a CTA a block
+    # a CTA an SM, folding query blocks in turn (`q_outer_ws_persistent`), else a CTA a block
     persistent: bool = False
     # N_q and N_k whole numbers of tiles: the kernel is built without the tails' code (and,
     # without a mask, without any masking), as FlashAttention's Is_even_MN
