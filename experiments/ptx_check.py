@@ -94,8 +94,26 @@ def kernel_ptx(kernel, args) -> str:
     return ptx
 
 
-def check(kernel, args) -> dict:
+def ptx_body(ptx: str) -> str:
+    """The PTX with what a refactor may change and the kernel cannot see taken out: comments,
+    debug lines, and mangled names (replaced by their order of first appearance), so two
+    builds of the same kernel from moved or renamed Python compare equal."""
+    names: dict = {}
+    lines = []
+    for line in ptx.splitlines():
+        line = line.split("//", 1)[0].rstrip()
+        if not line or line.lstrip().startswith((".file", ".loc")):
+            continue
+        lines.append(re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0),
+                                                                   f"F{len(names)}"), line))
+    return "\n".join(lines) + "\n"
+
+
+def check(kernel, args, dump: Path | None = None) -> dict:
     ptx = kernel_ptx(kernel, args)
+    if dump is not None:
+        dump.write_text(ptx_body(ptx))
+        return {"ptx_lines": ptx.count("\n")}
     return {"ptx_lines": ptx.count("\n"), "atomics": ptx.count("atom."),
             "ld_shared_v4": ptx.count("ld.shared.v4"), **ptxas(ptx)}
 
@@ -104,6 +122,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--schedules", help="comma-separated subset")
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX body (names "
+                        "normalised, launch shape first) into this folder, skip ptxas: "
+                        "compare two commits' folders with diff -r")
     args = parser.parse_args(argv)
     names = args.schedules.split(",") if args.schedules else lo.schedule_names()
     rows, seen, failures = [], set(), 0
@@ -123,7 +144,7 @@ def main(argv=None) -> int:
                                             block_k=GRAD_TILES[d][1], options=opt, **sizes)
                         forward_launches = len(sched.kernels(g, count))
                         launches += recorded(sched, g, count, True)[forward_launches:]
-                for kernel, *_, launch_args in launches:
+                for index, (kernel, *launch, launch_args) in enumerate(launches):
                     key = (kernel, runtime._args_key(launch_args))
                     if key in seen:
                         continue
@@ -131,8 +152,15 @@ def main(argv=None) -> int:
                     row = {"schedule": name, "kernel": kernel.py_func.__name__, "n": n,
                            "d": d, "dv": dv, "causal": causal, "dtype": dtype,
                            "count": count}
+                    dump = None
+                    if args.dump:
+                        args.dump.mkdir(parents=True, exist_ok=True)
+                        dump = args.dump / (f"{name}-{n}-{d}-{dv}-{int(causal)}-{dtype}-"
+                                            f"{int(count)}-{index}.ptx")
                     try:
-                        row.update(check(kernel, launch_args))
+                        row.update(check(kernel, launch_args, dump))
+                        if dump is not None:
+                            dump.write_text(f"// launch {launch}\n" + dump.read_text())
                     except Exception as exc:  # report every failure, then fail
                         failures += 1
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
