@@ -34,9 +34,15 @@ def regenerate(ctx: common.Context) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="loop-orders figures",
+                                     description=__doc__.split("\n\n")[0])
     common.add_options(parser)
-    regenerate(common.context_from_args(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    try:  # a damaged results file raises ResultsError, a ValueError: one line, status 2
+        regenerate(common.context_from_args(args))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from . import runtime
+from .runtime import c_strides
 
 
 class DeviceView:
@@ -61,14 +62,6 @@ class DeviceView:
     def __cuda_array_interface__(self) -> dict:
         return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
                 "data": (self.ptr, False), "version": 3}
-
-
-def c_strides(shape, itemsize: int) -> tuple:
-    strides, step = [], itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return tuple(reversed(strides))
 
 
 class Kind:

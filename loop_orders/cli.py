@@ -79,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(p)
     p.add_argument("--repeat", type=int, default=3, help="timed launches (median reported)")
 
-    p = sub.add_parser("figures", help="rerun the experiments (resuming) and redraw figures/")
-    if _experiments_dir() is not None:
-        _experiments().common.add_options(p)  # --quick, --results-dir, --figures-dir, ...
+    sub.add_parser("figures", add_help=False,
+                       help="rerun the experiments (resuming) and redraw figures/ "
+                            "(python -m experiments.figures; --help lists its options)")
 
     p = sub.add_parser("cache", help="where compiled kernels are kept; --clear empties it")
     p.add_argument("--clear", action="store_true", help="remove every compiled kernel")
@@ -89,32 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _experiments_dir():
-    """experiments/ of the repository this package was installed from (editable install)."""
+    """The repository this package was installed from (editable install), if it has
+    experiments/ beside the package."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    found = root / "experiments"
-    return root if (found / "figures.py").is_file() else None
+    return root if (root / "experiments" / "figures.py").is_file() else None
 
 
-def _experiments():
+def cmd_figures(rest: list[str]) -> int:
+    """`python -m experiments.figures` with the arguments given: the experiments import the
+    package, never the reverse, so they run as a script of the repository."""
+    import os
+    import subprocess
+
     root = _experiments_dir()
     if root is None:
         raise ValueError("figures: experiments/ not found next to the loop_orders package; "
                          "run it from a clone of the repository installed with "
                          "`pip install -e .`")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    import experiments.common
-    import experiments.figures
-
-    return experiments
-
-
-def cmd_figures(args) -> int:
-    exp = _experiments()  # a damaged results file raises ResultsError, a ValueError: one line
-    exp.figures.regenerate(exp.common.context_from_args(args))
-    return 0
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "experiments.figures", *rest],
+                          env={**os.environ, "PYTHONPATH": path}).returncode
 
 
 def _random_array(args, rng, shape, device: bool = False):
@@ -307,11 +303,14 @@ def cmd_cache(args) -> int:
 
 
 COMMANDS = {"schedules": cmd_schedules, "traffic": cmd_traffic, "run": cmd_run,
-            "figures": cmd_figures, "cache": cmd_cache}
+            "cache": cmd_cache}
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["figures"]:  # its options are the experiments' own
+            return cmd_figures(argv[1:])
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args)
     except (UsageError, ValueError, TypeError) as exc:

@@ -223,14 +223,21 @@ def kernel_factory(make):
     return factory
 
 
+def c_strides(shape, itemsize: int) -> tuple:
+    """Byte strides of a C-contiguous array of this shape."""
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
 def _numba_type(a):
     """The Numba type a kernel parameter is compiled for (arrays by dtype, rank, layout)."""
     from numba import types
     from numba.np import numpy_support
 
     if _is_array(a):
-        from .arrays import c_strides
-
         layout = "C" if tuple(a.strides) == c_strides(a.shape, a.dtype.itemsize) else "A"
         return types.Array(numpy_support.from_dtype(a.dtype), len(a.shape), layout)
     return numba.typeof(a)

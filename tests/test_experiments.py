@@ -8,11 +8,9 @@ import threading
 import pytest
 
 import loop_orders as lo
+from experiments import common, explainer, notes, theorem2, traffic
 from loop_orders import results
-from loop_orders.cli import _experiments, main
-
-_experiments()  # puts the repository root on sys.path, as `loop-orders figures` does
-from experiments import common, explainer, notes, theorem2, traffic  # noqa: E402
+from loop_orders.cli import main
 
 
 def fake_provenance():
@@ -215,7 +213,7 @@ def test_explainer_ledger_matches_the_seed():
 
 # --- the one command ----------------------------------------------------------------------
 
-def test_figures_quick_end_to_end(tmp_path, capsys):
+def test_figures_quick_end_to_end(tmp_path, capfd):
     args = ["figures", "--quick", "--no-progress", "--results-dir", str(tmp_path / "results"),
             "--figures-dir", str(tmp_path / "figures"), "--notes", str(tmp_path / "notes.md")]
     assert main(args) == 0
@@ -239,9 +237,9 @@ def test_figures_quick_end_to_end(tmp_path, capsys):
     before = (tmp_path / "results" / "traffic.simulator.json").read_text()
     # a damaged results file ends in one clear line, status 2
     (tmp_path / "results" / "traffic.simulator.json").write_text(before[:100])
-    capsys.readouterr()
+    capfd.readouterr()
     assert main(args) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err
     assert "corrupt or partial" in err and err.count("\n") == 1
 
 
