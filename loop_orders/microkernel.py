@@ -353,46 +353,67 @@ class Unroll(NamedTuple):
         return cls(n, 4 * n)
 
 
-@cache
-def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
-                      CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
-                      STAGES: int = 1, PEEL: bool = False,  # noqa: N803
-                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
-    """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`).
-    UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
-    of loop control and more registers, which the caller's loop nest decides.
-    STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
-    PEEL: S_ij's first 4-dim chunk sets the scores (the rest add to them) instead of every
-    chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
-    TRANSPOSE_Q: Q_i is kept transposed in shared memory (Q_i^T, a row per head dim) where the
-    thread's rows come in groups of G = 4, so that S_ij's Q operands come one 16-byte load a
-    group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides. (Its
-    stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
-    stride apart.)
-    P_IN_K: P_ij^T is written into K_j's place (`Layout.p_in_k`), after a barrier.
-    """
-    lay = Layout(RM, KN, STAGES, P_IN_K)
-    TR, TC = lay.grid(BR, BC)  # noqa: N806 - rows of threads; threads sharing a row
-    NT = TR * TC  # noqa: N806
-    ROWS = TR * RM  # noqa: N806 - rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
-    sm = shared_layout(BR, BC, D, DV, lay, RELOAD, TRANSPOSE_Q)
-    XH = sm.vs // (4 * TC)  # noqa: N806 - 4-wide chunks of O per thread and row
-    XN = 4 * XH  # noqa: N806 - accumulators per row
-    NS = RM * KN  # noqa: N806 - scores per thread
+class Tiling(NamedTuple):
+    """The compile-time sizes of one CUDA-core micro-kernel build (`tiling`), which its parts
+    (the `make_*` factories below, composed by `make_micro_kernel`) close over."""
+
+    BR: int
+    BC: int
+    D: int
+    DV: int
+    RM: int
+    KN: int
+    TR: int  # rows of threads
+    TC: int  # threads sharing a row
+    NT: int
+    ROWS: int  # rows of Q_i, O_i; columns of P_ij^T (Br or a few more)
+    XH: int  # 4-wide chunks of O per thread and row
+    XN: int  # accumulators per row
+    NS: int  # scores per thread
     # a thread's rows come in groups of G consecutive rows (one 16-byte load of P_ij^T a
     # group and key when G = 4), the groups G TR rows apart
-    G = lay.groups  # noqa: N806
-    QT = sm.q_transposed  # noqa: N806 - Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
-    DX4 = -(-D // 4)  # noqa: N806 - 4-wide chunks of the head dim (padding is zero)
-    EXACT = TC * KN == BC  # noqa: N806 - no thread owns keys past Bc (to be masked)
+    G: int
+    QT: bool  # Q_i^T in shared memory (TRANSPOSE_Q, G = 4), else Q_i
+    DX4: int  # 4-wide chunks of the head dim (padding is zero)
+    EXACT: bool  # no thread owns keys past Bc (to be masked)
     # On a GPU a row's max is a shuffle butterfly over its TC lanes, when every warp holds
     # whole rows of threads (TC | 32, and no partial warp); else, and on the simulator (no
     # shuffles), it goes through shared memory.
-    SHUFFLE = not SIMULATOR and 32 % TC == 0 and NT % 32 == 0  # noqa: N806
-    LOG_TC = TC.bit_length() - 1  # noqa: N806
-    Q, QS, QTS, K, KS, V, VS = sm.q, sm.qs, sm.qts, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
-    P, PS, RED, O, STATS, SIZE = sm.p, sm.ps, sm.red, sm.o, sm.stats, sm.size  # noqa: N806, E741
-    OUT = O if RELOAD else Q  # noqa: N806 - where O_i is staged on its way out
+    SHUFFLE: bool
+    LOG_TC: int
+    RELOAD: bool
+    lay: Layout
+    sm: SharedLayout
+
+
+@cache
+def tiling(BR: int, BC: int, D: int, DV: int, lay: Layout, RELOAD: bool,
+           TRANSPOSE_Q: bool) -> Tiling:
+    """The `Tiling` of a CTA of layout `lay` over Br x Bc tiles (its buffer `shared_layout`)."""
+    TR, TC = lay.grid(BR, BC)
+    NT = TR * TC
+    sm = shared_layout(BR, BC, D, DV, lay, RELOAD, TRANSPOSE_Q)
+    XH = sm.vs // (4 * TC)
+    return Tiling(BR, BC, D, DV, lay.rm, lay.kn, TR, TC, NT, TR * lay.rm, XH, 4 * XH,
+                  lay.rm * lay.kn, lay.groups, sm.q_transposed, -(-D // 4),
+                  TC * lay.kn == BC, not SIMULATOR and 32 % TC == 0 and NT % 32 == 0,
+                  TC.bit_length() - 1, RELOAD, lay, sm)
+
+
+class Indexing(NamedTuple):
+    """Where a thread's rows, keys and dims are (`make_indexing`)."""
+
+    coords: object  # coords() -> (tr, tc) of this thread, unsigned
+    red_at: object  # red_at(tr, tc) -> index of the thread's RM partials in the reduction rows
+    row_of: object  # row_of(tr, a) -> the tile row of the thread's row a (uint64)
+    q_at: object  # q_at(tr, a) -> index of row a of the thread in a tile of stride QS at 0
+    dim: object  # dim(tc, h, w) -> head dim of the thread's w-th element of chunk h
+
+
+@cache
+def make_indexing(t: Tiling) -> Indexing:
+    """The thread's place in the layout and the indices of its rows and dims."""
+    TR, TC, RM, G, RED, QS = t.TR, t.TC, t.RM, t.G, t.sm.red, t.sm.qs
 
     @inlined
     def coords():
@@ -421,14 +442,25 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         """Head dim of the thread's w-th element of chunk h."""
         return (uint64(tc) + uint64(h * TC)) * uint64(4) + uint64(w)
 
-    @inlined
-    def visible(row, key0, n_keys):
-        """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
-        if CAUSAL:
-            return max(0, min(n_keys, row - key0 + 1))
-        return n_keys
+    return Indexing(coords, red_at, row_of, q_at, dim)
 
-    clear = make_clear(SIZE, NT)
+
+class SharedOperands(NamedTuple):
+    """A thread's operands, from shared memory into registers (`make_shared_operands`)."""
+
+    q_chunk: object  # q_chunk(x4, buf, tr, qq): Q_i's rows at one 4-wide chunk of dims
+    k_chunk: object  # k_chunk(x4, buf, k_at, tc, kk): K_j's keys at one chunk
+    p_key: object  # p_key(key, buf, tr, pp): P_ij's weights of the thread's rows for a key
+    v_key: object  # v_key(key, buf, tc, vv): V_j[key] at the thread's head dims
+
+
+@cache
+def make_shared_operands(t: Tiling) -> SharedOperands:
+    """The operand loads of S_ij (Q_i, K_j) and of P_ij V_j (P_ij^T, V_j)."""
+    RM, KN, TC, XH, QT = t.RM, t.KN, t.TC, t.XH, t.QT
+    Q, QTS, KS, P, PS, V, VS = t.sm.q, t.sm.qts, t.sm.ks, t.sm.p, t.sm.ps, t.sm.v, t.sm.vs
+    ix = make_indexing(t)
+    row_of, q_at, dim = ix.row_of, ix.q_at, ix.dim
 
     @inlined
     def q_chunk(x4, buf, tr, qq):
@@ -454,18 +486,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             for u in range(4):
                 kk[b * 4 + u] = buf[kb + uint64(u)]
 
-    scores = make_scores(RM, KN, DX4, UNROLL.chunks, PEEL, q_chunk, k_chunk)
-
-    @inlined
-    def rescale(m, l, acc, a, new_max):  # noqa: E741
-        """Raise row a's running max to new_max: scale l and acc by 2^(m - new_max)."""
-        if new_max > m[a]:  # skipped whenever the max is unchanged (most tiles)
-            alpha = exp2(m[a] - new_max)  # 0 before the first key
-            l[a] *= alpha
-            for y in range(XN):
-                acc[a * XN + y] *= alpha
-            m[a] = new_max
-
     @inlined
     def p_key(key, buf, tr, pp):
         """pp[a] = P_ij[row a, key]: the weights of the thread's rows for one key, one 16-byte
@@ -482,6 +502,18 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             for w in range(4):
                 vv[4 * h + w] = buf[at + dim(tc, h, w)]
 
+    return SharedOperands(q_chunk, k_chunk, p_key, v_key)
+
+
+@cache
+def make_fold(t: Tiling, UNROLL: Unroll):
+    """fold(buf, acc, vis): the second half of online_update, acc_i += P_ij V_j (UNROLL.keys
+    keys a trip of a full tile's loop)."""
+    RM, XN, BC = t.RM, t.XN, t.BC
+    coords = make_indexing(t).coords
+    ops = make_shared_operands(t)
+    p_key, v_key = ops.p_key, ops.v_key
+
     @inlined
     def accumulate_row(a, acc, pp, vv):
         """acc[row a] += P_ij[row a, key] V_j[key]: one weight in XN FMAs in a row."""
@@ -495,9 +527,8 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         for a in range(RM):
             acc[a * XN + y] += pp[a] * vv[y]
 
-    # a full tile's key goes dims outer, rows inner, in straight-line code: on the H200 0.5-1 %
-    # faster than rows outer at d = 64 and 128, causal or not, where S_ij's order (keys or rows
-    # inner) made no difference (results/gpu_logs/ab_fma_order_a8ff5e0.log)
+    # a full tile's key goes dims outer, rows inner, in straight-line code (measured faster
+    # than rows outer: results/tuning_history/micro_kernel.md)
     accumulate_dims = unrolled(accumulate_dim, XN, 3, XN)
 
     @inlined
@@ -536,6 +567,46 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
             key = uint32(key + uint32(1))
 
     @inlined
+    def fold(buf, acc, vis):
+        """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
+        sees (vis, from weigh)."""
+        tr, tc = coords()
+        if vis[0] == BC:
+            accumulate_full(buf, acc, tr, tc)
+        else:  # a tail tile or the causal diagonal
+            accumulate_seen(buf, acc, tr, tc, vis)
+
+    return fold
+
+
+class RowStats(NamedTuple):
+    """The row statistics over a row's TC threads (`make_row_stats`)."""
+
+    rescale: object  # rescale(m, l, acc, a, new_max): raise row a's running max
+    reduce_rows: object  # reduce_rows(buf, tr, out, is_max): max or sum of the row partials
+    shuffle_max: object  # shuffle_max(x): max of x over the TC lanes of one row
+    row_sums: object  # `MicroKernel.row_sums`
+    reciprocal: object  # `MicroKernel.reciprocal`
+
+
+@cache
+def make_row_stats(t: Tiling) -> RowStats:
+    """The running max's rescale and the reductions of the row partials."""
+    RM, TC, XN, LOG_TC, RED = t.RM, t.TC, t.XN, t.LOG_TC, t.sm.red
+    ix = make_indexing(t)
+    coords, red_at = ix.coords, ix.red_at
+
+    @inlined
+    def rescale(m, l, acc, a, new_max):  # noqa: E741
+        """Raise row a's running max to new_max: scale l and acc by 2^(m - new_max)."""
+        if new_max > m[a]:  # skipped whenever the max is unchanged (most tiles)
+            alpha = exp2(m[a] - new_max)  # 0 before the first key
+            l[a] *= alpha
+            for y in range(XN):
+                acc[a * XN + y] *= alpha
+            m[a] = new_max
+
+    @inlined
     def reduce_rows(buf, tr, out, is_max):
         """out[a] = the max or sum of row a's partials over its TC threads (from the
         reduction rows; a thread's RM partials are contiguous, so they load 16 bytes at a
@@ -554,6 +625,42 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
         for k in range(LOG_TC):
             x = max(x, cuda.shfl_xor_sync(uint32(0xFFFFFFFF), x, 1 << k))
         return x
+
+    @cuda.jit(device=True)
+    def row_sums(buf, l, l_row):  # noqa: E741
+        tr, tc = coords()
+        cuda.syncthreads()  # every thread is done with the reduction rows
+        for a in range(RM):
+            buf[red_at(tr, tc) + uint64(a)] = l[a]
+        cuda.syncthreads()  # every thread's partial row sums are in shared memory
+        reduce_rows(buf, tr, l_row, False)
+
+    @inlined
+    def reciprocal(x, out):
+        for a in range(RM):
+            out[a] = float32(1.0) / x[a]
+
+    return RowStats(rescale, reduce_rows, shuffle_max, row_sums, reciprocal)
+
+
+@cache
+def make_weigh(t: Tiling, CAUSAL: bool, UNROLL: Unroll, PEEL: bool):
+    """weigh(buf, n_keys, key0, row0, m, l, acc, vis): the first half of online_update
+    (`MicroKernel.weigh`); S_ij UNROLL.chunks chunks of dims a trip, PEEL as
+    `make_micro_kernel`'s."""
+    RM, KN, TC, BC, NS, EXACT, SHUFFLE = t.RM, t.KN, t.TC, t.BC, t.NS, t.EXACT, t.SHUFFLE
+    K, P, PS, P_IN_K = t.sm.k, t.sm.p, t.sm.ps, t.lay.p_in_k
+    ix, ops, st = make_indexing(t), make_shared_operands(t), make_row_stats(t)
+    coords, red_at, row_of = ix.coords, ix.red_at, ix.row_of
+    rescale, reduce_rows, shuffle_max = st.rescale, st.reduce_rows, st.shuffle_max
+    scores = make_scores(RM, KN, t.DX4, UNROLL.chunks, PEEL, ops.q_chunk, ops.k_chunk)
+
+    @inlined
+    def visible(row, key0, n_keys):
+        """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
+        if CAUSAL:
+            return max(0, min(n_keys, row - key0 + 1))
+        return n_keys
 
     @inlined
     def weigh(buf, n_keys, key0, row0, m, l, acc, vis):  # noqa: E741
@@ -610,31 +717,28 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 # P_ij: stays on chip, in shared memory (transposed) for the P V_j product
                 buf[key_at + row_of(tr, a)] = s[a * KN + b]
 
-    @inlined
-    def fold(buf, acc, vis):
-        """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
-        sees (vis, from weigh)."""
-        tr, tc = coords()
-        if vis[0] == BC:
-            accumulate_full(buf, acc, tr, tc)
-        else:  # a tail tile or the causal diagonal
-            accumulate_seen(buf, acc, tr, tc, vis)
+    return weigh
 
-    @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
-        vis = cuda.local.array(RM, int32)  # keys each row sees
-        weigh(buf, n_keys, key0, row0, m, l, acc, vis)
-        cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
-        fold(buf, acc, vis)
 
-    @cuda.jit(device=True)
-    def row_sums(buf, l, l_row):  # noqa: E741
-        tr, tc = coords()
-        cuda.syncthreads()  # every thread is done with the reduction rows
-        for a in range(RM):
-            buf[red_at(tr, tc) + uint64(a)] = l[a]
-        cuda.syncthreads()  # every thread's partial row sums are in shared memory
-        reduce_rows(buf, tr, l_row, False)
+class OStage(NamedTuple):
+    """O_i and the row statistics through shared memory (`make_o_stage`): the
+    `MicroKernel` fields of the same names."""
+
+    give_o: object
+    take_o: object
+    keep_stats: object
+    store_lse: object
+
+
+@cache
+def make_o_stage(t: Tiling) -> OStage:
+    """O_i into and out of its stage (kv_outer's, else the Q_i tile), kv_outer's l_i, m_i
+    rows, and lse_i to HBM."""
+    RM, XH, XN, DV, ROWS = t.RM, t.XH, t.XN, t.DV, t.ROWS
+    O, STATS = t.sm.o, t.sm.stats  # noqa: E741
+    OUT = O if t.RELOAD else t.sm.q  # where O_i is staged on its way out
+    ix = make_indexing(t)
+    coords, row_of, q_at, dim = ix.coords, ix.row_of, ix.q_at, ix.dim
 
     @inlined
     def give_o(buf, acc, factor):
@@ -645,11 +749,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                     x = dim(tc, h, w)
                     if x < DV:
                         buf[uint64(OUT) + q_at(tr, a) + x] = acc[a * XN + 4 * h + w] * factor[a]
-
-    @inlined
-    def reciprocal(x, out):
-        for a in range(RM):
-            out[a] = float32(1.0) / x[a]
 
     @inlined
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
@@ -674,15 +773,50 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
+    @inlined
+    def store_lse(lse, bh, row0, n_rows, m, l_row):
+        tr, tc = coords()
+        moved = 0
+        if tc == 0:
+            for a in range(RM):
+                local = int(row_of(tr, a))  # rows past Br belong to the next block
+                if local < n_rows:
+                    # lse_i: the row statistic the backward pass needs, written once
+                    lse[bh, row0 + local] = (m[a] + math.log2(l_row[a])) * float32(LN2)
+                    moved += 1
+        return moved
+
+    return OStage(give_o, take_o, keep_stats, store_lse)
+
+
+class TileIO(NamedTuple):
+    """The tiles between HBM and shared memory (`make_tile_io`): the `MicroKernel` fields of
+    the same names."""
+
+    load_q: object
+    load_k: object
+    load_v: object
+    wait_loads: object
+    load_o: object
+    store_o: object
+
+
+@cache
+def make_tile_io(t: Tiling) -> TileIO:
+    """Q_i, K_j, V_j and O_i between HBM and their tiles (K_j, V_j by cp.async where
+    `Layout.copies_rows`)."""
+    BR, BC, D, DV, NT, RELOAD, QT = t.BR, t.BC, t.D, t.DV, t.NT, t.RELOAD, t.QT
+    Q, QS, QTS, K, KS, V, VS = t.sm.q, t.sm.qs, t.sm.qts, t.sm.k, t.sm.ks, t.sm.v, t.sm.vs
+    O = t.sm.o  # noqa: E741
+    OUT = O if RELOAD else Q  # where O_i is staged on its way out
     # Q_i, where the loop nest loads it once per CTA (not RELOAD), before any K/V block is
     # folded in: nothing runs under its loads, so they all go out before the first wait
-    # (IN_FLIGHT: at d = 128, 1.634 against 1.704 ms at N = 512 and 12.30 against 12.38 at
-    # N = 4096; by cp.async and scaled in place, 1.674 and 12.56: ab_q_in_flight_7b7047c.log)
+    # (measured: results/tuning_history/micro_kernel.md)
     load_q_tile = make_tile_loader(BR, D, NT, (Q, 1, QTS) if QT else (Q, QS), scaled=True,
                                    in_flight=not RELOAD)
     load_k_tile = make_tile_loader(BC, D, NT, (K, KS))
     load_v_tile = make_tile_loader(BC, DV, NT, (V, VS))
-    ASYNC = lay.copies_rows(D, DV)  # noqa: N806 - K/V rows by cp.async
+    ASYNC = t.lay.copies_rows(D, DV)  # K/V rows by cp.async
     if ASYNC:
         copy_k_rows = make_row_copier(BC, D, KS, NT, 4)
         copy_v_rows = make_row_copier(BC, DV, VS, NT, 4)
@@ -717,9 +851,6 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     def wait_async():
         cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
 
-    load_k, load_v = (load_k_async, load_v_async) if ASYNC else (load_k_plain, load_v_plain)
-    wait_loads = wait_async if ASYNC else wait_plain
-
     @inlined
     def load_o(buf, o, bh, row0, n_rows):
         return load_o_tile(buf, o, bh, row0, n_rows, 0, DV)
@@ -728,22 +859,50 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # no
     def store_o(buf, o, bh, row0, n_rows):
         return store_o_tile(buf, o, bh, row0, n_rows, 0, DV)
 
-    @inlined
-    def store_lse(lse, bh, row0, n_rows, m, l_row):
-        tr, tc = coords()
-        moved = 0
-        if tc == 0:
-            for a in range(RM):
-                local = int(row_of(tr, a))  # rows past Br belong to the next block
-                if local < n_rows:
-                    # lse_i: the row statistic the backward pass needs, written once
-                    lse[bh, row0 + local] = (m[a] + math.log2(l_row[a])) * float32(LN2)
-                    moved += 1
-        return moved
+    if ASYNC:
+        return TileIO(load_q, load_k_async, load_v_async, wait_async, load_o, store_o)
+    return TileIO(load_q, load_k_plain, load_v_plain, wait_plain, load_o, store_o)
 
-    return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
-                       coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, RM, XN * RM, ROWS, STATS, 1, lay.staggered, weigh, fold, row_of)
+
+@cache
+def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
+                      CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
+                      STAGES: int = 1, PEEL: bool = False,  # noqa: N803
+                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
+    """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`),
+    composed of its parts over the build's `Tiling`: `make_indexing`, `make_weigh` (S_ij, the
+    row statistics, P_ij), `make_fold` (P_ij V_j), `make_row_stats`, `make_o_stage` and
+    `make_tile_io`.
+    UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
+    of loop control and more registers, which the caller's loop nest decides.
+    STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
+    PEEL: S_ij's first 4-dim chunk sets the scores (the rest add to them) instead of every
+    chunk adding to zeroed scores; the caller decides per head dim, as for UNROLL.
+    TRANSPOSE_Q: Q_i is kept transposed in shared memory (Q_i^T, a row per head dim) where the
+    thread's rows come in groups of G = 4, so that S_ij's Q operands come one 16-byte load a
+    group and dim (as P_ij^T's in P V_j), else a row per query row; the caller decides. (Its
+    stores, once per Q_i, then conflict 4-way in shared memory: consecutive dims are a row
+    stride apart.)
+    P_IN_K: P_ij^T is written into K_j's place (`Layout.p_in_k`), after a barrier.
+    """
+    lay = Layout(RM, KN, STAGES, P_IN_K)
+    t = tiling(BR, BC, D, DV, lay, RELOAD, TRANSPOSE_Q)
+    ix, st, ost, io = make_indexing(t), make_row_stats(t), make_o_stage(t), make_tile_io(t)
+    weigh, fold = make_weigh(t, CAUSAL, UNROLL, PEEL), make_fold(t, UNROLL)
+    clear = make_clear(t.sm.size, t.NT)
+
+    @cuda.jit(device=True)
+    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
+        vis = cuda.local.array(RM, int32)  # keys each row sees
+        weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+        cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
+        fold(buf, acc, vis)
+
+    return MicroKernel(clear, online_update, st.row_sums, ost.give_o, st.reciprocal,
+                       ost.take_o, ost.keep_stats, ix.coords, io.load_q, io.load_k, io.load_v,
+                       io.wait_loads, io.load_o, io.store_o, ost.store_lse, t.NT, RM,
+                       t.XN * RM, t.ROWS, t.sm.stats, 1, lay.staggered, weigh, fold,
+                       ix.row_of)
 
 
 def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:

@@ -224,30 +224,24 @@ class TcOperands(NamedTuple):
     accumulate: object  # accumulate(tile, s, acc, lane, v_at): acc += P V_j, P from s
 
 
+class TcBasics(NamedTuple):
+    """The buffer and a thread's place (`make_tc_basics`): the `TcOperands` fields of the
+    same names."""
+
+    clear: object
+    tiles: object
+    coords: object
+    local_row: object
+
+
 @cache
-def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
-                     RELOAD: bool = False) -> TcOperands:
-    """`TcOperands` for a CTA of W = ceil(Br / 16) warps over the buffer
-    `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)`. A kernel that multiplies only one
-    pair of operands (dense's scores, its P V) builds with the other head dim 0."""
-    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
-    NT = 32 * W  # noqa: N806
-    KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
-    DK = _up(D, 16) // 16  # noqa: N806 - k-steps of S = Q K^T (16 head dims)
-    D8 = _up(D, 8) // 8  # noqa: N806 - TF32's k-steps (8 head dims)
-    NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
-    DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
-    NS = 4 * NKT  # noqa: N806 - a thread's scores
-    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators of O
-    PER = SPEC.per_copy  # noqa: N806 - elements of one 16-byte copy
-    VEC = SPEC.copies_rows(D, DV)  # noqa: N806 - rows in whole 16-byte copies
+def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                   RELOAD: bool = False) -> TcBasics:
+    """The buffer `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)` cleared and viewed in the
+    tiles' element type, and a thread's (warp, lane) and rows, for W = ceil(Br / 16) warps."""
+    NT = 32 * -(-BR // WARP_ROWS)
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
-    Q, QS, K, KS, V, VS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.vs  # noqa: N806
-    K_STAGE, V_STAGE = KP * KS, KP * VS  # noqa: N806 - elements between K/V buffers
-    TF32, SPLIT, BF16 = SPEC.tf32, SPEC.split, SPEC.dtype == "bfloat16"  # noqa: N806
-    mma = mma_bf16 if BF16 else mma_f16
-    pack = pack_bf16x2 if BF16 else pack_f16x2
-    ELEMENT = _tile_type("float32" if TF32 else SPEC.dtype)  # noqa: N806
+    ELEMENT = _tile_type("float32" if SPEC.tf32 else SPEC.dtype)
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -269,7 +263,32 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     def local_row(w, lane, a):
         return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
 
-    def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):  # noqa: N803
+    return TcBasics(clear, tiles, coords, local_row)
+
+
+class TcLoads(NamedTuple):
+    """The tiles' loads into shared memory (`make_tc_loads`): the `TcOperands` fields of the
+    same names."""
+
+    load_q: object
+    load_k: object
+    load_v: object
+    wait_loads: object
+
+
+@cache
+def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                  RELOAD: bool = False) -> TcLoads:
+    """Q_i, K_j and V_j from HBM into their tiles: by cp.async where every row is whole
+    16-byte copies, else by plain loads."""
+    NT = 32 * -(-BR // WARP_ROWS)
+    KP = _up(BC, 16)  # keys of a tile, padded
+    PER = SPEC.per_copy  # elements of one 16-byte copy
+    VEC = SPEC.copies_rows(D, DV)  # rows in whole 16-byte copies
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    tiles = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD).tiles
+
+    def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):
         """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
         < C) into the tile at AT + stage STAGE, stride S; rows past n_rows become zero.
         Returns the elements this thread counts (thread 0 counts the tile)."""
@@ -296,7 +315,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
 
         return load_plain
 
-    load_q_tile = make_loader(BR, D, Q, QS, 0)
+    load_q_tile = make_loader(BR, D, sm.q, sm.qs, 0)
 
     @cuda.jit(device=True, inline="always")
     def load_q(src, bh, row0, n_rows):
@@ -306,6 +325,35 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     def wait_loads():
         if VEC:
             cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
+
+    # K_STAGE, V_STAGE: elements between K/V buffers
+    return TcLoads(load_q, make_loader(BC, D, sm.k, sm.ks, KP * sm.ks),
+                   make_loader(BC, DV, sm.v, sm.vs, KP * sm.vs), wait_loads)
+
+
+class TcProducts(NamedTuple):
+    """The two products on fragments (`make_tc_mma16`, `make_tf32_scores` and
+    `make_tf32_accumulate`): the `TcOperands` fields of the same names."""
+
+    scores: object
+    accumulate: object
+
+
+@cache
+def make_tc_mma16(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                  RELOAD: bool = False) -> TcProducts:
+    """S = Q_i K_j^T and acc += P V_j on m16n8k16 (float16 or bfloat16), operands by
+    ldmatrix."""
+    KP = _up(BC, 16)  # keys of a tile, padded
+    DK = _up(D, 16) // 16  # k-steps of S = Q K^T (16 head dims)
+    NKT = KP // 8  # 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    NS = 4 * NKT  # a thread's scores
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    Q, QS, KS, VS = sm.q, sm.qs, sm.ks, sm.vs
+    BF16 = SPEC.dtype == "bfloat16"
+    mma = mma_bf16 if BF16 else mma_f16
+    pack = pack_bf16x2 if BF16 else pack_f16x2
 
     @cuda.jit(device=True, inline="always")
     def scores(tile, s, w, lane, k_at):
@@ -346,6 +394,20 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
                         p0, p1, p2, p3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
 
+    return TcProducts(scores, accumulate)
+
+
+class Tf32Mma(NamedTuple):
+    """TF32 operands and their product (`make_tf32_mma`)."""
+
+    tf32_operand: object  # tf32_operand(x) -> (head, tail)
+    mma_f32: object  # mma_f32(a0 .. a3, b0, b1, c0 .. c3): C + A B from (head, tail) operands
+
+
+@cache
+def make_tf32_mma(SPLIT: bool) -> Tf32Mma:
+    """The m16n8k8 TF32 product, one (TF32) or three (SPLIT: 3xTF32) a step."""
+
     @inlined
     def tf32_operand(x):
         """A float32 operand as (head, tail): split (tf32x3) into its TF32 head and the tail
@@ -365,6 +427,21 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
             c0, c1, c2, c3 = mma_tf32(a0[1], a1[1], a2[1], a3[1], b0[0], b1[0], c0, c1, c2, c3)
             c0, c1, c2, c3 = mma_tf32(a0[0], a1[0], a2[0], a3[0], b0[1], b1[1], c0, c1, c2, c3)
         return mma_tf32(a0[0], a1[0], a2[0], a3[0], b0[0], b1[0], c0, c1, c2, c3)
+
+    return Tf32Mma(tf32_operand, mma_f32)
+
+
+@cache
+def make_tf32_scores(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                     RELOAD: bool = False):
+    """scores(tile, s, w, lane, k_at): s = Q_i K_j^T on m16n8k8 TF32 (`TcOperands.scores`)."""
+    D8 = _up(D, 8) // 8  # TF32's k-steps (8 head dims)
+    NKT = _up(BC, 16) // 8  # 8-key n-tiles of S
+    NS = 4 * NKT  # a thread's scores
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    Q, QS, KS = sm.q, sm.qs, sm.ks
+    tm = make_tf32_mma(SPEC.split)
+    tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
 
     @cuda.jit(device=True, inline="always")
     def scores_ntile(n, a0, a1, a2, a3, tile, s, k_at):
@@ -395,6 +472,22 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
             a3 = tf32_operand(tile[qa + uint64(8 * QS + 4)])
             scores_ntiles(a0, a1, a2, a3, tile, s, k_row + uint64(8 * kk))
 
+    return scores_tf32
+
+
+@cache
+def make_tf32_accumulate(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                         RELOAD: bool = False):
+    """accumulate(tile, s, acc, lane, v_at): acc += P V_j on m16n8k8 TF32
+    (`TcOperands.accumulate`)."""
+    NKT = _up(BC, 16) // 8  # 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    NACC = 4 * DVT  # a thread's accumulators of O
+    VS = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC).vs
+    SPLIT = SPEC.split
+    tm = make_tf32_mma(SPLIT)
+    tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
+
     @cuda.jit(device=True, inline="always")
     def accumulate_mtile(m, p0, p1, p2, p3, tile, acc, v_at):
         """acc's n-tile m (dims 8 m .. 8 m + 7) += P's A fragment p0 .. p3 times V_j's B
@@ -421,11 +514,9 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
     def accumulate_tf32(tile, s, acc, lane, v_at):
         """acc += P V_j on m16n8k8 TF32, P's A fragment straight from s
         (`accumulate_ntile`). 3xTF32 sums the tile's products apart, from zero, and adds them
-        to acc in float32: carried through every tile's mma, acc drifted with the keys
-        (1.1e-4 at N = 16384, d = 64, against SDPA efficient's 2.7e-6 in the same run,
-        results/gpu_logs/bench_169473f.log); apart, 1.7e-6 there (bench_43b6f05.log): the
-        mma's own float32 sums are not float32 adds (in TF32 alone its operand rounding hides
-        that)."""
+        to acc in float32: carried through every tile's mma, acc drifted with the keys (the
+        mma's own float32 sums are not float32 adds; in TF32 alone its operand rounding hides
+        that; measured: results/tuning_history/micro_kernel.md)."""
         g, t = lane >> uint32(2), lane & uint32(3)
         v_row = v_at + uint64(2 * t) * uint64(VS) + uint64(g)
         if SPLIT:
@@ -438,34 +529,48 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # no
         else:
             accumulate_ntiles(tile, s, acc, v_row)
 
-    if TF32:
-        scores, accumulate = scores_tf32, accumulate_tf32
-    return TcOperands(clear, tiles, coords, local_row, load_q, make_loader(BC, D, K, KS, K_STAGE),
-                      make_loader(BC, DV, V, VS, V_STAGE), wait_loads, scores, accumulate)
+    return accumulate_tf32
 
 
 @cache
-def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
-                         CAUSAL: bool, RELOAD: bool):
-    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
-    arguments pick the K/V buffer (0 .. SPEC.stages - 1)."""
-    from .microkernel import MicroKernel
+def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+                     RELOAD: bool = False) -> TcOperands:
+    """`TcOperands` for a CTA of W = ceil(Br / 16) warps over the buffer
+    `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)`, from its parts: `make_tc_basics`,
+    `make_tc_loads`, and the products of `make_tc_mma16` (16-bit) or `make_tf32_scores` and
+    `make_tf32_accumulate` (TF32). A kernel that multiplies only one pair of operands
+    (dense's scores, its P V) builds with the other head dim 0."""
+    sizes = (BR, BC, D, DV, SPEC, RELOAD)
+    base, io = make_tc_basics(*sizes), make_tc_loads(*sizes)
+    if SPEC.tf32:
+        products = TcProducts(make_tf32_scores(*sizes), make_tf32_accumulate(*sizes))
+    else:
+        products = make_tc_mma16(*sizes)
+    return TcOperands(base.clear, base.tiles, base.coords, base.local_row, io.load_q,
+                      io.load_k, io.load_v, io.wait_loads, products.scores, products.accumulate)
 
-    W = -(-BR // WARP_ROWS)  # noqa: N806 - warps
-    NT = 32 * W  # noqa: N806
-    ROWS = W * WARP_ROWS  # noqa: N806
-    KP = _up(BC, 16)  # noqa: N806 - keys of a tile, padded
-    NKT = KP // 8  # noqa: N806 - 8-key n-tiles of S
-    DVT = _up(DV, 16) // 8  # noqa: N806 - 8-dim n-tiles of O
-    NS = 4 * NKT  # noqa: N806 - a thread's scores
-    NACC = 4 * DVT  # noqa: N806 - a thread's accumulators
+
+class TcTileIO(NamedTuple):
+    """The tiles between HBM and shared memory (`make_tc_tile_io`): the
+    `microkernel.MicroKernel` fields of the same names."""
+
+    load_q: object
+    load_k: object
+    load_v: object
+    load_o: object
+    store_o: object
+
+
+@cache
+def make_tc_tile_io(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                    RELOAD: bool) -> TcTileIO:
+    """The micro-kernel's tile loads (`make_tc_loads`' with its signatures) and O_i's
+    between HBM and the float32 O_i stage."""
+    NT = 32 * -(-BR // WARP_ROWS)
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
-    K, V, O, OS, STATS = sm.k, sm.v, sm.o, sm.os, sm.stats  # noqa: N806, E741
-    K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # noqa: N806 - elements between K/V buffers
-    ops = make_tc_operands(BR, BC, D, DV, SPEC, RELOAD)
-    clear, tiles, coords, local_row = ops.clear, ops.tiles, ops.coords, ops.local_row
-    scores, accumulate, wait_loads = ops.scores, ops.accumulate, ops.wait_loads
-    load_q_tile, load_k_tile, load_v_tile = ops.load_q, ops.load_k, ops.load_v
+    O, OS = sm.o, sm.os  # noqa: E741
+    io = make_tc_loads(BR, BC, D, DV, SPEC, RELOAD)
+    load_q_tile, load_k_tile, load_v_tile = io.load_q, io.load_k, io.load_v
     load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
     store_o_stage = make_tile_storer(BR, DV, NT, (O, OS))
 
@@ -489,11 +594,20 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
     def store_o(buf, o, bh, row0, n_rows):
         return store_o_stage(buf, o, bh, row0, n_rows, 0, DV)
 
-    @cuda.jit(device=True, inline="always")
-    def visible(row, key0, n_keys):
-        if CAUSAL:
-            return max(0, min(n_keys, row - key0 + 1))
-        return n_keys
+    return TcTileIO(load_q, load_k, load_v, load_o, store_o)
+
+
+class TcScaling(NamedTuple):
+    """A row half's scores scaled and its max (`make_tc_scaling`)."""
+
+    row_max4: object  # row_max4(x): max over the 4 lanes of a row
+    scale_row: object  # scale_row(s, a, scale_log2) -> the row half's max
+    scale_row_masked: object  # scale_row_masked(s, a, scale_log2, vis, t2): masked too
+
+
+@cache
+def make_tc_scaling(NKT: int) -> TcScaling:
+    """The scaling of a thread's NKT n-tiles of scores, row half by row half."""
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):
@@ -526,6 +640,33 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                 part = max(part, x)
         return part
 
+    return TcScaling(row_max4, scale_row, scale_row_masked)
+
+
+@cache
+def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                          CAUSAL: bool, RELOAD: bool):
+    """online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage): K_j, V_j
+    folded into the warp's rows (`microkernel.MicroKernel.online_update`)."""
+    KP = _up(BC, 16)  # keys of a tile, padded
+    NKT = KP // 8  # 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    NS = 4 * NKT  # a thread's scores
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    K, V = sm.k, sm.v
+    K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # elements between K/V buffers
+    ops = make_tc_operands(BR, BC, D, DV, SPEC, RELOAD)
+    tiles, coords, local_row = ops.tiles, ops.coords, ops.local_row
+    scores, accumulate = ops.scores, ops.accumulate
+    sc = make_tc_scaling(NKT)
+    row_max4, scale_row, scale_row_masked = sc.row_max4, sc.scale_row, sc.scale_row_masked
+
+    @cuda.jit(device=True, inline="always")
+    def visible(row, key0, n_keys):
+        if CAUSAL:
+            return max(0, min(n_keys, row - key0 + 1))
+        return n_keys
+
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
         tile = tiles()
@@ -557,16 +698,29 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                     s[4 * n + 2 * a + c] = p
         accumulate(tile, s, acc, lane, uint64(V) + uint64(stage) * uint64(V_STAGE))
 
-    @cuda.jit(device=True)
-    def row_sums(buf, l, l_row):  # noqa: E741
-        for a in range(2):
-            x = l[a] + shfl_xor(l[a], 1)
-            l_row[a] = x + shfl_xor(x, 2)
+    return online_update
 
-    @cuda.jit(device=True, inline="always")
-    def reciprocal(x, out):
-        for a in range(2):
-            out[a] = float32(1.0) / x[a]
+
+class TcOStage(NamedTuple):
+    """O_i and the row statistics through the float32 stage (`make_tc_o_stage`): the
+    `microkernel.MicroKernel` fields of the same names."""
+
+    give_o: object
+    take_o: object
+    keep_stats: object
+
+
+@cache
+def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                    RELOAD: bool) -> TcOStage:
+    """O_i into and out of its stage from the accumulator fragments, and kv_outer's l_i,
+    m_i rows."""
+    ROWS = -(-BR // WARP_ROWS) * WARP_ROWS
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+    O, OS, STATS = sm.o, sm.os, sm.stats  # noqa: E741
+    base = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD)
+    coords, local_row = base.coords, base.local_row
 
     @cuda.jit(device=True, inline="always")
     def give_o(buf, acc, factor):
@@ -605,6 +759,36 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                 buf[uint64(STATS) + r] = l_row[a]
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
+    return TcOStage(give_o, take_o, keep_stats)
+
+
+class TcRowStats(NamedTuple):
+    """A row's statistics over its 4 lanes (`make_tc_row_stats`): the
+    `microkernel.MicroKernel` fields of the same names."""
+
+    row_sums: object
+    reciprocal: object
+    store_lse: object
+
+
+@cache
+def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                      RELOAD: bool) -> TcRowStats:
+    """The full l_i of a thread's two rows, their reciprocals, and lse_i to HBM."""
+    base = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD)
+    coords, local_row = base.coords, base.local_row
+
+    @cuda.jit(device=True)
+    def row_sums(buf, l, l_row):  # noqa: E741
+        for a in range(2):
+            x = l[a] + shfl_xor(l[a], 1)
+            l_row[a] = x + shfl_xor(x, 2)
+
+    @cuda.jit(device=True, inline="always")
+    def reciprocal(x, out):
+        for a in range(2):
+            out[a] = float32(1.0) / x[a]
+
     @cuda.jit(device=True, inline="always")
     def store_lse(lse, bh, row0, n_rows, m, l_row):
         w, lane = coords()
@@ -618,9 +802,28 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  
                     moved += 1
         return moved
 
-    return MicroKernel(clear, online_update, row_sums, give_o, reciprocal, take_o, keep_stats,
-                       coords, load_q, load_k, load_v, wait_loads, load_o, store_o, store_lse,
-                       NT, 2, NACC, ROWS, STATS, SPEC.stages)
+    return TcRowStats(row_sums, reciprocal, store_lse)
+
+
+@cache
+def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+                         CAUSAL: bool, RELOAD: bool):
+    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
+    arguments pick the K/V buffer (0 .. SPEC.stages - 1). Its parts: `make_tc_operands`,
+    `make_tc_tile_io`, `make_tc_online_update`, `make_tc_o_stage` and `make_tc_row_stats`."""
+    from .microkernel import MicroKernel
+
+    W = -(-BR // WARP_ROWS)  # warps
+    NACC = 4 * (_up(DV, 16) // 8)  # a thread's accumulators (4 per 8-dim n-tile of O)
+    sizes = (BR, BC, D, DV, SPEC, RELOAD)
+    ops, io = make_tc_operands(*sizes), make_tc_tile_io(*sizes)
+    ost, st = make_tc_o_stage(*sizes), make_tc_row_stats(*sizes)
+    online_update = make_tc_online_update(BR, BC, D, DV, SPEC, CAUSAL, RELOAD)
+    return MicroKernel(ops.clear, online_update, st.row_sums, ost.give_o, st.reciprocal,
+                       ost.take_o, ost.keep_stats, ops.coords, io.load_q, io.load_k, io.load_v,
+                       ops.wait_loads, io.load_o, io.store_o, st.store_lse, 32 * W, 2, NACC,
+                       W * WARP_ROWS, tc_shared_layout(*sizes[:4], RELOAD, SPEC).stats,
+                       SPEC.stages)
 
 
 def _tile_type(dtype: str):
