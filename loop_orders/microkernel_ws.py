@@ -258,7 +258,7 @@ class Barriers(NamedTuple):
 
 
 @cache
-def make_barriers(NS: int, NP: int) -> Barriers:  # noqa: N803
+def make_barriers(NS: int, NP: int) -> Barriers:
     """FULL, EMPTY and L_READY for all NS + NP threads, S_ONLY for the S warps' NS, PV_ONLY for
     the P V warps' NP."""
     full_sync, full_arrive = named_barrier(FULL, NS + NP)
@@ -271,7 +271,7 @@ def make_barriers(NS: int, NP: int) -> Barriers:  # noqa: N803
 
 
 @cache
-def make_visible(CAUSAL: bool):  # noqa: N803
+def make_visible(CAUSAL: bool):
     """visible(row, key0, n_keys), both roles' mask."""
 
     @inlined
@@ -294,7 +294,7 @@ class Copies(NamedTuple):
 
 
 @cache
-def make_copies(BR, BC, D, DV, PERSISTENT, EVEN, COUNT, slots) -> Copies:  # noqa: N803
+def make_copies(BR, BC, D, DV, PERSISTENT, EVEN, COUNT, slots) -> Copies:
     """Q_i's loader (every thread, or persistent the S warps, under the P V warps' last tile),
     the S warps' K_j copies and the P V warps' V_j halves; `slots` as q_outer's."""
     _, K_R, V_R, _, _ = slots
@@ -341,7 +341,7 @@ class SScores(NamedTuple):
 
 
 @cache
-def make_s_scores(BR, BC, D, DV, SP, HALF) -> SScores:  # noqa: N803
+def make_s_scores(BR, BC, D, DV, SP, HALF) -> SScores:
     """HALF (persistent, causal): a tile whose keys all lie past the block's first half of rows
     (the diagonal's second when Br = 2 Bc) takes the scores of the S threads' rows in its
     second half only."""
@@ -391,7 +391,7 @@ class STile(NamedTuple):
 
 
 @cache
-def make_s_tile(BR, BC, D, DV, MASKED, FIRST_ROW, s_row, visible) -> STile:  # noqa: N803
+def make_s_tile(BR, BC, D, DV, MASKED, FIRST_ROW, s_row, visible) -> STile:
     """FIRST_ROW: the thread's row that sees the fewest keys of a tile (its first in the
     block)."""
     sm = shared(BR, BC, D, DV)
@@ -449,7 +449,7 @@ def make_s_tile(BR, BC, D, DV, MASKED, FIRST_ROW, s_row, visible) -> STile:  # n
 
 
 @cache
-def make_s_role(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots, bars, load_k):  # noqa: N803
+def make_s_role(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots, bars, load_k):
     """s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt): the S warps' part of a query
     block, K_0 copied and Q_i in shared memory."""
     LSE_W = slots[4]
@@ -530,7 +530,7 @@ class PvTile(NamedTuple):
 
 
 @cache
-def make_pv_tile(BR, BC, D, DV, SP) -> PvTile:  # noqa: N803
+def make_pv_tile(BR, BC, D, DV, SP) -> PvTile:
     """The P V thread's tile steps, SP.keys keys a trip of the half's loop."""
     PS = shared(BR, BC, D, DV).ps
     HK = BC // 2  # keys of a V half
@@ -587,7 +587,7 @@ class PvMasked(NamedTuple):
 
 
 @cache
-def make_pv_masked(BR, BC, D, DV, pv) -> PvMasked:  # noqa: N803
+def make_pv_masked(BR, BC, D, DV, pv) -> PvMasked:
     """The keys every row of a P V thread sees 8 rows a key (`accumulate_first`), then a group
     of 4 rows at a time (`accumulate_seen`); `pv`: `make_pv_tile`'s."""
     PS = shared(BR, BC, D, DV).ps
@@ -653,7 +653,7 @@ def make_pv_masked(BR, BC, D, DV, pv) -> PvMasked:  # noqa: N803
 
 
 @cache
-def make_pv_role(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, bars, load_v_half):  # noqa: N803
+def make_pv_role(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, bars, load_v_half):
     """pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, items, slot, cnt): the P V warps'
     part of a query block, V_0's halves copied."""
     O_W = slots[3]
@@ -749,7 +749,7 @@ class Roles(NamedTuple):
 
 
 @cache
-def make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots) -> Roles:  # noqa: N803
+def make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots) -> Roles:
     """The parts both kernels build on, for `make_specialised_kernel`'s arguments."""
     bars = make_barriers((BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN))
     copies = make_copies(BR, BC, D, DV, SP.persistent, SP.even, COUNT, slots)
@@ -760,7 +760,7 @@ def make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots) -> Roles:  # n
 
 
 @cache
-def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):  # noqa: N803
+def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
     """q_outer_ws(q, k, v, o, lse, counts, scale_log2): a CTA per query block."""
     Q_R = slots[0]
     HK = BC // 2  # keys of a V half
@@ -821,7 +821,7 @@ class Items(NamedTuple):
 
 
 @cache
-def make_items(BR: int, CAUSAL: bool) -> Items:  # noqa: N803
+def make_items(BR: int, CAUSAL: bool) -> Items:
     """Work items as `tiles.block_grid` orders query blocks (its twin: `tiles.make_block_of`)."""
     @inlined
     def item_of(w, q):
@@ -858,7 +858,7 @@ class ItemRoles(NamedTuple):
 
 
 @cache
-def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:  # noqa: N803
+def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:
     """Each role's part of a work item with the copies it takes on, the S warps drawing the
     CTA's next item."""
     Q_R = slots[0]
@@ -912,7 +912,7 @@ def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:  #
 
 
 @cache
-def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):  # noqa: N803
+def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
     """q_outer_ws_persistent(q, k, v, o, lse, counts, tickets, scale_log2) on
     `persistent_grid`'s grid: a CTA an SM, folding query blocks in turn."""
     NS, NP = (BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN)
