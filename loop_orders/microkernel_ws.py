@@ -26,21 +26,17 @@ P_ij, and only its store waits for them. With Br = 128, Bc = 64, d = dv = 128 th
 219,136 bytes, one CTA an SM, and each of the 4 schedulers holds one S warp and one P V warp.
 The hot loops are kept short (`Specialised`: 3 chunks of S_ij's dims, 4 or 8 keys of P_ij V_j
 a trip, per mask as q_outer's SPECIALISED says): each scheduler runs both loops at once, and
-longer ones evicted each other from the instruction cache (results/gpu_logs/ws_proto_61ac419.log:
-(8, 16) took 19.6 ms against (3, 8)'s 11.9).
+longer ones evicted each other from the instruction cache.
 
 Where N_q and N_k are whole numbers of tiles the kernel is built without the tails' code, and
-then, unless causal, without any masking (`Specialised.even`): inside the tile loops that code cost
-4 % (results/gpu_logs/ab_ws_f32c6cd.log). On a tail tile or the causal diagonal a P V
-thread takes the keys all 8 of its rows see 8 rows a key, as on any other tile, then each
-group of 4 consecutive rows apart: the further keys all four see at 64 FMAs a key, then key
-by key the few only some see (a row sees a prefix of the tile's keys). Key by key for all 8
-rows, a branch a row, the diagonal's two tiles cost about two tiles' time more a query block,
-and causal the kernel lost to the shared micro-kernel (6.43 against 6.34 ms at N = 4096); by
-groups it won (6.11; results/gpu_logs/ab_ws_causal_4bbdeed.log), and with the common keys 8
-rows a key it gained 0.8 % more at N = 4096 and 2.3 % at 512: the warp holding the rows just
-below the diagonal's middle took most of the first diagonal tile's keys by groups, and it set
-the step (results/gpu_logs/ws_diagonal_fast_path_1379107.log).
+then, unless causal, without any masking (`Specialised.even`): that code slowed the tile
+loops. On a tail tile or the causal diagonal a P V thread takes the keys all 8 of its rows
+see 8 rows a key, as on any other tile, then each group of 4 consecutive rows apart: the
+further keys all four see at 64 FMAs a key, then key by key the few only some see (a row sees
+a prefix of the tile's keys). Key by key for all 8 rows, a branch a row, the diagonal's two
+tiles cost about two tiles' time more a query block, and without the common keys 8 rows a
+key, the warp holding the rows just below the diagonal's middle took most of the first
+diagonal tile's keys by groups and set the step.
 
 The traffic is q_outer's, element for element: Q_i once, each visited K_j and V_j once (V_j
 by halves), O_i once, lse_i once; each role counts what it copies. Masks and tails are the
@@ -52,17 +48,17 @@ Persistent CTAs (`Specialised.persistent`; q_outer takes them causal at short N,
 as many CTAs as SMs (`persistent_grid`), and the roles run on from one query block into the
 next. While the P V warps fold in a block's last P_ij V_j and write O_i, the S warps load the
 next Q_i (they alone read it) and K_0 and compute its first S_ij, so that a block no longer
-pays the pipeline's fill and drain, about 0.65 of a tile's time with a CTA a block (fitted
-from the times without a mask at N = 1024 and 4096), 11 % of a causal block's at N = 512.
-CTA c takes work item c first (a query block and batch x head, heaviest first when causal, as
-`tiles.block_grid`), then draws the next from a counter in HBM (`tickets`) while it folds the
-one before, so that the SMs finish together. Causal, the S warps there also skip the scores of
-the block's first half of rows on a tile whose keys all lie past them (the diagonal's second
-when Br = 2 Bc): `s_row` puts a thread's rows a < 4 in the block's second half. Which code
-surrounds the tile loops moves ptxas's register assignment inside them, so the unrolling
-PERSISTENT names is the one whose loops compiled with few register-bank conflicts
-(`experiments.sass_loops`): built as a CTA a block's, the persistent kernel's tiles ran 6 %
-slower (results/gpu_logs/ws_persistent_tickets_6d1d23f.log).
+pays the pipeline's fill and drain. CTA c takes work item c first (a query block and batch x
+head, heaviest first when causal, as `tiles.block_grid`), then draws the next from a counter in
+HBM (`tickets`) while it folds the one before, so that the SMs finish together. Causal, the S
+warps there also skip the scores of the block's first half of rows on a tile whose keys all lie
+past them (the diagonal's second when Br = 2 Bc): `s_row` puts a thread's rows a < 4 in the
+block's second half. Which code surrounds the tile loops moves ptxas's register assignment
+inside them, so the unrolling PERSISTENT names is the one whose loops compiled with few
+register-bank conflicts (`experiments.sass_loops`), not the CTA a block's.
+
+What each of these choices measured against the others, and the logs:
+results/tuning_history/warp_specialised.md.
 
 Named barriers (`intrinsics.named_barrier`): FULL and EMPTY between the roles (all threads),
 S_ONLY and PV_ONLY within a role (its K or V copies have landed for all of it, and all of it
@@ -155,10 +151,8 @@ def tickets():
 class Specialised(NamedTuple):
     """The warp-specialised kernel as a micro-kernel choice (`MicroKernelSchedule.layout`),
     for tiles `fits` takes, with the steps per trip of its two hot loops; `plain()` is the
-    shared micro-kernel with plain loads, which takes inputs cp.async cannot copy.
-    Its prototype at d = 128, N = 4096 (ws_proto_61ac419.log, two rounds; chunks, keys):
-    (3, 8) 11.89 ms, (2, 8) 12.05, (4, 8) 12.23, (1, 4) 12.56, (2, 16) 12.92, (4, 16) 15.6,
-    (8, 16) 19.6."""
+    shared micro-kernel with plain loads, which takes inputs cp.async cannot copy (the steps'
+    timings: results/tuning_history/warp_specialised.md)."""
 
     dv: int
     chunks: int = 3  # 4-wide chunks of head dims per trip of S_ij's loop
@@ -250,43 +244,35 @@ def shared_floats(block_q: int, block_k: int, d: int, dv: int) -> int:
     return shared(block_q, block_k, d, dv).size
 
 
+class Barriers(NamedTuple):
+    """The named barriers between and within the roles (their ids: FULL .. L_READY)."""
+
+    full_sync: object
+    full_arrive: object
+    empty_sync: object
+    empty_arrive: object
+    s_sync: object
+    pv_sync: object
+    l_sync: object
+    l_arrive: object
+
+
 @cache
-def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
-    """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
-    (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
-    q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with
-    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
-    Q_R, K_R, V_R, O_W, LSE_W = slots  # noqa: N806
-    sm = shared(BR, BC, D, DV)
-    Q, QS, K, KS, V, P, PS = sm.q, sm.qs, sm.k, sm.ks, sm.v, sm.p, sm.ps  # noqa: N806
-    ALPHA, L_ROW = sm.alpha, sm.l_row  # noqa: N806
-    HK = BC // 2  # noqa: N806 - keys of a V half
-    S_TR, S_TC = BR // S_RM, BC // S_KN  # noqa: N806
-    P_TR, P_TC = BR // P_RM, DV // P_XN  # noqa: N806
-    NS, NP = S_TR * S_TC, P_TR * P_TC  # noqa: N806
-    NT = NS + NP  # noqa: N806
-    DX4 = D // 4  # noqa: N806
-    LOG_TC = S_TC.bit_length() - 1  # noqa: N806
-    # local arrays take literal sizes: a thread's scores, its accumulators
-    S_NS, P_NACC = S_RM * S_KN, P_RM * P_XN  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
-    full_sync, full_arrive = named_barrier(FULL, NT)
-    empty_sync, empty_arrive = named_barrier(EMPTY, NT)
+def make_barriers(NS: int, NP: int) -> Barriers:
+    """FULL, EMPTY and L_READY for all NS + NP threads, S_ONLY for the S warps' NS, PV_ONLY for
+    the P V warps' NP."""
+    full_sync, full_arrive = named_barrier(FULL, NS + NP)
+    empty_sync, empty_arrive = named_barrier(EMPTY, NS + NP)
     s_sync, _ = named_barrier(S_ONLY, NS)
     pv_sync, _ = named_barrier(PV_ONLY, NP)
-    l_sync, l_arrive = named_barrier(L_READY, NT)
-    flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    kv_blocks = make_kv_blocks(BC, CAUSAL)
-    PERSISTENT = SP.persistent  # noqa: N806 - CTAs fold query blocks in turn
-    # Q_i: every thread loads it, or (persistent) the S warps, under the P V warps' last tile
-    Q_THREADS = NS if PERSISTENT else NT  # noqa: N806
-    clear_q = make_clear(BR * QS, Q_THREADS)
-    load_q_tile = make_tile_loader(BR, D, Q_THREADS, (Q, QS), scaled=True, in_flight=True)
-    EVEN = SP.even  # noqa: N806 - whole tiles only: no tail code, and no mask unless causal
-    MASKED = CAUSAL or not EVEN  # noqa: N806 - some tiles hold keys a row does not see
-    copy_k_rows = make_row_copier(BC, D, KS, NS, 4, WHOLE=EVEN)
-    copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS, WHOLE=EVEN)
+    l_sync, l_arrive = named_barrier(L_READY, NS + NP)
+    return Barriers(full_sync, full_arrive, empty_sync, empty_arrive, s_sync, pv_sync, l_sync,
+                    l_arrive)
+
+
+@cache
+def make_visible(CAUSAL: bool):
+    """visible(row, key0, n_keys), both roles' mask."""
 
     @inlined
     def visible(row, key0, n_keys):
@@ -295,13 +281,74 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             return max(0, min(n_keys, row - key0 + 1))
         return n_keys
 
-    # --- the S warps -------------------------------------------------------------------
+    return visible
 
-    # persistent, causal: a tile whose keys all lie past the block's first half of rows (the
-    # diagonal's second when Br = 2 Bc) takes the scores of the S threads' rows in its second
-    # half only
-    HALF = PERSISTENT and CAUSAL  # noqa: N806
-    FIRST_ROW = S_RM // 2 if HALF else 0  # noqa: N806 - an S thread's first row in the block
+
+class Copies(NamedTuple):
+    """The CTA's copies into its buffer: Q_i (zeroed first on a tail block), K_j, V_j's halves."""
+
+    clear_q: object
+    load_q_tile: object
+    load_k: object
+    load_v_half: object
+
+
+@cache
+def make_copies(BR, BC, D, DV, PERSISTENT, EVEN, COUNT, slots) -> Copies:
+    """Q_i's loader (every thread, or persistent the S warps, under the P V warps' last tile),
+    the S warps' K_j copies and the P V warps' V_j halves; `slots` as q_outer's."""
+    _, K_R, V_R, _, _ = slots
+    sm = shared(BR, BC, D, DV)
+    Q, QS, K, KS, V = sm.q, sm.qs, sm.k, sm.ks, sm.v
+    HK = BC // 2  # keys of a V half
+    NS, NP = (BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN)
+    Q_THREADS = NS if PERSISTENT else NS + NP
+    clear_q = make_clear(BR * QS, Q_THREADS)
+    load_q_tile = make_tile_loader(BR, D, Q_THREADS, (Q, QS), scaled=True, in_flight=True)
+    copy_k_rows = make_row_copier(BC, D, KS, NS, 4, WHOLE=EVEN)
+    copy_v_rows = make_row_copier(HK, DV, DV, NP, 4, FIRST=NS, WHOLE=EVEN)
+
+    @inlined
+    def load_k(buf, k, bh, key0, n_k, stage, cnt):
+        # K_j: reloaded from HBM by every query block (the S warps copy it)
+        moved = copy_k_rows(buf, uint64(K + stage * BC * KS), k, bh, key0, min(BC, n_k - key0))
+        if COUNT:
+            cnt[K_R] += moved
+
+    @inlined
+    def load_v_half(buf, v, bh, key0, n_k, half, cnt):
+        """Keys key0 .. key0 + Bc/2 - 1 of V into the ring's slot half % 3 (zeros past N_k)."""
+        n_rows = HK if EVEN else max(0, min(HK, n_k - key0))
+        # V_j: reloaded from HBM by every query block, by halves (the P V warps copy it)
+        moved = copy_v_rows(buf, uint64(V + (half % 3) * HK * DV), v, bh,
+                            key0 if n_rows > 0 else 0, n_rows)
+        if COUNT:
+            cnt[V_R] += moved
+
+    return Copies(clear_q, load_q_tile, load_k, load_v_half)
+
+
+# --- the S warps -----------------------------------------------------------------------
+
+
+class SScores(NamedTuple):
+    """An S thread's rows (`s_row`) and its scores S_ij, of all its rows or (persistent,
+    causal) of those in the block's second half only."""
+
+    s_row: object
+    scores: object
+    scores_second_half: object
+
+
+@cache
+def make_s_scores(BR, BC, D, DV, SP, HALF) -> SScores:
+    """HALF (persistent, causal): a tile whose keys all lie past the block's first half of rows
+    (the diagonal's second when Br = 2 Bc) takes the scores of the S threads' rows in its
+    second half only."""
+    sm = shared(BR, BC, D, DV)
+    Q, QS, KS = sm.q, sm.qs, sm.ks
+    S_TR, S_TC = BR // S_RM, BC // S_KN
+    DX4 = D // 4
 
     @inlined
     def s_row(tr, a):
@@ -333,6 +380,24 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     # (HALF) the scores of the thread's rows in the block's second half (a < S_RM/2)
     scores_second_half = make_scores(S_RM // 2, S_KN, DX4, SP.chunks, SP.peel,
                                      make_q_chunk(S_RM // 2), k_chunk)
+    return SScores(s_row, scores, scores_second_half)
+
+
+class STile(NamedTuple):
+    """An S thread's steps on S_ij once computed: `weigh` it, `give_p` its P_ij^T."""
+
+    weigh: object
+    give_p: object
+
+
+@cache
+def make_s_tile(BR, BC, D, DV, MASKED, FIRST_ROW, s_row, visible) -> STile:
+    """FIRST_ROW: the thread's row that sees the fewest keys of a tile (its first in the
+    block)."""
+    sm = shared(BR, BC, D, DV)
+    P, PS, ALPHA = sm.p, sm.ps, sm.alpha
+    S_TC = BC // S_KN
+    LOG_TC = S_TC.bit_length() - 1
 
     @inlined
     def weigh(s, m, l, alpha, tr, tc, row0, key0, n_keys):  # noqa: E741
@@ -380,12 +445,27 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
             for a in range(S_RM):
                 buf[uint64(ALPHA) + s_row(tr, a)] = alpha[a]
 
-    @inlined
-    def load_k(buf, k, bh, key0, n_k, stage, cnt):
-        # K_j: reloaded from HBM by every query block (the S warps copy it)
-        moved = copy_k_rows(buf, uint64(K + stage * BC * KS), k, bh, key0, min(BC, n_k - key0))
-        if COUNT:
-            cnt[K_R] += moved
+    return STile(weigh, give_p)
+
+
+@cache
+def make_s_role(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots, bars, load_k):
+    """s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt): the S warps' part of a query
+    block, K_0 copied and Q_i in shared memory."""
+    LSE_W = slots[4]
+    sm = shared(BR, BC, D, DV)
+    K, KS, L_ROW = sm.k, sm.ks, sm.l_row
+    S_TC = BC // S_KN
+    LOG_TC = S_TC.bit_length() - 1
+    S_NS = S_RM * S_KN  # local arrays take literal sizes: a thread's scores
+    PERSISTENT = SP.persistent
+    HALF = PERSISTENT and CAUSAL
+    FIRST_ROW = S_RM // 2 if HALF else 0  # an S thread's first row in the block
+    s_row, scores, scores_second_half = make_s_scores(BR, BC, D, DV, SP, HALF)
+    weigh, give_p = make_s_tile(BR, BC, D, DV, CAUSAL or not SP.even, FIRST_ROW, s_row,
+                                make_visible(CAUSAL))
+    empty_sync, full_arrive, s_sync = bars.empty_sync, bars.full_arrive, bars.s_sync
+    l_arrive = bars.l_arrive
 
     @inlined
     def s_role(buf, k, lse, bh, row0, n_rows, n_k, c_i, t, cnt):
@@ -432,7 +512,29 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                     if COUNT:
                         cnt[LSE_W] += 1
 
-    # --- the P V warps -----------------------------------------------------------------
+    return s_role
+
+
+# --- the P V warps ---------------------------------------------------------------------
+
+
+class PvTile(NamedTuple):
+    """A P V thread's rows and dims, and acc += P_ij V_j over a half's keys: one key, or the
+    whole half unrolled by SP.keys."""
+
+    pv_row: object
+    dim: object
+    v_key: object
+    accumulate_key: object
+    accumulate_half: object
+
+
+@cache
+def make_pv_tile(BR, BC, D, DV, SP) -> PvTile:
+    """The P V thread's tile steps, SP.keys keys a trip of the half's loop."""
+    PS = shared(BR, BC, D, DV).ps
+    HK = BC // 2  # keys of a V half
+    P_TR, P_TC = BR // P_RM, DV // P_XN
 
     @inlined
     def pv_row(tr, a):
@@ -473,6 +575,24 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         accumulate_dims(acc, pp, vv)
 
     accumulate_half = unrolled(accumulate_key, HK, 6, SP.keys)
+    return PvTile(pv_row, dim, v_key, accumulate_key, accumulate_half)
+
+
+class PvMasked(NamedTuple):
+    """acc += P_ij V_j on a tail tile or the causal diagonal, rows seeing different keys."""
+
+    seen_in_half: object
+    accumulate_first: object
+    accumulate_seen: object
+
+
+@cache
+def make_pv_masked(BR, BC, D, DV, pv) -> PvMasked:
+    """The keys every row of a P V thread sees 8 rows a key (`accumulate_first`), then a group
+    of 4 rows at a time (`accumulate_seen`); `pv`: `make_pv_tile`'s."""
+    PS = shared(BR, BC, D, DV).ps
+    HK = BC // 2  # keys of a V half
+    pv_row, v_key, accumulate_key = pv.pv_row, pv.v_key, pv.accumulate_key
 
     @inlined
     def row_group_operands(g, key, buf, p_at, v_at, tr, tc, pp, vv):
@@ -529,16 +649,27 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
     # first, vis, start), with `first` the half's first key in the tile and vis the keys each
     # row sees
     accumulate_seen = unrolled(row_group_seen, P_RM // 4, 9, P_RM // 4)
+    return PvMasked(seen_in_half, accumulate_first, accumulate_seen)
 
-    @inlined
-    def load_v_half(buf, v, bh, key0, n_k, half, cnt):
-        """Keys key0 .. key0 + Bc/2 - 1 of V into the ring's slot half % 3 (zeros past N_k)."""
-        n_rows = HK if EVEN else max(0, min(HK, n_k - key0))
-        # V_j: reloaded from HBM by every query block, by halves (the P V warps copy it)
-        moved = copy_v_rows(buf, uint64(V + (half % 3) * HK * DV), v, bh,
-                            key0 if n_rows > 0 else 0, n_rows)
-        if COUNT:
-            cnt[V_R] += moved
+
+@cache
+def make_pv_role(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, bars, load_v_half):
+    """pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, items, slot, cnt): the P V warps'
+    part of a query block, V_0's halves copied."""
+    O_W = slots[3]
+    sm = shared(BR, BC, D, DV)
+    P, PS, V, ALPHA, L_ROW = sm.p, sm.ps, sm.v, sm.alpha, sm.l_row
+    HK = BC // 2  # keys of a V half
+    P_TC = DV // P_XN
+    P_NACC = P_RM * P_XN  # local arrays take literal sizes: a thread's accumulators
+    PERSISTENT = SP.persistent
+    MASKED = CAUSAL or not SP.even  # some tiles hold keys a row does not see
+    visible = make_visible(CAUSAL)
+    pv = make_pv_tile(BR, BC, D, DV, SP)
+    pv_row, dim, accumulate_half = pv.pv_row, pv.dim, pv.accumulate_half
+    seen_in_half, accumulate_first, accumulate_seen = make_pv_masked(BR, BC, D, DV, pv)
+    full_sync, empty_arrive, pv_sync = bars.full_sync, bars.empty_arrive, bars.pv_sync
+    l_sync = bars.l_sync
 
     @inlined
     def pv_role(buf, v, o, bh, row0, n_rows, n_k, c_i, t, items, slot, cnt):
@@ -601,6 +732,48 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 if COUNT:
                     cnt[O_W] += P_XN
 
+    return pv_role
+
+
+# --- the kernels -----------------------------------------------------------------------
+
+
+class Roles(NamedTuple):
+    """What both kernels share: the barriers, the copies, and the two roles' parts of a
+    query block."""
+
+    bars: Barriers
+    copies: Copies
+    s_role: object
+    pv_role: object
+
+
+@cache
+def make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots) -> Roles:
+    """The parts both kernels build on, for `make_specialised_kernel`'s arguments."""
+    bars = make_barriers((BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN))
+    copies = make_copies(BR, BC, D, DV, SP.persistent, SP.even, COUNT, slots)
+    s_role = make_s_role(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots, bars,
+                         copies.load_k)
+    pv_role = make_pv_role(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, bars, copies.load_v_half)
+    return Roles(bars, copies, s_role, pv_role)
+
+
+@cache
+def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
+    """q_outer_ws(q, k, v, o, lse, counts, scale_log2): a CTA per query block."""
+    Q_R = slots[0]
+    HK = BC // 2  # keys of a V half
+    NS, NP = (BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN)
+    NT = NS + NP
+    NCNT = counter_slots(COUNT)
+    EVEN = SP.even
+    flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    clear_q, load_q_tile, load_k, load_v_half = roles.copies
+    s_role, pv_role = roles.s_role, roles.pv_role
+
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_ws(q, k, v, o, lse, counts, scale_log2):
         # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
@@ -634,8 +807,22 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         if COUNT:
             flush_counts(cnt, counts)
 
-    # --- persistent CTAs ---------------------------------------------------------------
+    return q_outer_ws
 
+
+# --- persistent CTAs -------------------------------------------------------------------
+
+
+class Items(NamedTuple):
+    """A persistent CTA's work items: the first by its index, the next from `tickets`."""
+
+    item_of: object
+    publish: object
+
+
+@cache
+def make_items(BR: int, CAUSAL: bool) -> Items:
+    """Work items as `tiles.block_grid` orders query blocks (its twin: `tiles.make_block_of`)."""
     @inlined
     def item_of(w, q):
         """Query block and batch x head of work item w (int32), or block -1 past the last
@@ -659,6 +846,29 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         i, bh = item_of(int32(drawn + int32(cuda.gridDim.x)), q)
         next_item[slot] = i
         next_item[slot + 1] = bh
+
+    return Items(item_of, publish)
+
+
+class ItemRoles(NamedTuple):
+    """The two roles' parts of a persistent CTA's work item."""
+
+    s_item: object
+    pv_item: object
+
+
+@cache
+def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:
+    """Each role's part of a work item with the copies it takes on, the S warps drawing the
+    CTA's next item."""
+    Q_R = slots[0]
+    HK = BC // 2  # keys of a V half
+    EVEN = SP.even
+    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    publish = make_items(BR, CAUSAL).publish
+    clear_q, load_q_tile, load_k, load_v_half = roles.copies
+    s_sync, pv_sync = roles.bars.s_sync, roles.bars.pv_sync
+    s_role, pv_role = roles.s_role, roles.pv_role
 
     @inlined
     def s_item(buf, q, k, lse, tickets, next_item, i, bh, slot, scale_log2, t, cnt):
@@ -698,6 +908,21 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
                 slot, cnt)
         pv_sync()  # every P V thread is done with V's ring: the next V_0 may take it
 
+    return ItemRoles(s_item, pv_item)
+
+
+@cache
+def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
+    """q_outer_ws_persistent(q, k, v, o, lse, counts, tickets, scale_log2) on
+    `persistent_grid`'s grid: a CTA an SM, folding query blocks in turn."""
+    NS, NP = (BR // S_RM) * (BC // S_KN), (BR // P_RM) * (DV // P_XN)
+    NT = NS + NP
+    NCNT = counter_slots(COUNT)
+    flush_counts = counts_flusher()
+    item_of = make_items(BR, CAUSAL).item_of
+    s_item, pv_item = make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles)
+    empty_arrive = roles.bars.empty_arrive
+
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_ws_persistent(q, k, v, o, lse, counts, tickets, scale_log2):
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
@@ -722,4 +947,15 @@ def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots): 
         if COUNT:
             flush_counts(cnt, counts)
 
-    return q_outer_ws_persistent if PERSISTENT else q_outer_ws
+    return q_outer_ws_persistent
+
+
+@cache
+def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
+    """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
+    (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
+    q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with
+    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    roles = make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots)
+    make = make_persistent_kernel if SP.persistent else make_block_kernel
+    return make(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles)
