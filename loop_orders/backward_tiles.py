@@ -33,8 +33,9 @@ from typing import NamedTuple
 from numba import float32, uint32, uint64
 
 from .intrinsics import exp2
+from .ledger import slot
 from .runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
-from .tiles import LOG2E, make_clear
+from .tiles import LOG2E, make_clear, make_tile_storer
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
 SCORES_PER_THREAD = 16
@@ -467,3 +468,32 @@ def make_row_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
 
     return RowFns(zero_outside, atomic_dq, lse_stats, row_dot)
 
+
+def make_dkdv_epilogue(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+                       WITH_DQ: bool, COUNT: bool):
+    """write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt): a K/V-outer backward's
+    end of a K/V block j (dense's dK/dV kernel, q_outer's, kv_outer's): dK_j = dk_j * scale
+    and dV_j = dv_j staged in K_j's and V_j's tiles, stored to HBM rows key0 .. key0 + bc - 1,
+    counted in cnt. Every thread calls it; it has its own barriers."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    ac = make_acc_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
+    stage_dk, stage_dv = ac.stage_dk, ac.stage_dv
+    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
+    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
+    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt):
+        cuda.syncthreads()  # every thread is done with K_j and V_j: their tiles stage dK, dV
+        stage_dk(buf, dk_j, scale)
+        stage_dv(buf, dv_j, float32(1.0))
+        cuda.syncthreads()  # dK_j and dV_j are complete in shared memory
+        # dK_j, dV_j: written to HBM once per K/V block
+        moved_k = store_dK_j(buf, dk, bh, key0, bc, 0, D)
+        moved_v = store_dV_j(buf, dv, bh, key0, bc, 0, DV)
+        if COUNT:
+            cnt[DK_W] += moved_k
+            cnt[DV_W] += moved_v
+
+    return write_dkdv
