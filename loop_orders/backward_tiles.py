@@ -33,8 +33,9 @@ from typing import NamedTuple
 from numba import float32, uint32, uint64
 
 from .intrinsics import exp2
+from .ledger import slot
 from .runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
-from .tiles import LOG2E, make_clear
+from .tiles import LOG2E, make_clear, make_tile_storer
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
 SCORES_PER_THREAD = 16
@@ -212,34 +213,29 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
                                         out[r] = rowsum(A_r o B_r) over DV (D_i)
     coords()                            (tr, tc) of this thread in the score layout
     """
-    lay = grad_layout(BR, BC)
-    RM, KN, TR, TC = lay  # noqa: N806
-    NT = lay.threads  # noqa: N806
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
-    QS, OS, PS = sm.qs, sm.os, sm.ps  # noqa: N806
-    K, V, Q, DO, P, DS = sm.k, sm.v, sm.q, sm.do, sm.p, sm.ds  # noqa: N806
-    DQ, STATS, ROWS, SIZE = sm.dq, sm.stats, sm.rows, sm.size  # noqa: N806
-    BASE, INV, DELTA = STATS, STATS + ROWS, STATS + 2 * ROWS  # noqa: N806
-    DX4, DVX4 = -(-D // 4), -(-DV // 4)  # noqa: N806 - 4-wide chunks of the head dims
+    sc = make_score_fns(BR, BC, D, DV, CAUSAL, WITH_O, WITH_DQ)
+    ac = make_acc_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
+    rw = make_row_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
+    clear = make_clear(sm.size, grad_layout(BR, BC).threads)
+    return GradTile(clear, rw.zero_outside, sc.scores, sc.grad_scores, sc.probs,
+                    sc.put_scores, ac.acc_dv, ac.acc_dk, ac.acc_dq, ac.stage_dk, ac.stage_dv,
+                    ac.stage_dq, ac.add_to_dq, rw.atomic_dq, rw.lse_stats, rw.row_dot,
+                    sc.coords)
+
+
+@cache
+def make_dot_chunks(BR: int, BC: int):  # noqa: N803
+    """coords() -> (tr, tc) of this thread in `grad_layout(BR, BC)`, and dot_chunks(out, buf,
+    a_base, a_stride, b_base, b_stride, chunks, tr, tc): out[a KN + b] = sum over 4-wide
+    chunks of A[row tr + a TR] . B[key tc + b TC]."""
+    RM, KN, TR, TC = grad_layout(BR, BC)  # noqa: N806
     NS = RM * KN  # noqa: N806
 
     @inlined
     def coords():
         t = uint32(cuda.threadIdx.x)
         return t // uint32(TC), t % uint32(TC)
-
-    clear = make_clear(SIZE, NT)
-
-    @cuda.jit(device=True)
-    def zero_outside(buf, off, stride, n_rows, n_cols, rows, cols):
-        """Zero the entries of a rows x cols tile outside its first n_rows x n_cols (a tail
-        tile's stale rows and columns); touches nothing a load of the tile writes."""
-        if n_rows < rows or n_cols < cols:
-            for e in range(cuda.threadIdx.x, rows * cols, NT):
-                r = e // cols
-                c = e % cols
-                if r >= n_rows or c >= n_cols:
-                    buf[off + r * stride + c] = float32(0.0)
 
     @inlined
     def dot_chunks(out, buf, a_base, a_stride, b_base, b_stride, chunks, tr, tc):
@@ -255,6 +251,31 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
                         + uint64(4 * x4)
                     for u in range(4):
                         out[a * KN + b] += buf[ra + uint64(u)] * buf[kb + uint64(u)]
+
+    return coords, dot_chunks
+
+
+class ScoreFns(NamedTuple):
+    """The score-like products of `make_grad_tile` and what follows them in registers."""
+
+    coords: object
+    scores: object
+    grad_scores: object
+    probs: object
+    put_scores: object
+
+
+@cache
+def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N803
+                   WITH_O: bool, WITH_DQ: bool) -> ScoreFns:
+    """coords, scores, grad_scores, probs and put_scores of `make_grad_tile`."""
+    RM, KN, TR, TC = grad_layout(BR, BC)  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    QS, OS, PS = sm.qs, sm.os, sm.ps  # noqa: N806
+    K, V, Q, DO, P, DS = sm.k, sm.v, sm.q, sm.do, sm.p, sm.ds  # noqa: N806
+    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
+    DX4, DVX4 = -(-D // 4), -(-DV // 4)  # noqa: N806 - 4-wide chunks of the head dims
+    coords, dot_chunks = make_dot_chunks(BR, BC)
 
     @cuda.jit(device=True)
     def scores(buf, s):
@@ -293,64 +314,118 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
             for b in range(KN):
                 buf[P + (int(tr) + a * TR) * PS + int(tc) + b * TC] = dp[a * KN + b]
 
-    def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS):  # noqa: N803
-        """acc[m, n] += sum_t A(t, m) B[t, n]: A(t, m) at A_OFF + t A_TS + m A_MS, B rows
-        B_TS apart, t < T; the thread's entries as `acc_layout(M, N, NT)` says."""
-        al = acc_layout(M, N, NT)
-        TM, TN, RA, XH = al  # noqa: N806
+    return ScoreFns(coords, scores, grad_scores, probs, put_scores)
 
-        @inlined
-        def acc_fn(buf, acc):
-            t = uint32(cuda.threadIdx.x)
-            tm, tn = t // uint32(TN), t % uint32(TN)
-            for s in range(T):
-                b_row = uint64(B_OFF) + uint64(s * B_TS)
-                for a in range(RA):
-                    x = buf[uint64(A_OFF + s * A_TS) + (uint64(tm) + uint64(a * TM))
-                            * uint64(A_MS)]
-                    for h in range(XH):
-                        col = b_row + (uint64(tn) + uint64(h * TN)) * uint64(4)
-                        for w in range(4):
-                            acc[a * 4 * XH + 4 * h + w] += x * buf[col + uint64(w)]
 
-        return acc_fn
+@cache
+def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS, NT):  # noqa: N803
+    """acc[m, n] += sum_t A(t, m) B[t, n]: A(t, m) at A_OFF + t A_TS + m A_MS, B rows
+    B_TS apart, t < T; the thread's entries as `acc_layout(M, N, NT)` says."""
+    TM, TN, RA, XH = acc_layout(M, N, NT)  # noqa: N806
 
-    # dV_j += P^T dO_i: A(t = row, m = key) = P[row, key]; B = dO_i
-    acc_dv = make_acc(BC, DV, BR, P, PS, 1, DO, OS)
-    # dK_j += dS^T Q_i (tau applied by the caller)
-    acc_dk = make_acc(BC, D, BR, DS, PS, 1, Q, QS)
-    # dQ_i += dS K_j: A(t = key, m = row) = dS[row, key]; B = K_j
-    acc_dq = make_acc(BR, D, BC, DS, 1, PS, K, QS)
-
-    def make_writer(M, N, OFF, STRIDE, ADD):  # noqa: N803
-        """acc (an acc_layout(M, N) accumulator) * factor into (ADD: added to) the tile at
-        OFF, rows STRIDE apart; columns past N land in the tile's padding."""
-        al = acc_layout(M, N, NT)
-        TM, TN, RA, XH = al  # noqa: N806
-
-        @inlined
-        def write(buf, acc, factor):
-            t = uint32(cuda.threadIdx.x)
-            tm, tn = t // uint32(TN), t % uint32(TN)
+    @inlined
+    def acc_fn(buf, acc):
+        t = uint32(cuda.threadIdx.x)
+        tm, tn = t // uint32(TN), t % uint32(TN)
+        for s in range(T):
+            b_row = uint64(B_OFF) + uint64(s * B_TS)
             for a in range(RA):
-                row = uint64(OFF) + (uint64(tm) + uint64(a * TM)) * uint64(STRIDE)
+                x = buf[uint64(A_OFF + s * A_TS) + (uint64(tm) + uint64(a * TM))
+                        * uint64(A_MS)]
                 for h in range(XH):
-                    col = row + (uint64(tn) + uint64(h * TN)) * uint64(4)
+                    col = b_row + (uint64(tn) + uint64(h * TN)) * uint64(4)
                     for w in range(4):
-                        x = acc[a * 4 * XH + 4 * h + w] * factor
-                        if ADD:
-                            buf[col + uint64(w)] += x
-                        else:
-                            buf[col + uint64(w)] = x
+                        acc[a * 4 * XH + 4 * h + w] += x * buf[col + uint64(w)]
 
-        return write
+    return acc_fn
 
-    # the outputs, staged for coalesced stores in tiles that are done with by then
-    stage_dk = make_writer(BC, D, K, QS, False)  # into K_j's tile, after the last i
-    stage_dv = make_writer(BC, DV, V, OS, False)  # into V_j's tile
-    stage_dq = make_writer(BR, D, Q, QS, False)  # into Q_i's tile, after the last j
-    add_to_dq = make_writer(BR, D, DQ, QS, True)  # kv_outer: the dQ_i tile += tau dS K_j
+
+@cache
+def make_writer(M, N, OFF, STRIDE, ADD, NT):  # noqa: N803
+    """acc (an acc_layout(M, N, NT) accumulator) * factor into (ADD: added to) the tile at
+    OFF, rows STRIDE apart; columns past N land in the tile's padding."""
+    TM, TN, RA, XH = acc_layout(M, N, NT)  # noqa: N806
+
+    @inlined
+    def write(buf, acc, factor):
+        t = uint32(cuda.threadIdx.x)
+        tm, tn = t // uint32(TN), t % uint32(TN)
+        for a in range(RA):
+            row = uint64(OFF) + (uint64(tm) + uint64(a * TM)) * uint64(STRIDE)
+            for h in range(XH):
+                col = row + (uint64(tn) + uint64(h * TN)) * uint64(4)
+                for w in range(4):
+                    x = acc[a * 4 * XH + 4 * h + w] * factor
+                    if ADD:
+                        buf[col + uint64(w)] += x
+                    else:
+                        buf[col + uint64(w)] = x
+
+    return write
+
+
+class AccFns(NamedTuple):
+    """The accumulating products of `make_grad_tile` and the writers of their results."""
+
+    acc_dv: object
+    acc_dk: object
+    acc_dq: object
+    stage_dk: object
+    stage_dv: object
+    stage_dq: object
+    add_to_dq: object
+
+
+@cache
+def make_acc_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+                 WITH_DQ: bool) -> AccFns:
+    """acc_dv, acc_dk, acc_dq, stage_dk, stage_dv, stage_dq and add_to_dq of
+    `make_grad_tile`."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    return AccFns(
+        # dV_j += P^T dO_i: A(t = row, m = key) = P[row, key]; B = dO_i
+        acc_dv=make_acc(BC, DV, BR, sm.p, sm.ps, 1, sm.do, sm.os, NT),
+        # dK_j += dS^T Q_i (tau applied by the caller)
+        acc_dk=make_acc(BC, D, BR, sm.ds, sm.ps, 1, sm.q, sm.qs, NT),
+        # dQ_i += dS K_j: A(t = key, m = row) = dS[row, key]; B = K_j
+        acc_dq=make_acc(BR, D, BC, sm.ds, 1, sm.ps, sm.k, sm.qs, NT),
+        # the outputs, staged for coalesced stores in tiles that are done with by then
+        stage_dk=make_writer(BC, D, sm.k, sm.qs, False, NT),  # into K_j's tile, after the last i
+        stage_dv=make_writer(BC, DV, sm.v, sm.os, False, NT),  # into V_j's tile
+        stage_dq=make_writer(BR, D, sm.q, sm.qs, False, NT),  # into Q_i's tile, after the last j
+        add_to_dq=make_writer(BR, D, sm.dq, sm.qs, True, NT),  # kv_outer: dQ_i tile += tau dS K_j
+    )
+
+
+class RowFns(NamedTuple):
+    """The row-wise helpers of `make_grad_tile`."""
+
+    zero_outside: object
+    atomic_dq: object
+    lse_stats: object
+    row_dot: object
+
+
+@cache
+def make_row_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+                 WITH_DQ: bool) -> RowFns:
+    """zero_outside, atomic_dq, lse_stats and row_dot of `make_grad_tile`."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
     TMQ, TNQ, RAQ, XHQ = acc_layout(BR, D, NT)  # noqa: N806
+
+    @cuda.jit(device=True)
+    def zero_outside(buf, off, stride, n_rows, n_cols, rows, cols):
+        """Zero the entries of a rows x cols tile outside its first n_rows x n_cols (a tail
+        tile's stale rows and columns); touches nothing a load of the tile writes."""
+        if n_rows < rows or n_cols < cols:
+            for e in range(cuda.threadIdx.x, rows * cols, NT):
+                r = e // cols
+                c = e % cols
+                if r >= n_rows or c >= n_cols:
+                    buf[off + r * stride + c] = float32(0.0)
 
     @cuda.jit(device=True)
     def atomic_dq(dq_acc, bh, row0, n_rows, acc, factor):
@@ -391,6 +466,34 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
                 total += buf[a_off + r * stride + x] * buf[b_off + r * stride + x]
             buf[out_off + r] = total
 
-    return GradTile(clear, zero_outside, scores, grad_scores, probs, put_scores, acc_dv,
-                    acc_dk, acc_dq, stage_dk, stage_dv, stage_dq, add_to_dq, atomic_dq,
-                    lse_stats, row_dot, coords)
+    return RowFns(zero_outside, atomic_dq, lse_stats, row_dot)
+
+
+def make_dkdv_epilogue(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+                       WITH_DQ: bool, COUNT: bool):
+    """write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt): a K/V-outer backward's
+    end of a K/V block j (dense's dK/dV kernel, q_outer's, kv_outer's): dK_j = dk_j * scale
+    and dV_j = dv_j staged in K_j's and V_j's tiles, stored to HBM rows key0 .. key0 + bc - 1,
+    counted in cnt. Every thread calls it; it has its own barriers."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
+    ac = make_acc_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
+    stage_dk, stage_dv = ac.stage_dk, ac.stage_dv
+    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
+    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
+    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt):
+        cuda.syncthreads()  # every thread is done with K_j and V_j: their tiles stage dK, dV
+        stage_dk(buf, dk_j, scale)
+        stage_dv(buf, dv_j, float32(1.0))
+        cuda.syncthreads()  # dK_j and dV_j are complete in shared memory
+        # dK_j, dV_j: written to HBM once per K/V block
+        moved_k = store_dK_j(buf, dk, bh, key0, bc, 0, D)
+        moved_v = store_dV_j(buf, dv, bh, key0, bc, 0, DV)
+        if COUNT:
+            cnt[DK_W] += moved_k
+            cnt[DV_W] += moved_v
+
+    return write_dkdv

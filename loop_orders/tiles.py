@@ -332,6 +332,28 @@ def zero_counts(cnt):
 
 
 @cache
+def make_online_start(NACC: int, RM: int, COUNT: bool, clear):  # noqa: N803
+    """start(buf, acc, m_i, l_i, cnt): a flash forward CTA's first step (q_outer's, split_kv's
+    kernel): the counters zeroed, acc = 0, m_i = -inf, l_i = 0 for the thread's NACC
+    accumulators and RM rows, and the shared buffer cleared (`clear`), then a barrier. Every
+    thread calls it."""
+
+    @cuda.jit(device=True, inline="always")
+    def start(buf, acc, m_i, l_i, cnt):
+        if COUNT:
+            zero_counts(cnt)
+        for y in range(NACC):
+            acc[y] = float32(0.0)
+        for a in range(RM):
+            m_i[a] = float32(-math.inf)
+            l_i[a] = float32(0.0)
+        clear(buf)  # padding and rows past N_q stay zero
+        cuda.syncthreads()  # the buffer is clear before any tile lands in it
+
+    return start
+
+
+@cache
 def _flusher(slots: int):
     @cuda.jit(device=True)
     def flush_counts(cnt, counts):

@@ -31,7 +31,13 @@ import numpy as np
 from numba import float32, int64
 
 from ..backward_schedule import BackwardSchedule, register_backward
-from ..backward_tiles import acc_layout, grad_layout, grad_shared_layout, make_grad_tile
+from ..backward_tiles import (
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
+)
 from ..ledger import Ledger, slot
 from ..runtime import (
     SHARED_ALIGN,
@@ -170,19 +176,16 @@ def make_dkdv_kernel(BR, BC, D, DV, COUNT):  # noqa: N803
     lay, sm, gt = _tile(BR, BC, D, DV)
     NT = lay.threads  # noqa: N806
     clear, zero_outside, acc_dv, acc_dk = gt.clear, gt.zero_outside, gt.acc_dv, gt.acc_dk
-    stage_dk, stage_dv = gt.stage_dk, gt.stage_dv
+    write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, False, False, COUNT)
     ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
     load_P_ij = make_tile_loader(BR, BC, NT, (sm.p, sm.ps))  # noqa: N806
     load_dS_ij = make_tile_loader(BR, BC, NT, (sm.ds, sm.ps))  # noqa: N806
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
     load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
-    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
     P_R, DS_R, Q_R, DO_R = (slot("p", "read"), slot("ds", "read"), slot("q", "read"),  # noqa: N806
                             slot("do", "read"))
-    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
 
     @cuda.jit(**kernel_options(NT, 255))
     def dense_bwd_dkdv(p_hbm, ds_hbm, q, do, dk, dv, counts, scale):
@@ -223,16 +226,8 @@ def make_dkdv_kernel(BR, BC, D, DV, COUNT):  # noqa: N803
             cuda.syncthreads()  # P_ij, dS_ij, Q_i and dO_i are in shared memory
             acc_dv(buf, dv_j)
             acc_dk(buf, dk_j)
-        cuda.syncthreads()  # every thread is done with the tiles: K_j's, V_j's stage dK, dV
-        stage_dk(buf, dk_j, scale)
-        stage_dv(buf, dv_j, float32(1.0))
-        cuda.syncthreads()  # dK_j and dV_j are complete in shared memory
-        # dK_j, dV_j: written to HBM once
-        moved_k = store_dK_j(buf, dk, bh, key0, bc, 0, D)
-        moved_v = store_dV_j(buf, dv, bh, key0, bc, 0, DV)
+        write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt)  # dK_j, dV_j: once
         if COUNT:
-            cnt[DK_W] += moved_k
-            cnt[DV_W] += moved_v
             flush_counts(cnt, counts)
 
     return dense_bwd_dkdv

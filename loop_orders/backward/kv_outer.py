@@ -32,7 +32,14 @@ import numpy as np
 from numba import float32, int64
 
 from ..backward_schedule import BackwardSchedule, register_backward
-from ..backward_tiles import acc_layout, grad_layout, grad_shared_layout, make_grad_tile
+from ..backward_tiles import (
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
+    make_row_fns,
+)
 from ..ledger import Ledger, slot
 from ..runtime import (
     SHARED_ALIGN,
@@ -48,44 +55,105 @@ from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_s
 from ..tiles import zero_counts as zero
 
 
+def _make_grad_init(BR, BC, D, DV, COUNT):  # noqa: N803
+    """init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt): Algorithm 4 line 4, dQ = 0, dK = 0,
+    dV = 0 in HBM, stored from the cleared buffer's dQ_i, K_j, V_j tiles (zero tiles then);
+    every thread calls it."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, True, True)
+    store_dQ_i = make_tile_storer(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
+    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
+    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
+    DQ_W, DK_W, DV_W = slot("dq", "write"), slot("dk", "write"), slot("dv", "write")  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt):
+        # Algorithm 4 line 4: dQ = 0, dK = 0, dV = 0, initialised in HBM
+        for i in range((n_q + BR - 1) // BR):
+            moved = store_dQ_i(buf, dq, bh, i * BR, min(BR, n_q - i * BR), 0, D)
+            if COUNT:
+                cnt[DQ_W] += moved
+        for j in range((n_k + BC - 1) // BC):
+            moved_k = store_dK_j(buf, dk, bh, j * BC, min(BC, n_k - j * BC), 0, D)
+            moved_v = store_dV_j(buf, dv, bh, j * BC, min(BC, n_k - j * BC), 0, DV)
+            if COUNT:
+                cnt[DK_W] += moved_k
+                cnt[DV_W] += moved_v
+
+    return init_grads
+
+
+def _make_visit_loads(BR, BC, D, DV, COUNT):  # noqa: N803
+    """load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt): the tiles of a
+    visited (j, i) into shared memory, counted (Algorithm 4 line 8): Q_i, O_i, dO_i, dQ_i, and
+    the stats rows base = m_i, inv = 1 / l_i; every thread calls it, the caller puts the
+    barriers around it."""
+    NT = grad_layout(BR, BC).threads  # noqa: N806
+    sm = grad_shared_layout(BR, BC, D, DV, True, True)
+    zero_outside = make_row_fns(BR, BC, D, DV, True, True).zero_outside
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
+    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.os))  # noqa: N806
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
+    load_dQ_i = make_tile_loader(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
+    BASE, INV = sm.stats, sm.stats + sm.rows  # noqa: N806
+    Q_R, O_R, DO_R = slot("q", "read"), slot("o", "read"), slot("do", "read")  # noqa: N806
+    L_R, M_R, DQ_R = slot("l", "read"), slot("m", "read"), slot("dq", "read")  # noqa: N806
+
+    @cuda.jit(device=True, inline="always")
+    def load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt):
+        # Q_i, O_i, dO_i, dQ_i, l_i, m_i: reloaded from HBM per K/V block (line 8)
+        moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D)
+        moved_o = load_O_i(buf, o, bh, row0, n_rows, 0, DV)
+        moved_do = load_dO_i(buf, do, bh, row0, n_rows, 0, DV)
+        moved_dq = load_dQ_i(buf, dq, bh, row0, n_rows, 0, D)
+        zero_outside(buf, sm.q, sm.qs, n_rows, D, BR, D)  # a tail's stale rows
+        zero_outside(buf, sm.do, sm.os, n_rows, DV, BR, DV)
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            buf[BASE + r] = m_hbm[bh, row0 + r]  # log2 units, as the forward keeps it
+            buf[INV + r] = float32(1.0) / l_hbm[bh, row0 + r]
+            if COUNT:
+                cnt[L_R] += 1
+                cnt[M_R] += 1
+        if COUNT:
+            cnt[Q_R] += moved_q
+            cnt[O_R] += moved_o
+            cnt[DO_R] += moved_do
+            cnt[DQ_R] += moved_dq
+
+    return load_visit
+
+
 @kernel_factory
-def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803 - paper's names
+def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
     lay = grad_layout(BR, BC)
-    NT = lay.threads  # noqa: N806
-    NS = lay.rm * lay.kn  # noqa: N806 - scores per thread
+    NT = lay.threads
+    NS = lay.rm * lay.kn  # scores per thread
     sm = grad_shared_layout(BR, BC, D, DV, True, True)
     gt = make_grad_tile(BR, BC, D, DV, CAUSAL, True, True)
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
-    stage_dk, stage_dv, add_to_dq, row_dot = gt.stage_dk, gt.stage_dv, gt.add_to_dq, gt.row_dot
-    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
-    ACC_Q = acc_layout(BR, D, NT).size  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.os))  # noqa: N806
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    load_dQ_i = make_tile_loader(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
-    store_dQ_i = make_tile_storer(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
-    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
-    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    add_to_dq, row_dot = gt.add_to_dq, gt.row_dot
+    init_grads = _make_grad_init(BR, BC, D, DV, COUNT)
+    load_visit = _make_visit_loads(BR, BC, D, DV, COUNT)
+    write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, True, True, COUNT)
+    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size
+    ACC_Q = acc_layout(BR, D, NT).size
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))
+    store_dQ_i = make_tile_storer(BR, D, NT, (sm.dq, sm.qs))
+    DELTA = sm.stats + 2 * sm.rows
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    Q_R, K_R, V_R, O_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
-                          slot("o", "read"))
-    DO_R, L_R, M_R = slot("do", "read"), slot("l", "read"), slot("m", "read")  # noqa: N806
-    DQ_R, DQ_W = slot("dq", "read"), slot("dq", "write")  # noqa: N806
-    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
+    K_R, V_R, DQ_W = slot("k", "read"), slot("v", "read"), slot("dq", "write")
 
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
         bh = cuda.blockIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
-        T_r = (n_q + BR - 1) // BR  # noqa: N806
-        T_c = (n_k + BC - 1) // BC  # noqa: N806
+        T_r = (n_q + BR - 1) // BR
+        T_c = (n_k + BC - 1) // BC
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
@@ -97,17 +165,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803 - paper's names
             zero(cnt)
         clear(buf)
         cuda.syncthreads()  # the buffer is clear: its dQ_i, K_j, V_j tiles are zero tiles
-        # Algorithm 4 line 4: dQ = 0, dK = 0, dV = 0, initialised in HBM
-        for i in range(T_r):
-            moved = store_dQ_i(buf, dq, bh, i * BR, min(BR, n_q - i * BR), 0, D)
-            if COUNT:
-                cnt[DQ_W] += moved
-        for j in range(T_c):
-            moved_k = store_dK_j(buf, dk, bh, j * BC, min(BC, n_k - j * BC), 0, D)
-            moved_v = store_dV_j(buf, dv, bh, j * BC, min(BC, n_k - j * BC), 0, DV)
-            if COUNT:
-                cnt[DK_W] += moved_k
-                cnt[DV_W] += moved_v
+        init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt)  # dQ = dK = dV = 0 in HBM (line 4)
 
         for j in range(T_c):
             key0 = j * BC
@@ -130,24 +188,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803 - paper's names
                 row0 = i * BR
                 n_rows = min(BR, n_q - row0)
                 cuda.syncthreads()  # every thread is done with the last step's tiles
-                # Q_i, O_i, dO_i, dQ_i, l_i, m_i: reloaded from HBM per K/V block (line 8)
-                moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D)
-                moved_o = load_O_i(buf, o, bh, row0, n_rows, 0, DV)
-                moved_do = load_dO_i(buf, do, bh, row0, n_rows, 0, DV)
-                moved_dq = load_dQ_i(buf, dq, bh, row0, n_rows, 0, D)
-                zero_outside(buf, sm.q, sm.qs, n_rows, D, BR, D)  # a tail's stale rows
-                zero_outside(buf, sm.do, sm.os, n_rows, DV, BR, DV)
-                for r in range(cuda.threadIdx.x, n_rows, NT):
-                    buf[BASE + r] = m_hbm[bh, row0 + r]  # log2 units, as the forward keeps it
-                    buf[INV + r] = float32(1.0) / l_hbm[bh, row0 + r]
-                    if COUNT:
-                        cnt[L_R] += 1
-                        cnt[M_R] += 1
-                if COUNT:
-                    cnt[Q_R] += moved_q
-                    cnt[O_R] += moved_o
-                    cnt[DO_R] += moved_do
-                    cnt[DQ_R] += moved_dq
+                load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt)  # line 8
                 cuda.syncthreads()  # Q_i, O_i, dO_i, dQ_i, l_i, m_i are in shared memory
                 row_dot(buf, sm.do, sm.o, sm.os, DELTA, n_rows)  # D_i = rowsum(dO_i o O_i)
                 scores(buf, s)
@@ -166,16 +207,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803 - paper's names
                 moved = store_dQ_i(buf, dq, bh, row0, n_rows, 0, D)
                 if COUNT:
                     cnt[DQ_W] += moved
-            cuda.syncthreads()  # every thread is done with K_j, V_j: their tiles stage dK, dV
-            stage_dk(buf, dk_j, scale)
-            stage_dv(buf, dv_j, float32(1.0))
-            cuda.syncthreads()  # dK_j, dV_j are complete in shared memory
-            # dK_j, dV_j: written to HBM once per j (line 24)
-            moved_k = store_dK_j(buf, dk, bh, key0, bc, 0, D)
-            moved_v = store_dV_j(buf, dv, bh, key0, bc, 0, DV)
-            if COUNT:
-                cnt[DK_W] += moved_k
-                cnt[DV_W] += moved_v
+            write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt)  # line 24, per j
         if COUNT:
             flush_counts(cnt, counts)
 

@@ -37,7 +37,13 @@ import numpy as np
 from numba import float32, int64
 
 from ..backward_schedule import BackwardSchedule, register_backward
-from ..backward_tiles import acc_layout, grad_layout, grad_shared_layout, make_grad_tile
+from ..backward_tiles import (
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
+)
 from ..intrinsics import narrow, widen
 from ..ledger import Ledger, slot
 from ..runtime import (
@@ -134,23 +140,20 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
-    stage_dk, stage_dv, atomic_dq, lse_stats = gt.stage_dk, gt.stage_dv, gt.atomic_dq, \
-        gt.lse_stats
+    atomic_dq, lse_stats = gt.atomic_dq, gt.lse_stats
+    write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, False, False, COUNT)
     ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
     ACC_Q = acc_layout(BR, D, NT).size if ATOMIC else 1  # noqa: N806
     load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
     load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
     load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
     load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
-    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
     NCNT = counter_slots(COUNT)  # noqa: N806
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=False)
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
                            slot("do", "read"))
     LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")  # noqa: N806
-    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
     ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")  # noqa: N806
 
     @cuda.jit(**kernel_options(NT, 255))
@@ -214,16 +217,8 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
                 if COUNT:
                     cnt[ACC_R] += added
                     cnt[ACC_W] += added
-        cuda.syncthreads()  # every thread is done with K_j and V_j: their tiles stage dK, dV
-        stage_dk(buf, dk_j, scale)
-        stage_dv(buf, dv_j, float32(1.0))
-        cuda.syncthreads()  # dK_j and dV_j are complete in shared memory
-        # dK_j, dV_j: written to HBM once
-        moved_k = store_dK_j(buf, dk, bh, key0, bc, 0, D)
-        moved_v = store_dV_j(buf, dv, bh, key0, bc, 0, DV)
+        write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt)  # dK_j, dV_j: once
         if COUNT:
-            cnt[DK_W] += moved_k
-            cnt[DV_W] += moved_v
             flush_counts(cnt, counts)
 
     return q_outer_bwd

@@ -24,8 +24,8 @@ Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2
 
 from __future__ import annotations
 
-import math
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 from numba import float32, int32, int64
@@ -41,7 +41,7 @@ from ..tiles import (
     counts_flusher,
     make_block_of,
     make_kv_blocks,
-    zero_counts,
+    make_online_start,
 )
 
 # Steps per trip of the micro-kernel's hot loops, per head dim (else Unroll.by(2): 2 chunks of
@@ -76,28 +76,22 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
                              slot("o", "write"), slot("lse", "write"))
 
 
-@kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
-    if isinstance(MK, Specialised):  # S warps and P V warps (`microkernel_ws`)
-        return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
-                                       (Q_R, K_R, V_R, O_W, LSE_W))
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
-                      transposes_q(D))
-    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
-    STAGES, STAGGERED = mk.STAGES, mk.STAGGERED  # noqa: N806 - K/V buffers; staggered loads
-    weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
-    # Numba compiles closure variables as constants: take the device functions by name
-    clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
-    reciprocal, give_o = mk.reciprocal, mk.give_o
-    load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads  # noqa: N806
-    store_O_i, store_lse = mk.store_o, mk.store_lse  # noqa: N806
-    flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
-    NCNT = counter_slots(COUNT)  # noqa: N806
+class CountedLoads(NamedTuple):
+    """q_outer's tile loads with their counting (see `_make_counted_loads`)."""
+
+    k: object  # load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
+    v: object  # load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
+    kv: object  # load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt)
+    q: object  # load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
+
+
+def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:  # noqa: N803
+    """The micro-kernel mk's loads of K_j, V_j, both, and Q_i, each adding the elements it
+    moved to its counter slot when COUNT."""
+    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
-    def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+    def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):
         """K_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K buffer `stage`, counted;
         every thread calls it."""
         # K_j: reloaded from HBM by every query block
@@ -106,7 +100,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             cnt[K_R] += moved
 
     @cuda.jit(device=True, inline="always")
-    def load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+    def load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt):
         """V_j, as load_K_j_counted."""
         # V_j: reloaded from HBM by every query block
         moved = load_V_j(buf, v, bh, key0, min(BC, n_k - key0), stage)
@@ -114,18 +108,30 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
             cnt[V_R] += moved
 
     @cuda.jit(device=True, inline="always")
-    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):  # noqa: N802 - the paper's names
+    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):
         """K_j and V_j into K/V buffer `stage`, counted; every thread calls it."""
         load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
         load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
 
     @cuda.jit(device=True, inline="always")
-    def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):  # noqa: N802 - paper's names
+    def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):
         """Q_i into its tile, counted; every thread calls it."""
         # Q_i: read from HBM once, stays in shared memory for every K/V block
         moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
         if COUNT:
             cnt[Q_R] += moved
+
+    return CountedLoads(load_K_j_counted, load_V_j_counted, load_KV_j, load_Q_i_counted)
+
+
+def _make_fold_tiles(BC, mk, loads: CountedLoads):  # noqa: N803
+    """fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt): the K/V
+    loop of q_outer's kernel over the micro-kernel mk, staggered (`stream_kv_staggered`) where
+    mk.STAGGERED, else `stream_kv`."""
+    RM, STAGES = mk.RM, mk.STAGES  # noqa: N806 - a thread's rows; K/V buffers
+    weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
+    online_update, wait_loads = mk.online_update, mk.wait_loads
+    load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv  # noqa: N806
 
     @cuda.jit(device=True, inline="always")
     def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
@@ -170,7 +176,29 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
-    fold_tiles = stream_kv_staggered if STAGGERED else stream_kv
+    return stream_kv_staggered if mk.STAGGERED else stream_kv
+
+
+@kernel_factory
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+    if isinstance(MK, Specialised):  # S warps and P V warps (`microkernel_ws`)
+        return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
+                                       (Q_R, K_R, V_R, O_W, LSE_W))
+    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
+                      transposes_q(D))
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
+    STAGGERED = mk.STAGGERED  # staggered K/V loads
+    # Numba compiles closure variables as constants: take the device functions by name
+    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
+    store_O_i, store_lse = mk.store_o, mk.store_lse
+    start = make_online_start(NACC, RM, COUNT, mk.clear)
+    loads = _make_counted_loads(BC, COUNT, mk)
+    load_K_j_counted, load_Q_i_counted = loads.k, loads.q
+    fold_tiles = _make_fold_tiles(BC, mk, loads)
+    flush_counts = counts_flusher()
+    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
+    NCNT = counter_slots(COUNT)
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
@@ -188,15 +216,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         l_row = cuda.local.array(RM, float32)
         inv_l = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
-        if COUNT:
-            zero_counts(cnt)
-        for y in range(NACC):
-            acc[y] = float32(0.0)
-        for a in range(RM):
-            m_i[a] = float32(-math.inf)
-            l_i[a] = float32(0.0)
-        clear(buf)  # padding and rows past N_q stay zero
-        cuda.syncthreads()  # the buffer is clear before any tile lands in it
+        start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
         if STAGGERED:
             # K_0 is copied while Q_i loads (causal N = 512 -0.5 %,
             # results/gpu_logs/ab_lazy_max_d564bde.log)

@@ -68,6 +68,7 @@ from ..tiles import (
     counter_slots,
     counts_flusher,
     make_kv_blocks,
+    make_online_start,
     zero_counts,
 )
 
@@ -88,8 +89,9 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
     NT, NACC = mk.NT, mk.NACC  # noqa: N806 - threads per CTA; a thread's accumulators
     # Numba compiles closure variables as constants: take the device functions by name
-    clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
+    online_update, row_sums = mk.online_update, mk.row_sums
     give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
+    start = make_online_start(NACC, RM, COUNT, mk.clear)
     flush_counts = counts_flusher()
     kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
     # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
@@ -122,15 +124,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         l_row = cuda.local.array(RM, float32)
         factor = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
-        if COUNT:
-            zero_counts(cnt)
-        for y in range(NACC):
-            acc[y] = float32(0.0)
-        for a in range(RM):
-            m_i[a] = float32(-math.inf)
-            l_i[a] = float32(0.0)
-        clear(buf)  # padding and rows past N_q stay zero
-        cuda.syncthreads()  # the buffer is clear before any tile lands in it
+        start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
         # Q_i: read from HBM once per visited split
         moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
         if COUNT:
