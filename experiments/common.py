@@ -222,9 +222,21 @@ def total(ledger_dict: dict | None) -> int | None:
     return Ledger.from_dict(ledger_dict).total
 
 
-def tensor_totals(ledger_dict: dict) -> dict[str, int]:
+def declared_tensors(names, ledgers=()) -> tuple[str, ...]:
+    """Every tensor the schedules `names` declare (`Schedule.ledger_tensors`: the common ones,
+    then each schedule's own, such as split_kv's workspace) and any other tensor one of
+    `ledgers` holds, each once. Tables, bars and checks iterate over these, never over the
+    common tensors alone, so no schedule's own tensor can drop out of them."""
+    known = set(lo.schedule_names())
+    declared = [t for n in names if n in known for t in lo.get_schedule(n).ledger_tensors()]
+    held = [t for lg in ledgers for t in lg.tensors]
+    return tuple(dict.fromkeys([*TENSORS, *declared, *held]))
+
+
+def tensor_totals(ledger_dict: dict, tensors) -> dict[str, int]:
+    """Elements read + written per tensor of `tensors` (zero where the ledger moves none)."""
     ledger = Ledger.from_dict(ledger_dict)
-    return {t: ledger.tensor_total(t) for t in TENSORS}
+    return {t: ledger.tensor_total(t) for t in tensors}
 
 
 def run_experiment(module, argv=None) -> Context:
@@ -273,6 +285,14 @@ def schedule_colors(names) -> dict[str, str]:
     palette = ["tab:red", "tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown",
                "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
+def tensor_colors(tensors) -> dict[str, tuple]:
+    """A colour per tensor drawn (tab10, then tab20's lighter shades past ten tensors)."""
+    import matplotlib
+
+    palette = (*matplotlib.colormaps["tab10"].colors, *matplotlib.colormaps["tab20"].colors[1::2])
+    return {t: palette[i % len(palette)] for i, t in enumerate(tensors)}
 
 
 def seed_for(config: dict) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results, runtime
-from loop_orders.ledger import TENSORS, Ledger
+from loop_orders.ledger import Ledger
 from loop_orders.reference import attention_reference, online_row
 
 from . import common
@@ -87,7 +87,8 @@ def ledger_table(data: dict) -> str:
                                       Ledger.from_dict(r["measured"])) for r in rows}
     lines = ["| tensor | " + " | ".join(f"{n} (read / write)" for n in names) + " |",
              "|---|" + "---|" * len(names)]
-    for t in TENSORS:
+    tensors = common.declared_tensors(names, [lg for pair in ledgers.values() for lg in pair])
+    for t in tensors:
         if not any(m.tensor_total(t) or x.tensor_total(t) for m, x in ledgers.values()):
             continue
         cells = [f"{m.read(t)} / {m.write(t)}" for m, _ in ledgers.values()]
@@ -109,7 +110,7 @@ def walkthrough_table(data: dict) -> str:
     dense = rows[0]["dense_row"]
     lines = [f"Query {rows[0]['key']['query']}; dense row (float64 reference): "
              f"({dense[0]:.6f}, {dense[1]:.6f}).", "",
-             "| key tile | keys seen | m | ℓ | a/ℓ |", "|---|---|---|---|---|"]
+             "| keys per tile (Bc) | keys seen | m | ℓ | a/ℓ |", "|---|---|---|---|---|"]
     for r in rows:
         for s in r["steps"]:
             lines.append(f"| {r['key']['key_tile']} | {s['keys_seen']} | {s['m']:.6f} | "
@@ -129,26 +130,28 @@ def plot(ctx: common.Context) -> list:
     fig, (ax_l, ax_w) = plt.subplots(1, 2, figsize=(14, 5))
     rows = [r for r in data["records"] if r["key"]["part"] == "ledger"]
     names = [r["key"]["schedule"] for r in rows]
+    measured = [Ledger.from_dict(r["measured"]) for r in rows]
+    tensors = common.declared_tensors(names, measured)
+    drawn = [t for t in tensors if any(lg.tensor_total(t) for lg in measured)]
+    tensor_colors = common.tensor_colors(drawn)
     bottom = np.zeros(len(rows))
-    tensor_colors = dict(zip(TENSORS, plt.get_cmap("tab10").colors, strict=False))
-    for t in TENSORS:
-        h = np.array([Ledger.from_dict(r["measured"]).tensor_total(t) for r in rows], float)
-        if h.any():
-            ax_l.bar(names, h, bottom=bottom, color=tensor_colors[t], label=t)
-            for x, (b, hh) in enumerate(zip(bottom, h, strict=True)):
-                if hh:
-                    ax_l.text(x, b + hh / 2, f"{t} {int(hh)}", ha="center", va="center",
-                              fontsize=7, color="white")
-            bottom += h
+    for t in drawn:
+        h = np.array([lg.tensor_total(t) for lg in measured], float)
+        ax_l.bar(names, h, bottom=bottom, color=tensor_colors[t], label=t)
+        for x, (b, hh) in enumerate(zip(bottom, h, strict=True)):
+            if hh:
+                ax_l.text(x, b + hh / 2, f"{t} {int(hh)}", ha="center", va="center",
+                          fontsize=7, color="white")
+        bottom += h
     for x, r in enumerate(rows):
         ax_l.text(x, bottom[x] + 3, f"{Ledger.from_dict(r['model']).total} model\n"
                   f"{Ledger.from_dict(r['measured']).total} measured", ha="center",
                   va="bottom", fontsize=8)
     b = rows[0]["key"]
-    ax_l.set(ylim=(0, bottom.max() * 1.2), ylabel="elements moved through HBM",
+    ax_l.set(ylim=(0, bottom.max() * 1.45), ylabel="elements moved through HBM",
              title=f"(a) transfer ledger, N=6, d=dv=2, block_q={b['block_q']}, "
                    f"block_k={b['block_k']}")
-    ax_l.legend(fontsize=7, ncol=3)
+    ax_l.legend(fontsize=7, ncol=(len(drawn) + 1) // 2, loc="upper center")
     walk = sorted((r for r in data["records"] if r["key"]["part"] == "walkthrough"),
                   key=lambda r: r["key"]["key_tile"])
     dense = walk[0]["dense_row"]
@@ -158,7 +161,7 @@ def plot(ctx: common.Context) -> list:
         for comp, ls in ((0, "-"), (1, "--")):
             ax_w.plot(xs, [s["a_over_l"][comp] for s in r["steps"]], ls, marker="o",
                       color=cmap(i / max(1, len(walk) - 1)),
-                      label=f"key tile {r['key']['key_tile']}" if comp == 0 else None)
+                      label=f"tiles of {r['key']['key_tile']} key(s)" if comp == 0 else None)
     for comp, ls in ((0, "-"), (1, "--")):
         ax_w.axhline(dense[comp], color="k", ls=ls, lw=0.8,
                      label=f"dense row, component {comp}")

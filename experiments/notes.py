@@ -1,4 +1,5 @@
-"""Rewrite the generated blocks of paper_notes.md from results files and the source tree.
+"""Rewrite the generated blocks of paper_notes.md, its appendix (paper_notes_appendix.md) and
+the README from results files and the source tree.
 
 A block is everything between `<!-- BEGIN generated:NAME -->` and `<!-- END generated:NAME -->`;
 the prose around it is written by hand, every number inside it comes from here.
@@ -100,6 +101,33 @@ def slope_table(ctx: common.Context, study: theorem2.Study = theorem2.FORWARD) -
     return "\n".join(lines)
 
 
+def slope_summary(ctx: common.Context, study: theorem2.Study = theorem2.FORWARD) -> str:
+    """One row per (panel, order): the expected slope and the fitted ones in Theorem 2's
+    window d <= M <= N d: the model at scale, the GPU's counts at scale (when a GPU slopes
+    file is committed), the kernels' counts at simulator sizes."""
+    def fits(path):
+        if not path.exists():
+            return {}
+        return {(r["panel"], r["set"], r["schedule"], r["source"]): r
+                for r in results.load(path)["records"] if r["window"] == "theorem"}
+
+    here = fits(ctx.results_path(study.slopes))
+    gpu = fits(ctx.results_path(study.slopes, "gpu")) if ctx.backend != "gpu" else here
+    orders = list(dict.fromkeys(k[2] for k in here))
+    cell = lambda r: "—" if r is None else f"{r['slope']:.2f} ± {r['stderr']:.2f}"  # noqa: E731
+    lines = ["| traffic vs | order | expected | model, at scale | counted on the GPU, at scale "
+             "| counted by the kernels, small sizes |", "|---|---|---|---|---|---|"]
+    for panel in ("m", "n", "d"):
+        for order in orders:
+            expected = study.expected(order, panel)
+            lines.append(f"| {panel.upper() if panel != 'd' else 'd'} | {order} | "
+                         f"{'—' if expected is None else expected} | "
+                         f"{cell(here.get((panel, 'model', order, 'model')))} | "
+                         f"{cell(gpu.get((panel, 'model', order, 'measured')))} | "
+                         f"{cell(here.get((panel, 'kernel', order, 'measured')))} |")
+    return "\n".join(lines)
+
+
 def _per_tensor_table(ledgers: dict, cell, total_label: str, total) -> list[str]:
     """Markdown rows: a column per ledger (keyed by its header), a row per tensor any of
     them moves (`cell(ledger, tensor)`), then a total row (`total(ledger)`)."""
@@ -161,14 +189,24 @@ def provenance_block(ctx: common.Context) -> str:
 
 
 def blocks(ctx: common.Context) -> dict[str, str]:
+    """Every generated block, by name; "findings" (the abstract's and the README's) is made
+    from the others."""
+    new = _blocks(ctx)
+    return {**new, "findings": findings(ctx, new)}
+
+
+def _blocks(ctx: common.Context) -> dict[str, str]:
     ex = results.load(ctx.results_path(explainer.NAME))
     return {"code-refs": code_refs(), "loop-nests": loop_nests(),
             "explainer-ledger": explainer.ledger_table(ex),
             "explainer-walkthrough": explainer.walkthrough_table(ex),
             "traffic-summary": traffic_summary(ctx), "theorem2-slopes": slope_table(ctx),
             "theorem5-slopes": slope_table(ctx, theorem5.BACKWARD),
+            "theorem2-slope-summary": slope_summary(ctx),
+            "theorem5-slope-summary": slope_summary(ctx, theorem5.BACKWARD),
             "split-kv-traffic": split_kv_traffic(), "backward-traffic": backward_traffic(),
             "provenance": provenance_block(ctx), **gpu_notes.blocks(ctx.results_dir)}
+
 
 
 def replace_blocks(text: str, new: dict[str, str]) -> str:
@@ -204,20 +242,99 @@ def schedule_table() -> str:
 README_PATH = common.REPO_ROOT / "README.md"
 
 
-def update_readme(path: Path = README_PATH) -> Path:
-    """Rewrite the README's generated blocks (the schedule table), only where it changed."""
+def _slopes_line(ctx: common.Context, panel: str) -> str:
+    """'kv_outer 1.95, q_outer 1.95, dense 1.99' : the model's fitted slopes at scale."""
+    fits = [r for r in results.load(ctx.results_path(theorem2.SLOPES))["records"]
+            if r["window"] == "theorem" and r["set"] == "model" and r["source"] == "model"
+            and r["panel"] == panel and r["expected"] is not None]
+    return ", ".join(f"{r['schedule']} {r['slope']:.2f} (expected {r['expected']})"
+                     for r in fits)
+
+
+def _speed_line(ctx: common.Context) -> str | None:
+    """q_outer float32 against SDPA's float32 efficient backend and its float16 flash kernel
+    at N = 4096, from results/bench_runtime.csv (None without it)."""
+    rows = gpu_notes._rows(ctx.results_dir / "bench_runtime.csv")
+    if rows is None:
+        return None
+    ms = {(r["provider"], r["dtype"], int(r["d"]), r["causal"]): float(r["ms_median"])
+          for r in rows if r["status"] == "ok" and r["n"] == gpu_notes.REFERENCE["n"]}
+    cases = sorted({(k[2], k[3]) for k in ms if k[0] == "q_outer"})
+
+    def ratio(provider, dtype, d, causal):
+        return ms[provider, dtype, d, causal] / ms["q_outer", "float32", d, causal]
+
+    eff = "; ".join(f"d = {d}{', causal' if c == 'True' else ''} "
+                    f"{ratio('torch_sdpa_efficient', 'float32', d, c):.2f}×" for d, c in cases)
+    flash = [1 / ratio("torch_sdpa_flash", "float16", d, c) for d, c in cases]
+    one = next(r for r in rows if r["n"] == gpu_notes.REFERENCE["n"] and r["status"] == "ok")
+    return (f"forward pass on the {one['device']}, N = {one['n']}, B = {one['batch']}, "
+            f"H = {one['heads']}: q_outer in exact float32 runs at {eff} the speed of SDPA's "
+            f"float32 efficient backend; SDPA's float16 FlashAttention-2 kernel (tensor cores) "
+            f"is {min(flash):.1f}–{max(flash):.1f}× faster than it "
+            f"(`results/bench_runtime.csv`).")
+
+
+def findings(ctx: common.Context, new: dict[str, str]) -> str:
+    """The findings in a few lines (the paper's abstract, the README's first screen), from the
+    other blocks and the results files."""
+    hw = new.get("hw-traffic", "").split("\n")[0]
+    hw = hw[:hw.index("**.") + 3] if "**." in hw else ""
+    hw_rows = gpu_notes._rows(ctx.results_dir / "hw_traffic.csv")
+    out = [f"- **Counted traffic = model, exactly.** {new['traffic-summary']}"]
+    if hw and hw_rows:
+        out.append(f"- **The hardware agrees** (Nsight Compute on the {hw_rows[0]['device']}): "
+                   f"{hw}")
+    out.append(f"- **Theorem 2's scaling.** Fitted log-log slopes of the models at scale: vs N "
+               f"{_slopes_line(ctx, 'n')}; vs M {_slopes_line(ctx, 'm')}.")
+    speed = _speed_line(ctx)
+    if speed:
+        out.append(f"- **Speed:** {speed}")
+    return "\n".join(out)
+
+
+def update_readme(path: Path = README_PATH, new: dict[str, str] | None = None) -> Path:
+    """Rewrite the README's generated blocks (the schedule table, and any notes block it
+    carries), only where it changed."""
     text = path.read_text(encoding="utf-8")
-    new = replace_blocks(text, {"schedules": schedule_table()})
-    return path if new == text else results.atomic_write_text(path, new)
+    fill = {"schedules": schedule_table(),
+            **{k: v for k, v in (new or {}).items() if k in marked_blocks(text)}}
+    out = replace_blocks(text, fill)
+    return path if out == text else results.atomic_write_text(path, out)
+
+
+def marked_blocks(text: str) -> list[str]:
+    """The names of the generated blocks a text carries."""
+    return re.findall(r"<!-- BEGIN generated:([\w-]+) -->", text)
+
+
+def appendix_path(notes_path: Path) -> Path:
+    """The appendix beside a notes file: paper_notes.md -> paper_notes_appendix.md."""
+    return notes_path.with_name(f"{notes_path.stem}_appendix{notes_path.suffix}")
 
 
 def update(ctx: common.Context, template: Path | None = None) -> Path:
-    """Rewrite ctx.notes_path's generated blocks (reading `template` if it does not exist)."""
-    source = ctx.notes_path if ctx.notes_path.exists() else (template or common.NOTES_PATH)
-    old = source.read_text(encoding="utf-8")
-    text = replace_blocks(old, blocks(ctx))
+    """Rewrite the generated blocks of ctx.notes_path and of its appendix (each read from the
+    repository's own file when it does not exist yet): every block goes where it is marked,
+    and a block marked in neither file is an error."""
+    template = template or common.NOTES_PATH
+    files = {ctx.notes_path: template,
+             appendix_path(ctx.notes_path): appendix_path(template)}
+    new = blocks(ctx)
+    texts = {}
+    for path, fallback in files.items():
+        source = path if path.exists() else fallback
+        texts[path] = (source, source.read_text(encoding="utf-8"))
+    marked = {name for _, text in texts.values() for name in marked_blocks(text)}
+    missing = sorted(set(new) - marked)
+    if missing:
+        raise ValueError(f"paper_notes: no block 'generated:{missing[0]}' (BEGIN/END markers) "
+                         f"in {' or '.join(str(p) for p in files)}")
+    for path, (source, old) in texts.items():
+        here = set(marked_blocks(old))
+        text = replace_blocks(old, {k: v for k, v in new.items() if k in here})
+        if source != path or text != old:  # else the file is left as it was
+            results.atomic_write_text(path, text)
     if ctx.notes_path == common.NOTES_PATH:  # the repository's own: its README too
-        update_readme()
-    if source == ctx.notes_path and text == old:
-        return ctx.notes_path  # nothing changed: the file is left as it was
-    return results.atomic_write_text(ctx.notes_path, text)
+        update_readme(new=new)
+    return ctx.notes_path

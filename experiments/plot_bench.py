@@ -14,35 +14,85 @@ from pathlib import Path
 
 from experiments import common
 
+# What each line is, in the legend's fixed order: our schedules, then torch SDPA's backends.
+LINE_LABELS = {
+    ("q_outer", "float32"): "q_outer, float32 (CUDA-core FMA)",
+    ("q_outer", "tf32x3"): "q_outer, float32 inputs on tensor cores (3xTF32)",
+    ("kv_outer", "float32"): "kv_outer, float32",
+    ("dense", "float32"): "dense, float32",
+    ("torch_sdpa_efficient", "float32"): "SDPA efficient, float32",
+    ("torch_sdpa_math", "float32"): "SDPA math, float32",
+    ("torch_sdpa_flash", "float16"): "SDPA flash (FlashAttention-2), float16",
+    ("torch_sdpa_flash", "bfloat16"): "SDPA flash (FlashAttention-2), bfloat16",
+}
+LINE_STYLES = {"q_outer": "-", "kv_outer": "-", "dense": "-"}  # SDPA's lines dashed
+
+
+def _lines(ok: list[dict]) -> list[tuple[str, str]]:
+    """(provider, dtype) of every line, in LINE_LABELS' order, then any other."""
+    present = dict.fromkeys((r["provider"], r["dtype"]) for r in ok)
+    return [k for k in LINE_LABELS if k in present] + [k for k in present
+                                                       if k not in LINE_LABELS]
+
+
+def _plain_log_axis(ax, axis: str) -> None:
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(LogLocator(base=2 if axis == "x" else 10,
+                                        subs=(1.0,) if axis == "x" else (1.0, 2.0, 5.0)))
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(NullFormatter())
+
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
+    """Forward runtime (top) and TFLOP/s (bottom) vs N, a column per (d, causal), a line per
+    provider and dtype in one colour and one legend order everywhere."""
     ok = [r for r in rows if r["status"] == "ok"]
     panels = sorted({(int(r["d"]), r["causal"]) for r in ok})
     plt = common.pyplot()
-    fig, axes = plt.subplots(2, len(panels), figsize=(5.5 * len(panels), 7.5), squeeze=False)
-    # one colour per provider and dtype in every panel
-    lines = dict.fromkeys((r["provider"], r["dtype"]) for r in ok)
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 7.5), squeeze=False)
+    lines = _lines(ok)
     colour = {line: plt.get_cmap("tab10")(i % 10) for i, line in enumerate(lines)}
+    handles = {}
     for col, (d, causal) in enumerate(panels):
         sel = [r for r in ok if int(r["d"]) == d and r["causal"] == causal]
-        for provider, dtype in dict.fromkeys((r["provider"], r["dtype"]) for r in sel):
+        for provider, dtype in lines:
             pts = sorted((int(r["n"]), float(r["ms_median"]), float(r["tflops"]))
                          for r in sel if (r["provider"], r["dtype"]) == (provider, dtype))
+            if not pts:
+                continue
             n, ms, tf = zip(*pts, strict=True)
-            style = {"label": f"{provider} ({dtype})", "base": 2,
-                     "color": colour[provider, dtype]}
-            axes[0, col].loglog(n, ms, "o-", **style)
-            axes[1, col].loglog(n, tf, "o-", **style)
-        axes[0, col].set_title(f"d={d}, causal={causal}, batch*heads*N = 262144")
-        axes[0, col].set_ylabel("median ms per forward")
-        axes[1, col].set_ylabel("TFLOP/s (4 B H N^2 d)")
-        axes[1, col].set_xlabel("N")
-        axes[0, col].legend(fontsize=7)
-    shas = " + ".join(dict.fromkeys(r["git_sha"][:7] for r in rows))
+            style = {"color": colour[provider, dtype], "ls": LINE_STYLES.get(provider, "--"),
+                     "marker": "o", "ms": 4}
+            handles[provider, dtype] = axes[0, col].plot(n, ms, **style)[0]
+            axes[1, col].plot(n, tf, **style)
+        causal_text = "causal" if causal == "True" else "not causal"
+        axes[0, col].set_title(f"d = {d}, {causal_text}", fontsize=11)
+        for ax in axes[:, col]:
+            ax.set(xscale="log", yscale="log")
+            _plain_log_axis(ax, "x")
+            _plain_log_axis(ax, "y")
+            ax.grid(True, which="major", alpha=0.3)
+        axes[1, col].set_xlabel("sequence length N")
+    axes[0, 0].set_ylabel("median ms per forward call")
+    axes[1, 0].set_ylabel("TFLOP/s")
+    fig.legend([handles[k] for k in lines if k in handles],
+               [LINE_LABELS.get(k, f"{k[0]}, {k[1]}") for k in lines if k in handles],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    bh = {int(r["batch"]) * int(r["heads"]) * int(r["n"]) for r in ok}
+    tokens = f"B·H·N = {bh.pop():,}" if len(bh) == 1 else "B·H·N varies"
+    fig.suptitle(f"Forward attention on the {ok[0]['device']}: our loop orders beside "
+                 f"torch SDPA's backends ({tokens}, B shrinking as N grows; median of "
+                 f"launches back to back, each output checked first)\n"
+                 f"TFLOP/s count 4·B·H·N²·d FLOPs, half of that in the causal panels "
+                 f"(the work the causal mask leaves)", fontsize=10)
+    shas = list(dict.fromkeys(r["git_sha"][:7] for r in rows))
     dates = sorted(r["date"][:10] for r in rows)
-    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} … {dates[-1]}"
-    merged = {**rows[0], "git_sha": shas if " + " in shas else rows[0]["git_sha"], "date": when}
-    return save_with_provenance(fig, merged, out, "bench_runtime")
+    fig.text(0.99, 0.005, f"results/bench_runtime.csv: {len(shas)} runs (git {shas[0]} … "
+             f"{shas[-1]}), {dates[0]} … {dates[-1]}", ha="right", fontsize=7, color="0.4")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return common.save_figure(fig, out, "bench_runtime")
 
 
 def read_rows(path: Path, required: str) -> list[dict]:

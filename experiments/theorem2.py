@@ -234,86 +234,150 @@ def _scaled(reference_x, reference_y, x, shape):
     return shape(x) * reference_y / shape(np.array([reference_x]))[0]
 
 
+def _slope_text(s: dict | None) -> str:
+    return "" if s is None else f"{s['slope']:.2f}"
+
+
+def _expected_text(study: Study, names: list[str], panel: str) -> str:
+    """'expected slope: kv_outer, q_outer 2; dense 2' for a panel's title."""
+    by_value: dict = {}
+    for name in names:
+        value = study.expected(name, panel)
+        if value is not None:
+            by_value.setdefault(value, []).append(name)
+    return "; ".join(f"{', '.join(n)} {v:g}" for v, n in by_value.items()) or "none stated"
+
+
+def _power_of_two_ticks(ax, x) -> None:
+    """Major ticks at the swept powers of two (at most seven, plain numbers), no minor
+    labels: nothing overlaps."""
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    values = sorted({int(v) for v in x})
+    step = max(1, -(-len(values) // 7))
+    ticks = values[::step]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticklabels([f"{t:,}" for t in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _overlays(ax, records, panel, names, study) -> list:
+    """Theta(.) curves through the middle of a flash line and the end of the standard line,
+    the Saha-Ye bound, and M < d^2 shaded (model sweep). Returns the artists, for the
+    figure's legend."""
+    fixed = next(r["key"] for r in records
+                 if r["key"]["panel"] == panel and r["key"]["set"] == "model")
+    x, y_fa = series(records, panel, "model", reference_line(names, "flash", study) or names[0])
+    sizes = {k: np.full(len(x), fixed[k], dtype=float) for k in ("n", "d", "m")}
+    sizes[panel] = x
+    mid = len(x) // 2
+    fa = theory.flash_traffic(sizes["n"], sizes["d"], sizes["m"])
+    out = ax.plot(x, fa * y_fa[mid] / fa[mid], "k--", lw=1, label="Θ(N²d²/M)")
+    sy = theory.saha_ye_lower_bound(sizes["n"], sizes["d"], sizes["m"])
+    out += ax.plot(x, sy * y_fa[mid] / fa[mid], color="0.4", ls="-.", lw=1,
+                   label="Saha–Ye lower bound Θ(min(N²d/√M, N²d²/M))")
+    standard = reference_line(names, "standard", study)
+    if standard:
+        _, y_dense = series(records, panel, "model", standard)
+        st = theory.standard_traffic(sizes["n"], sizes["d"])
+        out += ax.plot(x, st * y_dense[-1] / st[-1], color="k", ls=(0, (1, 3)), lw=1.2,
+                       label="Θ(Nd + N²)")
+    not_optimal = ~theory.flash_optimal(sizes["d"], sizes["m"])
+    if not_optimal.any():
+        edge = x[not_optimal]
+        out.append(ax.axvspan(edge.min(), edge.max() if panel != "m" else fixed["d"] ** 2,
+                              color="0.85", alpha=0.6, lw=0, label="M < d² (FA not optimal)"))
+    return out
+
+
+def _fixed_text(records, panel: str, size_set: str) -> str:
+    key = next(r["key"] for r in records
+               if r["key"]["panel"] == panel and r["key"]["set"] == size_set)
+    return ", ".join(f"{k.upper() if k != 'd' else k}={key[k]:,}" for k in ("n", "d", "m")
+                     if k != panel)
+
+
 def plot(ctx: common.Context, study: Study = FORWARD) -> list:
+    """Two rows of three panels (traffic vs M, N, d). Top: the large sweep, model lines with
+    the committed GPU counts as squares. Bottom: the sizes the simulator runs, model lines
+    with the kernels' counts as circles. Each legend gives the fitted slopes (d <= M <= N d);
+    each title the expected ones."""
     data = results.load(ctx.results_path(study.name))
     slopes = {(s["key"]["panel"], s["key"]["set"], s["key"]["schedule"], s["key"]["source"]):
               s for s in results.load(ctx.results_path(study.slopes))["records"]
               if s["key"]["window"] == "theorem"}
     gpu = ctx.gpu_results(study.name)
+    gpu_slopes_file = ctx.gpu_results(study.slopes)
+    gpu_slopes = {} if gpu_slopes_file is None else {
+        (s["key"]["panel"], s["key"]["set"], s["key"]["schedule"], s["key"]["source"]): s
+        for s in gpu_slopes_file["records"] if s["key"]["window"] == "theorem"}
     records = data["records"]
     plt = common.pyplot()
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.ticker import NullFormatter
+
     names = [label for label in study.lines()
              if any(r["key"]["schedule"] == label for r in records)]
     colors = common.schedule_colors(names)
     here = data["provenance"].get("backend", "?")
-    fig, axes = plt.subplots(1, 3, figsize=(18, 5.6))
-    for ax, panel in zip(axes, ("m", "n", "d"), strict=True):
-        fixed_model = next(r["key"] for r in records
-                           if r["key"]["panel"] == panel and r["key"]["set"] == "model")
-        fixed_kernel = next(r["key"] for r in records
-                            if r["key"]["panel"] == panel and r["key"]["set"] == "kernel")
+    fig, grid = plt.subplots(2, 3, figsize=(17, 10))
+    overlay_handles = []
+    for col, panel in enumerate(("m", "n", "d")):
+        top, bottom = grid[0, col], grid[1, col]
+        entries = {top: [], bottom: []}
         for name in names:
             x, y = series(records, panel, "model", name)
-            s = slopes.get((panel, "model", name, "model"))
-            ax.plot(x, y, "-", color=colors[name], lw=2,
-                    label=f"{name} model" + (f", slope {s['slope']:.2f}±{s['stderr']:.2f}"
-                                             if s else ""))
-            xm, ym = series(records, panel, "model", name, "measured")
-            if len(xm):
-                ax.plot(xm, ym, "o", color=colors[name], mfc="none", ms=8)
-            xk, yk = series(records, panel, "kernel", name)
-            ax.plot(xk, yk, ":", color=colors[name], lw=1)
-            xk, yk = series(records, panel, "kernel", name, "measured")
-            s = slopes.get((panel, "kernel", name, "measured"))
-            if len(xk):
-                ax.plot(xk, yk, "o", color=colors[name], mfc="none", ms=7,
-                        label=f"{name} measured ({here})" +
-                              (f", slope {s['slope']:.2f}±{s['stderr']:.2f}" if s else ""))
+            line = top.plot(x, y, "-", color=colors[name], lw=2)[0]
+            text = f"{name}: {_slope_text(slopes.get((panel, 'model', name, 'model')))} model"
+            counted = [(series(records, panel, "model", name, "measured"),
+                        slopes.get((panel, "model", name, "measured")), here)]
             if gpu is not None:
-                xg, yg = series(gpu["records"], panel, "model", name, "measured")
-                if len(xg):
-                    ax.plot(xg, yg, "s", color=colors[name], ms=4,
-                            label=f"{name} measured (GPU, committed)")
-        # Theta(.) overlays on the model sweep, scaled through one point of a reference line
-        x, y_fa = series(records, panel, "model",
-                         reference_line(names, "flash", study) or names[0])
-        sizes = {k: np.full(len(x), fixed_model[k], dtype=float) for k in ("n", "d", "m")}
-        sizes[panel] = x
-        mid = len(x) // 2
-        fa = theory.flash_traffic(sizes["n"], sizes["d"], sizes["m"])
-        ax.plot(x, fa * y_fa[mid] / fa[mid], "k--", lw=1, label="Θ(N²d²/M)")
-        sy = theory.saha_ye_lower_bound(sizes["n"], sizes["d"], sizes["m"])
-        ax.plot(x, sy * y_fa[mid] / fa[mid], color="0.4", ls="-.", lw=1,
-                label="Saha–Ye Θ(min(N²d/√M, N²d²/M))")
-        standard = reference_line(names, "standard", study)
-        if standard:
-            _, y_dense = series(records, panel, "model", standard)
-            st = theory.standard_traffic(sizes["n"], sizes["d"])
-            ax.plot(x, st * y_dense[-1] / st[-1], color="k", ls=(0, (1, 3)), lw=1.2,
-                    label="Θ(Nd + N²)")
-        not_optimal = ~theory.flash_optimal(sizes["d"], sizes["m"])
-        if not_optimal.any():
-            edge = x[not_optimal]
-            ax.axvspan(edge.min() if panel != "d" else edge.min(),
-                       edge.max() if panel != "m" else fixed_model["d"] ** 2,
-                       color="0.85", alpha=0.6, lw=0, label="M < d² (FA not optimal)")
-        ax.set(xscale="log", yscale="log", xlabel=PANEL_LABEL[panel],
-               ylabel="HBM traffic (elements)")
-        model_fixed = ", ".join(f"{k.upper() if k != 'd' else k}={fixed_model[k]}"
-                                for k in ("n", "d", "m") if k != panel)
-        kernel_fixed = ", ".join(f"{k.upper() if k != 'd' else k}={fixed_kernel[k]}"
-                                 for k in ("n", "d", "m") if k != panel)
-        ax.set_title(f"traffic vs {panel.upper() if panel != 'd' else 'd'}\n"
-                     f"lines: model only ({model_fixed}); markers: kernels ({kernel_fixed})",
-                     fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6.5, loc="best")
+                counted.append((series(gpu["records"], panel, "model", name, "measured"),
+                                gpu_slopes.get((panel, "model", name, "measured")), "GPU"))
+            handle = [line]
+            for (xm, ym), s, where in counted:
+                if len(xm):
+                    handle += top.plot(xm, ym, "s", color=colors[name], ms=5)
+                    text += f", {_slope_text(s)} counted ({where})"
+            entries[top].append((tuple(handle), text))
+            x, y = series(records, panel, "kernel", name)
+            line = bottom.plot(x, y, "-", color=colors[name], lw=1.5)[0]
+            text = f"{name}: {_slope_text(slopes.get((panel, 'kernel', name, 'model')))} model"
+            handle = [line]
+            xk, yk = series(records, panel, "kernel", name, "measured")
+            if len(xk):
+                handle += bottom.plot(xk, yk, "o", color=colors[name], mfc="none", ms=8)
+                s = slopes.get((panel, "kernel", name, "measured"))
+                text += f", {_slope_text(s)} counted ({here})"
+            entries[bottom].append((tuple(handle), text))
+        handles = _overlays(top, records, panel, names, study)
+        overlay_handles = overlay_handles if len(overlay_handles) >= len(handles) else handles
+        expected = _expected_text(study, names, panel)
+        var = PANEL_LABEL[panel].split(" (")[0]
+        for ax, size_set in ((top, "model"), (bottom, "kernel")):
+            xs = np.concatenate([series(records, panel, size_set, n)[0] for n in names])
+            ax.set(xscale="log", yscale="log", xlabel=PANEL_LABEL[panel],
+                   ylabel="HBM traffic (elements)")
+            _power_of_two_ticks(ax, xs)
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_title(f"traffic vs {var} ({_fixed_text(records, panel, size_set)})\n"
+                         f"expected slope: {expected}", fontsize=9)
+            ax.legend(*zip(*entries[ax], strict=True), fontsize=7, loc="best",
+                      title="fitted log-log slope", title_fontsize=7,
+                      handler_map={tuple: HandlerTuple(ndivide=None)})
     what = "backward pass" if study.backward else "forward pass"
-    fig.suptitle(f"{study.theorem}, the {what}: tiles sized from M by each order's "
-                 "tiles_for_sram; slopes fitted in d ≤ M ≤ Nd (solid = model only, dotted + "
-                 f"markers = measured by kernels on {data['provenance'].get('device')}; "
-                 "squares: committed GPU counts)", fontsize=10)
-    fig.tight_layout()
+    fig.text(0.5, 0.965, "top: at scale — lines the closed-form model, squares the counts of "
+             "the kernels on a GPU (committed results)", ha="center", fontsize=10)
+    fig.text(0.5, 0.495, f"bottom: at sizes the simulator runs — lines the model, circles the "
+             f"counts of the kernels ({data['provenance'].get('device')})", ha="center",
+             fontsize=10)
+    fig.suptitle(f"{study.theorem}, the {what}: counted traffic follows the model; "
+                 f"log-log slopes fitted in d ≤ M ≤ Nd", fontsize=12, y=1.0)
+    fig.legend(handles=overlay_handles, loc="lower center", ncol=len(overlay_handles),
+               fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.01))
+    fig.tight_layout(rect=(0, 0.03, 1, 0.97), h_pad=4)
     return common.save_figure(fig, ctx.figures_dir, study.name)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results
-from loop_orders.ledger import TENSORS, Ledger
+from loop_orders.ledger import Ledger
 
 from . import common
 
@@ -70,8 +70,10 @@ def residuals(records: list[dict]) -> list[dict]:
     for rec in records:
         if rec["measured"] is None:
             continue
-        diff = Ledger.from_dict(rec["measured"]) - Ledger.from_dict(rec["model"])
-        worst = max(abs(v) for t in TENSORS for v in diff.counts[t].values())
+        measured, model = Ledger.from_dict(rec["measured"]), Ledger.from_dict(rec["model"])
+        diff = measured - model
+        tensors = common.declared_tensors([rec["key"].get("schedule")], [measured, model])
+        worst = max(abs(n) for t in tensors for n in (diff.read(t), diff.write(t)))
         out.append({**rec["key"], "backend": rec["backend"], "total": diff.total,
                     "max_abs": worst})
     return out
@@ -136,19 +138,22 @@ def plot(ctx: common.Context) -> list:
     measured_rows = [r for name in names for r in _select(data["records"], name, PLOT_BLOCKS,
                                                           PLOT_CAUSAL) if r["measured"]]
     n_bar = max(r["key"]["n"] for r in measured_rows) if measured_rows else None
-    tensor_colors = dict(zip(TENSORS, plt.get_cmap("tab10").colors, strict=False))
-    bottom = np.zeros(len(names))
     bar_rows = []
     for name in names:
         rows = [r for r in _select(data["records"], name, PLOT_BLOCKS, PLOT_CAUSAL)
                 if r["key"]["n"] == n_bar]
         bar_rows.append(rows[0] if rows else None)
-    for tensor in TENSORS:
-        heights = np.array([common.tensor_totals(r["measured"] or r["model"])[tensor]
-                            if r else 0 for r in bar_rows], dtype=float)
-        if heights.any():
-            ax_bar.bar(names, heights, bottom=bottom, color=tensor_colors[tensor], label=tensor)
-            bottom += heights
+    bar_ledgers = [r["measured"] or r["model"] for r in bar_rows if r]
+    tensors = common.declared_tensors(names, [Ledger.from_dict(x) for x in bar_ledgers])
+    totals = [common.tensor_totals(r["measured"] or r["model"], tensors) if r else {}
+              for r in bar_rows]
+    drawn = [t for t in tensors if any(tot.get(t) for tot in totals)]
+    tensor_colors = common.tensor_colors(drawn)
+    bottom = np.zeros(len(names))
+    for tensor in drawn:
+        heights = np.array([tot.get(tensor, 0) for tot in totals], dtype=float)
+        ax_bar.bar(names, heights, bottom=bottom, color=tensor_colors[tensor], label=tensor)
+        bottom += heights
     for x, r in enumerate(bar_rows):
         if r:
             ax_bar.text(x, bottom[x], f"{common.total(r['model']):,}\n(model)", ha="center",

@@ -159,6 +159,18 @@ def _problem(args):
                         dtype=args.dtype, options=_options(args), precision=args.precision)
 
 
+def _header(p, schedule: str, backward: bool = False) -> str:
+    """p described with the options of the pass that runs (a forward pass leaves out the
+    options only its backward reads, such as dq)."""
+    from dataclasses import replace
+
+    from .schedule import get_schedule
+
+    own = get_schedule(schedule).OPTIONS
+    return p.describe() if backward else replace(
+        p, options=tuple((k, v) for k, v in p.options if k in own)).describe()
+
+
 def cmd_schedules(args) -> int:
     from .backward_schedule import get_backward
     from .schedule import all_schedules
@@ -223,7 +235,7 @@ def cmd_traffic(args) -> int:
         print(json.dumps(record))
         return 0
     what = "backward of " if args.backward else ""
-    print(f"{what}{args.schedule}: {p.describe()}")
+    print(f"{what}{args.schedule}: {_header(p, args.schedule, args.backward)}")
     print(f"model (elements):\n{model}")
     print(f"model bytes: {model.bytes(p.itemsize):,}")
     if measured is not None:
@@ -263,7 +275,7 @@ def cmd_run(args) -> int:
     tol = (tf32_tolerance(q, k, v, ref, causal=p.causal, precision=p.precision) if tc else
            tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref))
     ok = err <= tol
-    print(f"{args.schedule} on {runtime.device_name()}: {p.describe()}")
+    print(f"{args.schedule} on {runtime.device_name()}: {_header(p, args.schedule)}")
     for name, (asked, used) in (res.clamped or {}).items():
         print(f"{name}: {asked} is larger than the problem, clamped to {used}")
     print(f"max relative error vs float64 reference: {err:.3e} "
@@ -286,7 +298,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from . import kernel_cache
+    from . import kernel_cache, runtime
 
     where = kernel_cache.cache_dir()
     if where is None:
@@ -299,6 +311,9 @@ def cmd_cache(args) -> int:
     size = sum(p.stat().st_size for p in found)
     print(f"{where}: {len(found)} compiled kernels, {size / 2**20:.1f} MiB "
           f"(loop-orders cache --clear empties it)")
+    if runtime.SIMULATOR:
+        print("this process runs the Numba CUDA simulator, which compiles nothing: it neither "
+              "reads nor fills this cache (GPU processes do)")
     return 0
 
 

@@ -90,3 +90,26 @@ def test_options_of_a_schedule_without_any(capsys):
     argv = ["traffic", "--schedule", plain.name, "--n", "9", "--d", "2", "--option", "x=1"]
     assert main(argv) == 2
     assert f"unknown option 'x' for {plain.name}; its options: none" in capsys.readouterr().err
+
+
+def test_headers_name_the_options_of_the_pass_that_runs(capsys):
+    """A forward header leaves out dq (a backward option); the backward's header keeps it."""
+    base = ["--schedule", "q_outer", "--n", "6", "--d", "2", "--block-q", "2", "--block-k", "2"]
+    for argv in (["traffic", *base], ["run", *base]):
+        assert main(argv) == 0
+        assert "dq=" not in capsys.readouterr().out.splitlines()[0]
+    assert main(["traffic", "--backward", *base]) == 0
+    assert "dq=atomic" in capsys.readouterr().out.splitlines()[0]
+    assert main(["traffic", "--schedule", "split_kv", "--n", "1", "--n-k", "8", "--d", "2",
+                 "--block-k", "4", "--option", "splits=2"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "splits=2" in header and "dq=" not in header
+
+
+def test_cache_under_the_simulator_says_nothing_is_cached_there(capsys, monkeypatch, tmp_path):
+    from loop_orders import runtime
+
+    monkeypatch.setenv("LOOP_ORDERS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "SIMULATOR", True)
+    assert main(["cache"]) == 0
+    assert "compiles nothing" in capsys.readouterr().out

@@ -190,6 +190,13 @@ def test_theorem2_fit_slopes_on_model_points():
     assert fits[("kv_outer", "theorem")]["stderr"] >= 0
 
 
+def test_every_block_is_marked_in_the_paper_or_its_appendix_once():
+    marked = [name for path in (common.NOTES_PATH, notes.appendix_path(common.NOTES_PATH))
+              for name in notes.marked_blocks(path.read_text(encoding="utf-8"))]
+    assert len(marked) == len(set(marked))
+    assert notes.appendix_path(common.NOTES_PATH).name == "paper_notes_appendix.md"
+
+
 def test_notes_blocks_are_replaced_and_missing_markers_refused():
     text = "a\n<!-- BEGIN generated:x -->\nold\n<!-- END generated:x -->\nb\n"
     out = notes.replace_blocks(text, {"x": "new 1\nnew 2"})
@@ -225,7 +232,10 @@ def test_figures_quick_end_to_end(tmp_path, capfd):
     slopes = results.load(tmp_path / "results" / "theorem2_slopes.simulator.json")
     assert slopes["records"]
     text = (tmp_path / "notes.md").read_text()
-    assert "| **total (model)** | **240** |" in text and "slope ± stderr" in text
+    appendix = (tmp_path / "notes_appendix.md").read_text()  # the paper's appendix beside it
+    assert "| **total (model)** | **240** |" in text
+    assert "counted by the kernels, small sizes" in text and "slope ± stderr" in appendix
+    assert "<!-- BEGIN generated:findings -->\n- **Counted traffic" in text
     # a second run resumes: nothing is measured again, and every file it wrote (results,
     # figures, notes) is byte for byte what it was
     def snapshot():
