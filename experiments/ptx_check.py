@@ -27,7 +27,7 @@ os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
 os.environ["LOOP_ORDERS_DEVICE_LIMITS"] = "hopper"  # no device to ask
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
 
-from numba.cuda import dispatcher  # noqa: E402
+from numba.cuda import dispatcher
 
 # Device functions ask the current device for its compute capability; there is none here.
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))

@@ -10,7 +10,7 @@
     g.dq, g.dk, g.dv, g.counts_backward
 """
 
-from . import runtime  # noqa: F401, I001  (chooses GPU or simulator before numba loads)
+from . import runtime  # noqa: F401  (chooses GPU or simulator before numba loads)
 
 # isort: split
 from . import backward, schedules  # noqa: F401  (register every schedule and backward)

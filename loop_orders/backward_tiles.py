@@ -142,7 +142,7 @@ class GradSharedLayout(NamedTuple):
 
 
 @cache
-def grad_shared_layout(BR: int, BC: int, D: int, DV: int, with_o: bool,  # noqa: N803
+def grad_shared_layout(BR: int, BC: int, D: int, DV: int, with_o: bool,
                        with_dq: bool) -> GradSharedLayout:
     """The buffer of one backward CTA. `with_o`: an O_i tile (kv_outer computes D_i per
     visited pair); `with_dq`: a dQ_i tile (kv_outer's read-modify-write of dQ_i)."""
@@ -184,7 +184,7 @@ class GradTile(NamedTuple):
 
 
 @cache
-def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N803
+def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
                    WITH_O: bool, WITH_DQ: bool) -> GradTile:
     """Device functions over one backward CTA's shared buffer `buf`; every thread of the CTA
     calls each of them (the caller puts the barriers between):
@@ -225,12 +225,12 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
 
 
 @cache
-def make_dot_chunks(BR: int, BC: int):  # noqa: N803
+def make_dot_chunks(BR: int, BC: int):
     """coords() -> (tr, tc) of this thread in `grad_layout(BR, BC)`, and dot_chunks(out, buf,
     a_base, a_stride, b_base, b_stride, chunks, tr, tc): out[a KN + b] = sum over 4-wide
     chunks of A[row tr + a TR] . B[key tc + b TC]."""
-    RM, KN, TR, TC = grad_layout(BR, BC)  # noqa: N806
-    NS = RM * KN  # noqa: N806
+    RM, KN, TR, TC = grad_layout(BR, BC)
+    NS = RM * KN
 
     @inlined
     def coords():
@@ -266,15 +266,15 @@ class ScoreFns(NamedTuple):
 
 
 @cache
-def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N803
+def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
                    WITH_O: bool, WITH_DQ: bool) -> ScoreFns:
     """coords, scores, grad_scores, probs and put_scores of `make_grad_tile`."""
-    RM, KN, TR, TC = grad_layout(BR, BC)  # noqa: N806
+    RM, KN, TR, TC = grad_layout(BR, BC)
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
-    QS, OS, PS = sm.qs, sm.os, sm.ps  # noqa: N806
-    K, V, Q, DO, P, DS = sm.k, sm.v, sm.q, sm.do, sm.p, sm.ds  # noqa: N806
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
-    DX4, DVX4 = -(-D // 4), -(-DV // 4)  # noqa: N806 - 4-wide chunks of the head dims
+    QS, OS, PS = sm.qs, sm.os, sm.ps
+    K, V, Q, DO, P, DS = sm.k, sm.v, sm.q, sm.do, sm.p, sm.ds
+    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
+    DX4, DVX4 = -(-D // 4), -(-DV // 4)
     coords, dot_chunks = make_dot_chunks(BR, BC)
 
     @cuda.jit(device=True)
@@ -318,10 +318,10 @@ def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,  # noqa: N80
 
 
 @cache
-def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS, NT):  # noqa: N803
+def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS, NT):
     """acc[m, n] += sum_t A(t, m) B[t, n]: A(t, m) at A_OFF + t A_TS + m A_MS, B rows
     B_TS apart, t < T; the thread's entries as `acc_layout(M, N, NT)` says."""
-    TM, TN, RA, XH = acc_layout(M, N, NT)  # noqa: N806
+    TM, TN, RA, XH = acc_layout(M, N, NT)
 
     @inlined
     def acc_fn(buf, acc):
@@ -341,10 +341,10 @@ def make_acc(M, N, T, A_OFF, A_TS, A_MS, B_OFF, B_TS, NT):  # noqa: N803
 
 
 @cache
-def make_writer(M, N, OFF, STRIDE, ADD, NT):  # noqa: N803
+def make_writer(M, N, OFF, STRIDE, ADD, NT):
     """acc (an acc_layout(M, N, NT) accumulator) * factor into (ADD: added to) the tile at
     OFF, rows STRIDE apart; columns past N land in the tile's padding."""
-    TM, TN, RA, XH = acc_layout(M, N, NT)  # noqa: N806
+    TM, TN, RA, XH = acc_layout(M, N, NT)
 
     @inlined
     def write(buf, acc, factor):
@@ -377,11 +377,11 @@ class AccFns(NamedTuple):
 
 
 @cache
-def make_acc_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+def make_acc_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
                  WITH_DQ: bool) -> AccFns:
     """acc_dv, acc_dk, acc_dq, stage_dk, stage_dv, stage_dq and add_to_dq of
     `make_grad_tile`."""
-    NT = grad_layout(BR, BC).threads  # noqa: N806
+    NT = grad_layout(BR, BC).threads
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
     return AccFns(
         # dV_j += P^T dO_i: A(t = row, m = key) = P[row, key]; B = dO_i
@@ -408,13 +408,13 @@ class RowFns(NamedTuple):
 
 
 @cache
-def make_row_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+def make_row_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
                  WITH_DQ: bool) -> RowFns:
     """zero_outside, atomic_dq, lse_stats and row_dot of `make_grad_tile`."""
-    NT = grad_layout(BR, BC).threads  # noqa: N806
+    NT = grad_layout(BR, BC).threads
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows  # noqa: N806
-    TMQ, TNQ, RAQ, XHQ = acc_layout(BR, D, NT)  # noqa: N806
+    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
+    TMQ, TNQ, RAQ, XHQ = acc_layout(BR, D, NT)
 
     @cuda.jit(device=True)
     def zero_outside(buf, off, stride, n_rows, n_cols, rows, cols):
@@ -469,19 +469,19 @@ def make_row_fns(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
     return RowFns(zero_outside, atomic_dq, lse_stats, row_dot)
 
 
-def make_dkdv_epilogue(BR: int, BC: int, D: int, DV: int, WITH_O: bool,  # noqa: N803
+def make_dkdv_epilogue(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
                        WITH_DQ: bool, COUNT: bool):
     """write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt): a K/V-outer backward's
     end of a K/V block j (dense's dK/dV kernel, q_outer's, kv_outer's): dK_j = dk_j * scale
     and dV_j = dv_j staged in K_j's and V_j's tiles, stored to HBM rows key0 .. key0 + bc - 1,
     counted in cnt. Every thread calls it; it has its own barriers."""
-    NT = grad_layout(BR, BC).threads  # noqa: N806
+    NT = grad_layout(BR, BC).threads
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
     ac = make_acc_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
     stage_dk, stage_dv = ac.stage_dk, ac.stage_dv
-    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
-    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
-    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")  # noqa: N806
+    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))
+    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))
+    DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
 
     @cuda.jit(device=True, inline="always")
     def write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt):

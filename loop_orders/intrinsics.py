@@ -173,13 +173,13 @@ if SIMULATOR:
 
     def _product(lanes, values_a, values_b, a_index, b_index, shape_a, shape_b):
         """D = A B + C of the warp, from every lane's fragments."""
-        A, B, C = np.zeros(shape_a), np.zeros(shape_b), np.zeros((16, 8))  # noqa: N806
+        A, B, C = np.zeros(shape_a), np.zeros(shape_b), np.zeros((16, 8))
         A[a_index] = values_a(lanes).ravel()
         B[b_index] = values_b(lanes).ravel()
         C[_C] = np.array([x[2] for x in lanes], dtype=np.float64).ravel()
         return (A @ B + C).astype(np.float32)
 
-    def _lane_of(D):  # noqa: N803
+    def _lane_of(D):
         g, t = divmod(_lane(), 4)
         return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
 

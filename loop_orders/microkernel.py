@@ -232,7 +232,7 @@ class SharedLayout(NamedTuple):
 
 
 @cache
-def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,  # noqa: N803
+def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,
                   reload: bool, transpose_q: bool = False) -> SharedLayout:
     """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows, and
     `transpose_q` keeps Q_i transposed where the layout's rows come in groups of 4. Tiles
@@ -865,10 +865,10 @@ def make_tile_io(t: Tiling) -> TileIO:
 
 
 @cache
-def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,  # noqa: N803
+def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,
                       CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
-                      STAGES: int = 1, PEEL: bool = False,  # noqa: N803
-                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:  # noqa: N803
+                      STAGES: int = 1, PEEL: bool = False,
+                      TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`),
     composed of its parts over the build's `Tiling`: `make_indexing`, `make_weigh` (S_ij, the
     row statistics, P_ij), `make_fold` (P_ij V_j), `make_row_stats`, `make_o_stage` and
@@ -916,9 +916,9 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
     return None if p.precision == "ieee" else p.precision
 
 
-def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,  # noqa: N803
+def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,
                  RELOAD: bool, UNROLL: Unroll, PEEL: bool = False,
-                 TRANSPOSE_Q: bool = False) -> MicroKernel:  # noqa: N803
+                 TRANSPOSE_Q: bool = False) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
@@ -978,7 +978,7 @@ class MicroKernelSchedule(Schedule):
 
     @staticmethod
     @abstractmethod
-    def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
+    def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
         """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
 
     def layout(self, p: Problem) -> Layout | TensorCores | Specialised:

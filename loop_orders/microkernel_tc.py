@@ -183,7 +183,7 @@ class TcSharedLayout(NamedTuple):
 
 
 @cache
-def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,  # noqa: N803
+def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
                      spec: TensorCores) -> TcSharedLayout:
     """Row strides padded so that the lanes of a warp reading their fragments hit 32
     different banks: 16-bit rows 8 elements over whole 16s (ldmatrix's 8 rows); TF32 rows of
@@ -533,7 +533,7 @@ def make_tf32_accumulate(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 
 @cache
-def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                      RELOAD: bool = False) -> TcOperands:
     """`TcOperands` for a CTA of W = ceil(Br / 16) warps over the buffer
     `tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)`, from its parts: `make_tc_basics`,
@@ -806,7 +806,7 @@ def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 
 @cache
-def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,  # noqa: N803
+def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                          CAUSAL: bool, RELOAD: bool):
     """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1). Its parts: `make_tc_operands`,

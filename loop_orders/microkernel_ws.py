@@ -233,7 +233,7 @@ class Shared(NamedTuple):
 
 
 @cache
-def shared(BR: int, BC: int, D: int, DV: int) -> Shared:  # noqa: N803
+def shared(BR: int, BC: int, D: int, DV: int) -> Shared:
     qs, ks, ps = odd_stride(D), odd_stride(D), odd_stride(BR)
     sizes = [BR * qs, 2 * BC * ks, 3 * (BC // 2) * DV, BC * ps, BR, BR]
     q, k, v, p, alpha, l_row, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
@@ -951,7 +951,7 @@ def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
 
 
 @cache
-def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):  # noqa: N803
+def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):
     """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
     (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
     q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with

@@ -36,15 +36,15 @@ class _Rounds(NamedTuple):
     whole_rows: bool  # each round covers whole rows, and the rounds cover the tile exactly
 
 
-def _rounds(ROWS: int, COLS: int, THREADS: int) -> _Rounds:  # noqa: N803
+def _rounds(ROWS: int, COLS: int, THREADS: int) -> _Rounds:
     return _Rounds(ROWS * COLS // THREADS,
                    THREADS % COLS == 0 and ROWS % (THREADS // COLS) == 0)
 
 
-def _flat_index(AT):  # noqa: N803
+def _flat_index(AT):
     """at(r, c): the index of tile element (r, c) in a 1-D shared buffer laid out as AT =
     (offset, stride[, col_stride]) (see _tile_copy)."""
-    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3]  # noqa: N806
+    OFFSET, STRIDE, COL_STRIDE = (*AT, 1)[:3]
 
     @inlined
     def at(r, c):
@@ -53,7 +53,7 @@ def _flat_index(AT):  # noqa: N803
     return at
 
 
-def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N803
+def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):
     """Device function copying between a shared tile and rows [row0, row0 + n_rows),
     columns [col0, col0 + n_cols) of hbm[bh] (n_rows <= ROWS, n_cols <= COLS): into the
     tile as float32 times `factor`, or out of it in hbm's dtype (`intrinsics.widen`, `narrow`:
@@ -68,8 +68,8 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
     count with constant offsets, which LLVM unrolls 8 copies a trip: a thread waits for HBM
     once per 8 elements (`_tile_load_in_flight` waits once a tile).
     """
-    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)  # noqa: N806
-    FLAT = AT is not None  # noqa: N806
+    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)
+    FLAT = AT is not None
     flat_at = _flat_index(AT) if FLAT else None
 
     @cuda.jit(device=True, inline="always")
@@ -108,15 +108,15 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):  # noqa: N
     return copy_tile
 
 
-def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):  # noqa: N803
+def _tile_load_in_flight(ROWS: int, COLS: int, THREADS: int, AT):
     """_tile_copy's load into a flat tile (AT), with a full tile's loads all in flight: they
     go out first, in straight-line code, into as many registers, then the stores, so a thread
     waits for HBM once, where _tile_copy's loop (which LLVM unrolls 8 copies a trip) waits
     once per 8 elements. For a tile loaded where nothing else runs, as q_outer's Q_i before
     its first K/V block. A tail tile takes _tile_copy's path."""
-    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)  # noqa: N806
+    PER_THREAD, WHOLE_ROWS = _rounds(ROWS, COLS, THREADS)
     flat_at = _flat_index(AT)
-    HELD = max(PER_THREAD, 1)  # noqa: N806 - registers for a full tile's elements
+    HELD = max(PER_THREAD, 1)
     copy_tail = _tile_copy(ROWS, COLS, THREADS, False, AT)
 
     @inlined
@@ -156,7 +156,7 @@ def odd_stride(width: int) -> int:
 
 
 @cache
-def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False,  # noqa: N803
+def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False,
                      in_flight=False):
     """load_tile(tile, src, bh, row0, n_rows, col0, n_cols): HBM -> shared (see _tile_copy;
     sizes are compile-time). With `scaled`, load_tile takes a last argument `factor` that
@@ -177,7 +177,7 @@ def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False, 
 
 
 @cache
-def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
+def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):
     """store_tile(tile, dst, bh, row0, n_rows, col0, n_cols): shared -> HBM (see _tile_copy).
     Every thread of the CTA must call it; the caller puts the barriers around it."""
     copy_tile = _tile_copy(ROWS, COLS, THREADS, True, at)
@@ -190,8 +190,8 @@ def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):  # noqa: N803
 
 
 @cache
-def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  # noqa: N803
-                    FIRST: int = 0, WHOLE: bool = False):  # noqa: N803
+def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,
+                    FIRST: int = 0, WHOLE: bool = False):
     """copy_rows(tile, at, src, bh, row0, n_rows): rows row0 .. row0 + ROWS - 1 of src[bh]
     (COLS columns, COLS a multiple of PER, the elements of one 16-byte copy) into tile[at +
     r STRIDE + c] by cp.async, HBM -> shared without passing through registers; rows past
@@ -202,12 +202,12 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
     of the CTA's, or one group of warps) call it; returns the elements this thread counts
     (the first thread counts the tile's n_rows COLS). WHOLE: the caller copies whole tiles
     only (n_rows == ROWS, where STEADY), so the tail's code is left out."""
-    CH = COLS // PER  # noqa: N806 - 16-byte copies per row
-    TRIPS = -(-ROWS * CH // THREADS)  # noqa: N806
+    CH = COLS // PER
+    TRIPS = -(-ROWS * CH // THREADS)
     # Whether every trip of the CTA copies whole rows, the same column for each thread: then
     # a full tile's trips differ only by constant offsets (row steps of RSTEP)
-    STEADY = CH > 0 and THREADS % CH == 0 and ROWS * CH % THREADS == 0  # noqa: N806
-    RSTEP = THREADS // max(CH, 1)  # noqa: N806 - rows a trip advances, when STEADY
+    STEADY = CH > 0 and THREADS % CH == 0 and ROWS * CH % THREADS == 0
+    RSTEP = THREADS // max(CH, 1)
 
     @cuda.jit(device=True, inline="always")
     def copy_rows(tile, at, src, bh, row0, n_rows):
@@ -239,7 +239,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,  
 
 
 @cache
-def make_clear(SIZE: int, THREADS: int):  # noqa: N803
+def make_clear(SIZE: int, THREADS: int):
     """Device function zeroing a CTA's shared buffer of SIZE floats, once per CTA, so the
     tiles' padding and rows past N stay zero. The threads take 16-byte chunks in turn, one
     st.shared.v4 each, the CTA's whole rounds in straight-line code, then the chunks and
@@ -247,8 +247,8 @@ def make_clear(SIZE: int, THREADS: int):  # noqa: N803
     3,000 a thread per CTA at q_outer's 128 x 64 tiles (d = 64). (The tensor-core
     micro-kernel keeps that range: under its 128-register cap at d = 64 these straight-line
     rounds made ptxas spill 116 B in the causal 3xTF32 kernel's hot loop, against 4 B.)"""
-    CHUNKS, REST = divmod(SIZE, 4)  # noqa: N806
-    ROUNDS, LAST = divmod(CHUNKS, THREADS)  # noqa: N806
+    CHUNKS, REST = divmod(SIZE, 4)
+    ROUNDS, LAST = divmod(CHUNKS, THREADS)
 
     @inlined
     def zero_chunk(c, buf):
@@ -288,7 +288,7 @@ def block_grid(n_blocks: int, n_bh: int, causal: bool) -> tuple:
 
 
 @cache
-def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):  # noqa: N803 - compile-time constants
+def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
     """Device function block_of(n_bh) -> (block, bh) of this CTA on `block_grid`'s grid, with
     n_bh = B H. The causal grid starts with the heaviest blocks: the last (HEAVY_LAST: query
     blocks, which see more keys the later they are) or the first (K/V blocks, which more
@@ -310,7 +310,7 @@ def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):  # noqa: N803 - compile-time 
 
 
 @cache
-def make_kv_blocks(BC: int, CAUSAL: bool):  # noqa: N803 - compile-time constants
+def make_kv_blocks(BC: int, CAUSAL: bool):
     """Device function kv_blocks(row0, n_rows, n_k) -> c_i: the K/V blocks of BC keys that
     the query block of rows row0 .. row0 + n_rows - 1 visits: all ceil(N_k / BC), or (causal)
     those up to the block's last row."""
@@ -332,7 +332,7 @@ def zero_counts(cnt):
 
 
 @cache
-def make_online_start(NACC: int, RM: int, COUNT: bool, clear):  # noqa: N803
+def make_online_start(NACC: int, RM: int, COUNT: bool, clear):
     """start(buf, acc, m_i, l_i, cnt): a flash forward CTA's first step (q_outer's, split_kv's
     kernel): the counters zeroed, acc = 0, m_i = -inf, l_i = 0 for the thread's NACC
     accumulators and RM rows, and the shared buffer cleared (`clear`), then a barrier. Every
@@ -409,11 +409,11 @@ def unrolled(step, n: int, arity: int, by: int, first: int = 0):
     lines += [f"    step(uint32({first + i}), {args})" for i in range(trips * by, n)]
     lines += ["    return"]
     scope = {"step": step, "uint32": uint32}
-    exec("\n".join(lines) + "\n", scope)  # noqa: S102 - the generated source is the calls above
+    exec("\n".join(lines) + "\n", scope)
     return inlined(scope["run"])
 
 
-def make_scores(RM: int, KN: int, DX4: int, CHUNKS: int, PEEL: bool,  # noqa: N803
+def make_scores(RM: int, KN: int, DX4: int, CHUNKS: int, PEEL: bool,
                 q_chunk, k_chunk):
     """scores(s, buf, k_at, tr, tc): s[a KN + b] = Q_i[row a] . K_j[key b] for a thread's RM
     rows and KN keys, over DX4 4-wide chunks of the head dim: the register blocking ("outer
@@ -423,7 +423,7 @@ def make_scores(RM: int, KN: int, DX4: int, CHUNKS: int, PEEL: bool,  # noqa: N8
     one Q operand in KN FMAs in a row, which the register reuse cache then reads once; CHUNKS
     chunks a trip (`unrolled`). PEEL: the first chunk sets the scores (its first dim by
     multiplies), else they start at zero."""
-    RN, KN4, NS = 4 * RM, 4 * KN, RM * KN  # noqa: N806 - local arrays take literal sizes
+    RN, KN4, NS = 4 * RM, 4 * KN, RM * KN
 
     @inlined
     def scores_row(a, u, s, qq, kk):

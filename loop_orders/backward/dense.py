@@ -66,7 +66,7 @@ def ds_shared_bytes(n_k: int) -> int:
     return 4 * (2 * n_k + ds_threads(n_k) + 1)
 
 
-def _tile(BR, BC, D, DV):  # noqa: N803
+def _tile(BR, BC, D, DV):
     """Layout, shared plan and device functions every dense backward kernel shares."""
     lay = grad_layout(BR, BC)
     return lay, grad_shared_layout(BR, BC, D, DV, False, False), make_grad_tile(
@@ -74,16 +74,16 @@ def _tile(BR, BC, D, DV):  # noqa: N803
 
 
 @kernel_factory
-def make_dp_kernel(BR, BC, D, DV, COUNT):  # noqa: N803 - paper's names
+def make_dp_kernel(BR, BC, D, DV, COUNT):
     lay, sm, gt = _tile(BR, BC, D, DV)
-    NT, NS = lay.threads, lay.rm * lay.kn  # noqa: N806
+    NT, NS = lay.threads, lay.rm * lay.kn
     clear, grad_scores, put_scores = gt.clear, gt.grad_scores, gt.put_scores
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
-    store_dP_ij = make_tile_storer(BR, BC, NT, (sm.p, sm.ps))  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))
+    store_dP_ij = make_tile_storer(BR, BC, NT, (sm.p, sm.ps))
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    DO_R, V_R, DP_W = slot("do", "read"), slot("v", "read"), slot("dp", "write")  # noqa: N806
+    DO_R, V_R, DP_W = slot("do", "read"), slot("v", "read"), slot("dp", "write")
 
     @cuda.jit(**kernel_options(NT, 128))
     def dense_bwd_dp(do, v, dp_hbm, counts):
@@ -126,10 +126,10 @@ def make_dp_kernel(BR, BC, D, DV, COUNT):  # noqa: N803 - paper's names
 
 
 @kernel_factory
-def make_ds_kernel(T, COUNT):  # noqa: N803
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_ds_kernel(T, COUNT):
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    P_R, DP_R, DS_W = slot("p", "read"), slot("dp", "read"), slot("ds", "write")  # noqa: N806
+    P_R, DP_R, DS_W = slot("p", "read"), slot("dp", "read"), slot("ds", "write")
 
     @cuda.jit
     def dense_bwd_ds(p_hbm, dp_hbm, ds_hbm, counts):
@@ -172,19 +172,19 @@ def make_ds_kernel(T, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_dkdv_kernel(BR, BC, D, DV, COUNT):  # noqa: N803
+def make_dkdv_kernel(BR, BC, D, DV, COUNT):
     lay, sm, gt = _tile(BR, BC, D, DV)
-    NT = lay.threads  # noqa: N806
+    NT = lay.threads
     clear, zero_outside, acc_dv, acc_dk = gt.clear, gt.zero_outside, gt.acc_dv, gt.acc_dk
     write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, False, False, COUNT)
-    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
-    load_P_ij = make_tile_loader(BR, BC, NT, (sm.p, sm.ps))  # noqa: N806
-    load_dS_ij = make_tile_loader(BR, BC, NT, (sm.ds, sm.ps))  # noqa: N806
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size
+    load_P_ij = make_tile_loader(BR, BC, NT, (sm.p, sm.ps))
+    load_dS_ij = make_tile_loader(BR, BC, NT, (sm.ds, sm.ps))
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    P_R, DS_R, Q_R, DO_R = (slot("p", "read"), slot("ds", "read"), slot("q", "read"),  # noqa: N806
+    P_R, DS_R, Q_R, DO_R = (slot("p", "read"), slot("ds", "read"), slot("q", "read"),
                             slot("do", "read"))
 
     @cuda.jit(**kernel_options(NT, 255))
@@ -234,17 +234,17 @@ def make_dkdv_kernel(BR, BC, D, DV, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_dq_kernel(BR, BC, D, DV, COUNT):  # noqa: N803
+def make_dq_kernel(BR, BC, D, DV, COUNT):
     lay, sm, gt = _tile(BR, BC, D, DV)
-    NT = lay.threads  # noqa: N806
+    NT = lay.threads
     clear, zero_outside, acc_dq, stage_dq = gt.clear, gt.zero_outside, gt.acc_dq, gt.stage_dq
-    ACC_Q = acc_layout(BR, D, NT).size  # noqa: N806
-    load_dS_ij = make_tile_loader(BR, BC, NT, (sm.ds, sm.ps))  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
-    store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    ACC_Q = acc_layout(BR, D, NT).size
+    load_dS_ij = make_tile_loader(BR, BC, NT, (sm.ds, sm.ps))
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))
+    store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    DS_R, K_R, DQ_W = slot("ds", "read"), slot("k", "read"), slot("dq", "write")  # noqa: N806
+    DS_R, K_R, DQ_W = slot("ds", "read"), slot("k", "read"), slot("dq", "write")
 
     @cuda.jit(**kernel_options(NT, 128))
     def dense_bwd_dq(ds_hbm, k, dq, counts, scale):

@@ -55,16 +55,16 @@ from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_s
 from ..tiles import zero_counts as zero
 
 
-def _make_grad_init(BR, BC, D, DV, COUNT):  # noqa: N803
+def _make_grad_init(BR, BC, D, DV, COUNT):
     """init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt): Algorithm 4 line 4, dQ = 0, dK = 0,
     dV = 0 in HBM, stored from the cleared buffer's dQ_i, K_j, V_j tiles (zero tiles then);
     every thread calls it."""
-    NT = grad_layout(BR, BC).threads  # noqa: N806
+    NT = grad_layout(BR, BC).threads
     sm = grad_shared_layout(BR, BC, D, DV, True, True)
-    store_dQ_i = make_tile_storer(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
-    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))  # noqa: N806 - in K_j's place
-    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))  # noqa: N806 - in V_j's place
-    DQ_W, DK_W, DV_W = slot("dq", "write"), slot("dk", "write"), slot("dv", "write")  # noqa: N806
+    store_dQ_i = make_tile_storer(BR, D, NT, (sm.dq, sm.qs))
+    store_dK_j = make_tile_storer(BC, D, NT, (sm.k, sm.qs))
+    store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))
+    DQ_W, DK_W, DV_W = slot("dq", "write"), slot("dk", "write"), slot("dv", "write")
 
     @cuda.jit(device=True, inline="always")
     def init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt):
@@ -83,21 +83,21 @@ def _make_grad_init(BR, BC, D, DV, COUNT):  # noqa: N803
     return init_grads
 
 
-def _make_visit_loads(BR, BC, D, DV, COUNT):  # noqa: N803
+def _make_visit_loads(BR, BC, D, DV, COUNT):
     """load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt): the tiles of a
     visited (j, i) into shared memory, counted (Algorithm 4 line 8): Q_i, O_i, dO_i, dQ_i, and
     the stats rows base = m_i, inv = 1 / l_i; every thread calls it, the caller puts the
     barriers around it."""
-    NT = grad_layout(BR, BC).threads  # noqa: N806
+    NT = grad_layout(BR, BC).threads
     sm = grad_shared_layout(BR, BC, D, DV, True, True)
     zero_outside = make_row_fns(BR, BC, D, DV, True, True).zero_outside
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.os))  # noqa: N806
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    load_dQ_i = make_tile_loader(BR, D, NT, (sm.dq, sm.qs))  # noqa: N806
-    BASE, INV = sm.stats, sm.stats + sm.rows  # noqa: N806
-    Q_R, O_R, DO_R = slot("q", "read"), slot("o", "read"), slot("do", "read")  # noqa: N806
-    L_R, M_R, DQ_R = slot("l", "read"), slot("m", "read"), slot("dq", "read")  # noqa: N806
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))
+    load_O_i = make_tile_loader(BR, DV, NT, (sm.o, sm.os))
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
+    load_dQ_i = make_tile_loader(BR, D, NT, (sm.dq, sm.qs))
+    BASE, INV = sm.stats, sm.stats + sm.rows
+    Q_R, O_R, DO_R = slot("q", "read"), slot("o", "read"), slot("do", "read")
+    L_R, M_R, DQ_R = slot("l", "read"), slot("m", "read"), slot("dq", "read")
 
     @cuda.jit(device=True, inline="always")
     def load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt):

@@ -80,12 +80,12 @@ CONVERT_THREADS = 256
 
 
 @kernel_factory
-def make_preprocess_kernel(ZERO_DQ, COUNT):  # noqa: N803
-    NT = PRE_ROWS * PRE_LANES  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_preprocess_kernel(ZERO_DQ, COUNT):
+    NT = PRE_ROWS * PRE_LANES
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    O_R, DO_R, DELTA_W = slot("o", "read"), slot("do", "read"), slot("delta", "write")  # noqa: N806
-    ACC_W = slot("dq_acc", "write")  # noqa: N806
+    O_R, DO_R, DELTA_W = slot("o", "read"), slot("do", "read"), slot("delta", "write")
+    ACC_W = slot("dq_acc", "write")
 
     @cuda.jit
     def q_outer_bwd_preprocess(o, do, delta, dq_acc, counts):
@@ -131,10 +131,10 @@ def make_preprocess_kernel(ZERO_DQ, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper's names
+def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
     lay = grad_layout(BR, BC)
-    NT = lay.threads  # noqa: N806
-    NS = lay.rm * lay.kn  # noqa: N806 - scores per thread
+    NT = lay.threads
+    NS = lay.rm * lay.kn
     sm = grad_shared_layout(BR, BC, D, DV, False, False)
     gt = make_grad_tile(BR, BC, D, DV, CAUSAL, False, False)
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
@@ -142,19 +142,19 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
     atomic_dq, lse_stats = gt.atomic_dq, gt.lse_stats
     write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, False, False, COUNT)
-    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size  # noqa: N806
-    ACC_Q = acc_layout(BR, D, NT).size if ATOMIC else 1  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size
+    ACC_Q = acc_layout(BR, D, NT).size if ATOMIC else 1
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=False)
-    Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
+    Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
-    LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")  # noqa: N806
-    ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")  # noqa: N806
+    LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")
+    ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
@@ -225,27 +225,27 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):  # noqa: N803 - paper'
 
 
 @kernel_factory
-def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803
+def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):
     lay = grad_layout(BR, BC)
-    NT = lay.threads  # noqa: N806
-    NS = lay.rm * lay.kn  # noqa: N806
+    NT = lay.threads
+    NS = lay.rm * lay.kn
     sm = grad_shared_layout(BR, BC, D, DV, False, False)
     gt = make_grad_tile(BR, BC, D, DV, CAUSAL, False, False)
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dq, stage_dq, lse_stats = gt.probs, gt.acc_dq, gt.stage_dq, gt.lse_stats
-    ACC_Q = acc_layout(BR, D, NT).size  # noqa: N806
-    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))  # noqa: N806
-    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))  # noqa: N806
-    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))  # noqa: N806
-    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))  # noqa: N806
-    store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))  # noqa: N806 - in Q_i's place
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    ACC_Q = acc_layout(BR, D, NT).size
+    load_K_j = make_tile_loader(BC, D, NT, (sm.k, sm.qs))
+    load_V_j = make_tile_loader(BC, DV, NT, (sm.v, sm.os))
+    load_Q_i = make_tile_loader(BR, D, NT, (sm.q, sm.qs))
+    load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
+    store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),  # noqa: N806
+    Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
-    LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")  # noqa: N806
+    LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
@@ -308,10 +308,10 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_convert_kernel(COUNT):  # noqa: N803
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_convert_kernel(COUNT):
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    ACC_R, DQ_W = slot("dq_acc", "read"), slot("dq", "write")  # noqa: N806
+    ACC_R, DQ_W = slot("dq_acc", "read"), slot("dq", "write")
 
     @cuda.jit
     def q_outer_bwd_convert(dq_acc, dq, counts):

@@ -80,7 +80,7 @@ def softmax_shared_bytes(n_k: int) -> int:
 
 
 @cache
-def make_row_io(BR: int, W: int, SC: int):  # noqa: N803 - compile-time sizes
+def make_row_io(BR: int, W: int, SC: int):
     """(load_rows, store_rows): a query block's rows of width W between HBM and one thread
     per row's registers, staged through a shared tile of SC rows so that HBM sees whole
     rows, coalesced. Every thread of the CTA calls them (barriers inside); they return the
@@ -120,14 +120,14 @@ def make_row_io(BR: int, W: int, SC: int):  # noqa: N803 - compile-time sizes
 
 
 @kernel_factory
-def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's names
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    load_K_j = make_tile_loader(BC, D, BR)  # noqa: N806
-    SW = score_chunk(BC)  # noqa: N806
-    store_S_ij = make_tile_storer(BR, SW, BR)  # noqa: N806
+    load_K_j = make_tile_loader(BC, D, BR)
+    SW = score_chunk(BC)
+    store_S_ij = make_tile_storer(BR, SW, BR)
     load_q, _ = make_row_io(BR, D, BC)  # one thread per row, staged through K_j
-    SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
+    SW1 = SW + 1
 
     @cuda.jit
     def dense_scores(q, k, s_hbm, counts, scale):
@@ -138,11 +138,11 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
         n_k = k.shape[1]
         row = i * BR + t
         n_rows = min(BR, n_q - i * BR)
-        K_j = cuda.shared.array((BC, D), float32)  # noqa: N806
+        K_j = cuda.shared.array((BC, D), float32)
         # SW columns of S_ij at a time, padded by one column so that each row starts in
         # its own bank
-        S_ij = cuda.shared.array((BR, SW1), float32)  # noqa: N806
-        Q_i = cuda.local.array(D, float32)  # noqa: N806
+        S_ij = cuda.shared.array((BR, SW1), float32)
+        Q_i = cuda.local.array(D, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
             zero_counts(cnt)
@@ -182,8 +182,8 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):  # noqa: N803 - the paper's na
 
 
 @kernel_factory
-def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_softmax_kernel(T, SAVE_LSE, COUNT):
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
 
     @cuda.jit
@@ -242,14 +242,14 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
-    NCNT = counter_slots(COUNT)  # noqa: N806
+def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    load_V_j = make_tile_loader(BC, DV, BR)  # noqa: N806
-    SW = score_chunk(BC)  # noqa: N806
-    load_P_ij = make_tile_loader(BR, SW, BR)  # noqa: N806
+    load_V_j = make_tile_loader(BC, DV, BR)
+    SW = score_chunk(BC)
+    load_P_ij = make_tile_loader(BR, SW, BR)
     _, store_o = make_row_io(BR, DV, BC)  # one thread per row, staged through V_j
-    SW1 = SW + 1  # noqa: N806 - the chunk's padded row length
+    SW1 = SW + 1
 
     @cuda.jit
     def dense_pv(p_hbm, v, o, counts):
@@ -260,10 +260,10 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
         n_k = v.shape[1]
         row = i * BR + t
         n_rows = min(BR, n_q - i * BR)
-        V_j = cuda.shared.array((BC, DV), float32)  # noqa: N806
+        V_j = cuda.shared.array((BC, DV), float32)
         # SW columns of P_ij at a time, padded by one column so that each row starts in
         # its own bank
-        P_ij = cuda.shared.array((BR, SW1), float32)  # noqa: N806
+        P_ij = cuda.shared.array((BR, SW1), float32)
         acc = cuda.local.array(DV, float32)
         cnt = cuda.local.array(NCNT, int64)
         if COUNT:
@@ -303,15 +303,15 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):  # noqa: N803
+def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):
     """Kernel 1 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, D, 0, SPEC)
-    K = tc_shared_layout(BR, BC, D, 0, False, SPEC).k  # noqa: N806
-    NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of S_ij
-    NS = 4 * NKT  # noqa: N806 - a thread's scores
-    NEG_INF = float32(-math.inf)  # noqa: N806
+    K = tc_shared_layout(BR, BC, D, 0, False, SPEC).k
+    NKT = -(-BC // 16) * 2
+    NS = 4 * NKT
+    NEG_INF = float32(-math.inf)
 
     @cuda.jit
     def dense_scores_tc(q, k, s_hbm, counts, scale):
@@ -367,16 +367,16 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):  # noqa: N803
 
 
 @kernel_factory
-def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):  # noqa: N803
+def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
     """Kernel 3 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, 0, DV, SPEC)
     mk = make_tc_micro_kernel(BR, BC, 0, DV, SPEC, False, False)
-    V = tc_shared_layout(BR, BC, 0, DV, False, SPEC).v  # noqa: N806
-    NKT = -(-BC // 16) * 2  # noqa: N806 - 8-key n-tiles of P_ij
-    NS = 4 * NKT  # noqa: N806 - a thread's weights
-    NACC = mk.NACC  # noqa: N806 - a thread's accumulators of O_i
+    V = tc_shared_layout(BR, BC, 0, DV, False, SPEC).v
+    NKT = -(-BC // 16) * 2
+    NS = 4 * NKT
+    NACC = mk.NACC
 
     @cuda.jit
     def dense_pv_tc(p_hbm, v, o, counts):

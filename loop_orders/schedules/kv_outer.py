@@ -47,17 +47,17 @@ UNROLL = Unroll.by(1)
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, True, UNROLL)
-    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # noqa: N806 - threads; a thread's rows, accumulators
-    ROWS, STATS = mk.ROWS, mk.STATS  # noqa: N806 - rows of the O_i stage and of l_i, m_i
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC
+    ROWS, STATS = mk.ROWS, mk.STATS
     # Numba compiles closure variables as constants: take the device functions by name
     clear, online_update, row_sums = mk.clear, mk.online_update, mk.row_sums
     reciprocal, give_o, take_o, keep_stats = mk.reciprocal, mk.give_o, mk.take_o, mk.keep_stats
-    load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads  # noqa: N806
-    load_O_i, store_O_i = mk.load_o, mk.store_o  # noqa: N806
+    load_Q_i, load_K_j, load_V_j, wait_loads = mk.load_q, mk.load_k, mk.load_v, mk.wait_loads
+    load_O_i, store_O_i = mk.load_o, mk.store_o
     flush_counts = counts_flusher()
-    NCNT = counter_slots(COUNT)  # noqa: N806
+    NCNT = counter_slots(COUNT)
 
     @cuda.jit(device=True, inline="always")
     def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
@@ -93,8 +93,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
         bh = cuda.blockIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
-        T_r = (n_q + BR - 1) // BR  # noqa: N806
-        T_c = (n_k + BC - 1) // BC  # noqa: N806
+        T_r = (n_q + BR - 1) // BR
+        T_c = (n_k + BC - 1) // BC
 
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # all tiles
         acc = cuda.local.array(NACC, float32)  # this thread's part of O_i, unnormalised

@@ -85,10 +85,10 @@ class CountedLoads(NamedTuple):
     q: object  # load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
 
 
-def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:  # noqa: N803
+def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
     """The micro-kernel mk's loads of K_j, V_j, both, and Q_i, each adding the elements it
     moved to its counter slot when COUNT."""
-    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v  # noqa: N806
+    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
 
     @cuda.jit(device=True, inline="always")
     def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):
@@ -124,14 +124,14 @@ def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:  # noqa: N803
     return CountedLoads(load_K_j_counted, load_V_j_counted, load_KV_j, load_Q_i_counted)
 
 
-def _make_fold_tiles(BC, mk, loads: CountedLoads):  # noqa: N803
+def _make_fold_tiles(BC, mk, loads: CountedLoads):
     """fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt): the K/V
     loop of q_outer's kernel over the micro-kernel mk, staggered (`stream_kv_staggered`) where
     mk.STAGGERED, else `stream_kv`."""
-    RM, STAGES = mk.RM, mk.STAGES  # noqa: N806 - a thread's rows; K/V buffers
+    RM, STAGES = mk.RM, mk.STAGES
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
     online_update, wait_loads = mk.online_update, mk.wait_loads
-    load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv  # noqa: N806
+    load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
     @cuda.jit(device=True, inline="always")
     def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
@@ -180,7 +180,7 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):  # noqa: N803
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
     if isinstance(MK, Specialised):  # S warps and P V warps (`microkernel_ws`)
         return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))

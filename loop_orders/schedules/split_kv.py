@@ -83,11 +83,11 @@ FILLED, WITHIN = 0.8, 0.85
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - paper's names
+def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
-    RM, KN = layout.rm, layout.kn  # noqa: N806
+    RM, KN = layout.rm, layout.kn
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
-    NT, NACC = mk.NT, mk.NACC  # noqa: N806 - threads per CTA; a thread's accumulators
+    NT, NACC = mk.NT, mk.NACC
     # Numba compiles closure variables as constants: take the device functions by name
     online_update, row_sums = mk.online_update, mk.row_sums
     give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
@@ -95,11 +95,11 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
     flush_counts = counts_flusher()
     kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
     # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
-    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v  # noqa: N806
-    store_O_is = mk.store_o  # noqa: N806 - from Q_i's place, where give_o staged it
-    NCNT = counter_slots(COUNT)  # noqa: N806
-    Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")  # noqa: N806
-    OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")  # noqa: N806
+    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
+    store_O_is = mk.store_o
+    NCNT = counter_slots(COUNT)
+    Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
+    OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")
 
     @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
     def split_kv(q, k, v, o_part, lse_part, counts, n_splits, per, scale_log2):
@@ -170,12 +170,12 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803 - pap
 
 
 @kernel_factory
-def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):  # noqa: N803
+def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):
     flush_counts = counts_flusher()
     kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
-    NCNT = counter_slots(COUNT)  # noqa: N806
-    O_W, LSE_W = slot("o", "write"), slot("lse", "write")  # noqa: N806
-    OP_R, LP_R = slot("o_part", "read"), slot("lse_part", "read")  # noqa: N806
+    NCNT = counter_slots(COUNT)
+    O_W, LSE_W = slot("o", "write"), slot("lse", "write")
+    OP_R, LP_R = slot("o_part", "read"), slot("lse_part", "read")
 
     @cuda.jit
     def split_kv_combine(o_part, lse_part, o, lse, counts, n_k, n_splits, per):
