@@ -15,7 +15,6 @@ import loop_orders as lo
 from loop_orders import results, runtime
 from loop_orders.api import check_launch, check_simulator_budget
 from loop_orders.api_grad import check_backward
-from loop_orders.backward_schedule import backward_of
 from loop_orders.ledger import TENSORS, Ledger
 from loop_orders.reference import (
     attention_grad_reference,
@@ -23,7 +22,7 @@ from loop_orders.reference import (
     relative_error,
     tolerance,
 )
-from loop_orders.schedule import Problem, Schedule
+from loop_orders.schedule import Problem, Schedule, backward_of
 
 from .gpu_common import reference_rows
 

@@ -17,7 +17,6 @@ import numpy as np
 import loop_orders as lo
 from loop_orders import runtime
 from loop_orders.arrays import bfloat16_bits, host_values
-from loop_orders.backward_schedule import backward_of
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
@@ -26,6 +25,7 @@ from loop_orders.reference import (
     tolerance,
 )
 from loop_orders.results import atomic_write_text, provenance
+from loop_orders.schedule import backward_of
 
 CHECK_ROWS = 128  # query rows per checked head
 # The pseudo-dtypes of the experiments' dtype lists and results, for the schedules with

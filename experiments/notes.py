@@ -223,7 +223,7 @@ def replace_blocks(text: str, new: dict[str, str]) -> str:
 
 def schedule_table() -> str:
     """The README's table of the registered schedules, their options and backward orders."""
-    from loop_orders.backward_schedule import get_backward
+    from loop_orders.schedule import get_backward
 
     lines = ["| schedule | loop order | options | backward |", "|---|---|---|---|"]
     for sched in lo.all_schedules():

@@ -36,7 +36,7 @@ import loop_orders as lo  # noqa: E402
 from experiments.gpu_common import input_kind, runs  # noqa: E402
 from experiments.gpu_common import recorded_launches as recorded  # noqa: E402
 from loop_orders import runtime  # noqa: E402
-from loop_orders.backward_schedule import grad_variants  # noqa: E402
+from loop_orders.schedule import grad_variants  # noqa: E402
 
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),

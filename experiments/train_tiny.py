@@ -64,7 +64,7 @@ def corpus(size: int) -> np.ndarray:
 
 def runs() -> list[dict]:
     """One run per schedule with a backward pass and value of its backward's options; SDPA."""
-    from loop_orders.backward_schedule import grad_variants
+    from loop_orders.schedule import grad_variants
 
     return [{"run": v.label, "schedule": v.schedule, "options": v.options}
             for v in grad_variants(forwards=True)] + [

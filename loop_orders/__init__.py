@@ -16,13 +16,13 @@ from . import runtime  # noqa: F401  (chooses GPU or simulator before numba load
 from . import backward, schedules  # noqa: F401  (register every schedule and backward)
 from .api import Result, attention, make_problem, predict_traffic
 from .api_grad import GradResult, attention_grad
-from .backward_schedule import backward_schedule_names
 from .ledger import TENSORS, Ledger
 from .reference import attention_reference, online_row
 from .schedule import (
     Problem,
     Schedule,
     all_schedules,
+    backward_schedule_names,
     get_schedule,
     register,
     schedule_names,

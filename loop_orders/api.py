@@ -173,7 +173,7 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     threads = sched.threads(p)
     if backward:
         flops = flops * 7 // 2
-        from .backward_schedule import backward_of
+        from .schedule import backward_of
 
         threads = max(threads, backward_of(sched).threads(p))
     moved = sched.model(p).total
@@ -498,7 +498,7 @@ def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch:
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
                      options=options, dtype=dtype, precision=precision)
     if backward:
-        from .backward_schedule import backward_of
+        from .schedule import backward_of
 
         return backward_of(sched).model(p)
     return sched.model(p)

@@ -32,9 +32,9 @@ from .api import (
     make_problem,
     memory_need,
 )
-from .backward_schedule import BackwardSchedule, backward_of
+from .backward_schedule import BackwardSchedule
 from .ledger import Ledger, n_slots
-from .schedule import Problem, Schedule, get_schedule
+from .schedule import Problem, Schedule, backward_of, get_schedule
 
 
 @dataclass

@@ -17,10 +17,10 @@ import textwrap
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Mapping
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 from .ledger import Ledger, declare_tensor
-from .schedule import Kernel, Option, Problem, Schedule
+from .schedule import Kernel, Option, Problem, Schedule, get_schedule
 
 BACKWARD_TENSORS = {"do": "input", "dq": "input", "dk": "input", "dv": "input",
                     "delta": "float32", "dq_acc": "float32"}
@@ -32,6 +32,7 @@ class BackwardSchedule(ABC):
     """Base of every backward loop order. Subclasses set `name` (the forward's), `summary`,
     `LOOP_NEST`."""
 
+    PASS: ClassVar[str] = "backward"  # its place in the registry (`schedule.register`)
     name: ClassVar[str]
     summary: ClassVar[str]
     LOOP_NEST: ClassVar[str]
@@ -58,8 +59,6 @@ class BackwardSchedule(ABC):
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
 
     def forward(self) -> Schedule:
-        from .schedule import get_schedule
-
         return get_schedule(self.name)
 
     def ledger_tensors(self) -> tuple[str, ...]:
@@ -118,62 +117,3 @@ class BackwardSchedule(ABC):
 
     def __repr__(self) -> str:
         return f"<backward schedule {self.name}: {self.summary}>"
-
-
-_BACKWARD: dict[str, BackwardSchedule] = {}
-
-
-def register_backward(cls: type[BackwardSchedule]) -> type[BackwardSchedule]:
-    """Class decorator: add a backward schedule under the name of its forward."""
-    if cls.name in _BACKWARD:
-        raise ValueError(f"backward schedule {cls.name!r} is already registered")
-    for tensor, element in cls.TENSORS.items():
-        declare_tensor(tensor, element)
-    _BACKWARD[cls.name] = cls()
-    return cls
-
-
-def backward_schedule_names() -> list[str]:
-    return list(_BACKWARD)
-
-
-def get_backward(name: str) -> BackwardSchedule:
-    try:
-        return _BACKWARD[name]
-    except KeyError:
-        raise ValueError(f"schedule: no backward schedule {name!r}; backward schedules: "
-                         f"{', '.join(_BACKWARD)}") from None
-
-
-class GradVariant(NamedTuple):
-    """One (schedule, backward options) pair to run or measure, and its label."""
-
-    label: str  # "q_outer dq=atomic", or the schedule's name when its backward has no options
-    schedule: str
-    options: dict | None
-
-
-def grad_variants(forwards: bool = False) -> list[GradVariant]:
-    """Every backward order with every example value of its options: one per backward
-    schedule, or with `forwards` one per forward schedule that has a backward pass (split_kv
-    with q_outer's options too)."""
-    from .schedule import all_schedules
-
-    pairs = ([(s.name, s.BACKWARD) for s in all_schedules() if s.BACKWARD] if forwards
-             else [(name, name) for name in backward_schedule_names()])
-    out = []
-    for name, backward in pairs:
-        bwd = get_backward(backward)
-        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
-        for options in values or [None]:
-            label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
-            out.append(GradVariant(label, name, options))
-    return out
-
-
-def backward_of(sched: Schedule) -> BackwardSchedule:
-    """The backward schedule that differentiates forward `sched`."""
-    if not sched.BACKWARD:
-        raise ValueError(f"schedule: {sched.name} has no backward pass; backward schedules: "
-                         f"{', '.join(_BACKWARD)}")
-    return get_backward(sched.BACKWARD)

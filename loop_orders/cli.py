@@ -172,8 +172,7 @@ def _header(p, schedule: str, backward: bool = False) -> str:
 
 
 def cmd_schedules(args) -> int:
-    from .backward_schedule import get_backward
-    from .schedule import all_schedules
+    from .schedule import all_schedules, get_backward
 
     for sched in all_schedules():
         print(f"{sched.name:10s} {sched.summary}")
@@ -207,8 +206,7 @@ def _measure(args, p):
 
 def cmd_traffic(args) -> int:
     from . import runtime
-    from .backward_schedule import backward_of
-    from .schedule import get_schedule
+    from .schedule import backward_of, get_schedule
 
     p = _problem(args)
     sched = get_schedule(args.schedule)

@@ -67,12 +67,12 @@ from .intrinsics import (
     shfl_xor,
     tf32_round,
 )
+from .microkernel_spec import DATA_REGISTERS, MicroKernel
 from .runtime import SIMULATOR, cuda, data_pointer, inlined
 from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer, unrolled
 
 NEG_INF = float32(-math.inf)
 WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
-DATA_REGISTERS = 64  # scores + accumulators per thread that fit beside the rest under 128
 
 
 class TensorCores(NamedTuple):
@@ -811,8 +811,6 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1). Its parts: `make_tc_operands`,
     `make_tc_tile_io`, `make_tc_online_update`, `make_tc_o_stage` and `make_tc_row_stats`."""
-    from .microkernel import MicroKernel
-
     W = -(-BR // WARP_ROWS)  # warps
     NACC = 4 * (_up(DV, 16) // 8)  # a thread's accumulators (4 per 8-dim n-tile of O)
     sizes = (BR, BC, D, DV, SPEC, RELOAD)

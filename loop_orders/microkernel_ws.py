@@ -84,6 +84,7 @@ from .intrinsics import (
     st_global_v4,
     vote_any,
 )
+from .microkernel_spec import Layout
 from .runtime import (
     SHARED_ALIGN,
     SHARED_F32,
@@ -194,8 +195,6 @@ class Specialised(NamedTuple):
         return True
 
     def plain(self):
-        from .microkernel import Layout  # here: microkernel imports this module
-
         return Layout(8, 4)
 
     def __str__(self) -> str:

@@ -191,6 +191,7 @@ class Kernel(NamedTuple):
 class Schedule(ABC):
     """Base of every loop order. Subclasses set `name`, `summary`, `LOOP_NEST`."""
 
+    PASS: ClassVar[str] = "forward"  # its place in the registry (`register`)
     name: ClassVar[str]
     summary: ClassVar[str]
     LOOP_NEST: ClassVar[str]
@@ -317,8 +318,6 @@ class Schedule(ABC):
         option or a bad value raises ValueError naming it and listing what is allowed."""
         known = dict(self.OPTIONS)
         if backward and self.BACKWARD:
-            from .backward_schedule import get_backward
-
             known.update(get_backward(self.BACKWARD).OPTIONS)
         given = dict(given or {})
         unknown = sorted(set(given) - set(known))
@@ -348,40 +347,88 @@ def per_head_ledger(walk: Counter, bh: int) -> Ledger:
     return Ledger(out)
 
 
-_REGISTRY: dict[str, Schedule] = {}
+# One registry for both passes: forward schedules by name, and backward schedules by the name
+# of the forward they differentiate (a forward names its backward in BACKWARD).
+_REGISTRY: dict[str, dict[str, Any]] = {"forward": {}, "backward": {}}
 
 
-def register(cls: type[Schedule]) -> type[Schedule]:
-    """Class decorator: add a schedule to the registry under `cls.name` (and declare the
-    HBM tensors it lists in TENSORS)."""
-    if cls.name in _REGISTRY:
-        raise ValueError(f"schedule {cls.name!r} is already registered")
+def register(cls: type) -> type:
+    """Class decorator: add a schedule (a `Schedule`, or a `backward_schedule.BackwardSchedule`:
+    its PASS says which) to the registry under `cls.name`, and declare the HBM tensors it
+    lists in TENSORS."""
+    entries = _REGISTRY[cls.PASS]
+    if cls.name in entries:
+        raise ValueError(f"{cls.PASS} schedule {cls.name!r} is already registered")
     for tensor, element in cls.TENSORS.items():
         declare_tensor(tensor, element)
-    _REGISTRY[cls.name] = cls()
+    entries[cls.name] = cls()
     return cls
 
 
 def schedule_names() -> list[str]:
-    return list(_REGISTRY)
+    return list(_REGISTRY["forward"])
 
 
 def get_schedule(name: str) -> Schedule:
     try:
-        return _REGISTRY[name]
+        return _REGISTRY["forward"][name]
     except (KeyError, TypeError):
-        raise ValueError(
-            f"schedule: unknown schedule {name!r}; known schedules: {', '.join(_REGISTRY)}"
-        ) from None
+        raise ValueError(f"schedule: unknown schedule {name!r}; known schedules: "
+                         f"{', '.join(_REGISTRY['forward'])}") from None
 
 
 def all_schedules() -> list[Schedule]:
-    return list(_REGISTRY.values())
+    return list(_REGISTRY["forward"].values())
 
 
 def schedule_options(name: str) -> dict[str, Any]:
     """The options of schedule `name` (and of its backward pass) with their defaults."""
     return dict(get_schedule(name).options_for({}))
+
+
+def backward_schedule_names() -> list[str]:
+    return list(_REGISTRY["backward"])
+
+
+def get_backward(name: str):
+    """The backward schedule registered under `name` (a `backward_schedule.BackwardSchedule`)."""
+    try:
+        return _REGISTRY["backward"][name]
+    except KeyError:
+        raise ValueError(f"schedule: no backward schedule {name!r}; backward schedules: "
+                         f"{', '.join(_REGISTRY['backward'])}") from None
+
+
+def backward_of(sched: Schedule):
+    """The backward schedule that differentiates forward `sched`."""
+    if not sched.BACKWARD:
+        raise ValueError(f"schedule: {sched.name} has no backward pass; backward schedules: "
+                         f"{', '.join(_REGISTRY['backward'])}")
+    return get_backward(sched.BACKWARD)
+
+
+class GradVariant(NamedTuple):
+    """One (schedule, backward options) pair to run or measure, and its label."""
+
+    label: str  # "q_outer dq=atomic", or the schedule's name when its backward has no options
+    schedule: str
+    options: dict | None
+
+
+def grad_variants(forwards: bool = False) -> list[GradVariant]:
+    """Every backward order with every example value of its options: one per backward
+    schedule, or with `forwards` one per forward schedule that has a backward pass (split_kv
+    with q_outer's options too)."""
+    pairs = ([(s.name, s.BACKWARD) for s in all_schedules() if s.BACKWARD] if forwards
+             else [(name, name) for name in backward_schedule_names()])
+    out = []
+    for name, backward in pairs:
+        bwd = get_backward(backward)
+        values = [{k: v} for k, opt in bwd.OPTIONS.items() for v in opt.examples]
+        for options in values or [None]:
+            label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
+            out.append(GradVariant(label, name, options))
+    return out
 
 
 def ceil_div(a: int, b: int) -> int:

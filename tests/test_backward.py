@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loop_orders as lo
-from loop_orders.backward_schedule import backward_of, get_backward, grad_variants
 from loop_orders.cli import main
 from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
-from loop_orders.schedule import per_head_ledger
+from loop_orders.schedule import backward_of, get_backward, grad_variants, per_head_ledger
 
 # every schedule with a backward pass, every example value of its backward's options
 VARIANTS = [(v.schedule, v.options) for v in grad_variants(forwards=True)]

@@ -10,11 +10,8 @@ from collections import defaultdict
 import pytest
 
 import loop_orders as lo
+from experiments import common, explainer, traffic
 from loop_orders import results
-from loop_orders.cli import _experiments
-
-_experiments()  # puts the repository root on sys.path, as `loop-orders figures` does
-from experiments import common, explainer, traffic  # noqa: E402
 
 RESULTS = common.REPO_ROOT / "results"
 WORKSPACE = ("o_part", "lse_part")

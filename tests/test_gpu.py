@@ -6,13 +6,13 @@ import pytest
 from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
-from loop_orders.backward_schedule import backward_of, grad_variants
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
     relative_error,
     tolerance,
 )
+from loop_orders.schedule import backward_of, grad_variants
 
 
 @gpu

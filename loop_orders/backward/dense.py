@@ -30,7 +30,7 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule, register_backward
+from ..backward_schedule import BackwardSchedule
 from ..backward_tiles import (
     acc_layout,
     grad_layout,
@@ -49,7 +49,7 @@ from ..runtime import (
     kernel_options,
     launch,
 )
-from ..schedule import Kernel, Problem, rows
+from ..schedule import Kernel, Problem, register, rows
 from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
 from ..tiles import zero_counts as zero
 
@@ -287,7 +287,7 @@ def make_dq_kernel(BR, BC, D, DV, COUNT):
     return dense_bwd_dq
 
 
-@register_backward
+@register
 class DenseBackward(BackwardSchedule):
     name = "dense"
     summary = "standard attention backward (Algorithm 3): P, dP, dS in HBM; four kernels"

@@ -31,7 +31,7 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule, register_backward
+from ..backward_schedule import BackwardSchedule
 from ..backward_tiles import (
     acc_layout,
     grad_layout,
@@ -50,7 +50,7 @@ from ..runtime import (
     kernel_options,
     launch,
 )
-from ..schedule import Kernel, Problem, ceil_div, rows, sees
+from ..schedule import Kernel, Problem, ceil_div, register, rows, sees
 from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
 from ..tiles import zero_counts as zero
 
@@ -214,7 +214,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
     return kv_outer_bwd
 
 
-@register_backward
+@register
 class KVOuterBackward(BackwardSchedule):
     name = "kv_outer"
     summary = ("FlashAttention Algorithm 4: K/V block resident; Q, O, dO, dQ, l, m reloaded "

@@ -36,7 +36,7 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule, register_backward
+from ..backward_schedule import BackwardSchedule
 from ..backward_tiles import (
     acc_layout,
     grad_layout,
@@ -62,6 +62,7 @@ from ..schedule import (
     Problem,
     ceil_div,
     choice_option,
+    register,
     rows,
     sees,
 )
@@ -333,7 +334,7 @@ def make_convert_kernel(COUNT):
     return q_outer_bwd_convert
 
 
-@register_backward
+@register
 class QOuterBackward(BackwardSchedule):
     name = "q_outer"
     summary = ("FlashAttention-2 backward: one CTA per K/V block for dK, dV; dQ by float32 "

@@ -1,0 +1,157 @@
+"""What a forward micro-kernel build is, apart from any one build's code.
+
+`Layout` names the CUDA-core build (a thread tile of S_ij, `microkernel`); `TensorCores`
+(`microkernel_tc`) and `Specialised` (`microkernel_ws`) name the others. Every build returns
+the device functions of `MicroKernel`, so a loop nest runs on any of them unchanged. This
+module depends on no build, so each build's module can import it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+DATA_REGISTERS = 64  # scores + accumulators per thread that fit beside the rest under 128
+
+
+class Layout(NamedTuple):
+    """How a CTA's threads tile S_ij: RM query rows and KN keys per thread.
+
+    A CTA has TR = ceil(Br / RM) by TC = ceil(Bc / KN) threads. Where RM or KN does not
+    divide the tile, the last threads also own rows past Br (computed on zeros, never
+    written) or keys past Bc (masked like keys past N_k). With `stages` 2 a loop nest that
+    streams K/V (q_outer) staggers their loads: V_j lands while S_ij is computed and K_j+1
+    while P_ij V_j is, in the one K and one V buffer (`MicroKernel.STAGGERED`). With `p_in_k`
+    P_ij^T takes K_j's place once S_ij is done (a barrier between), so the buffer has no
+    region of its own for it: small enough at 64 x 64 tiles and d = 128 that two CTAs fit an
+    SM; K_j and V_j then arrive together, by cp.async where the rows allow, not staggered."""
+
+    rm: int
+    kn: int
+    stages: int = 1
+    p_in_k: bool = False
+    # the arrays (of "qkvo") moved 16 bytes at a time where `copies_rows`: 16-byte aligned
+    ALIGNED = "kv"
+
+    @property
+    def groups(self) -> int:
+        """G: a thread's rows come in groups of G consecutive tile rows (4 where 4 divides
+        RM, else 2, else 1), the groups G TR rows apart (`row_of`)."""
+        return 4 if self.rm % 4 == 0 else (2 if self.rm % 2 == 0 else 1)
+
+    def copies_rows(self, d: int, dv: int) -> bool:
+        """Whether K and V rows arrive by cp.async (staggered, whole 16-byte rows: the
+        source must then be 16-byte aligned), else by plain loads."""
+        return (self.stages > 1 or self.p_in_k) and d % 4 == 0 and dv % 4 == 0
+
+    @property
+    def staggered(self) -> bool:
+        """Whether K_j's and V_j's loads are staggered (`stages` 2, P_ij^T a region of its
+        own)."""
+        return self.stages > 1 and not self.p_in_k
+
+    def plain(self) -> Layout:
+        """This thread tile with plain K/V loads (no cp.async, hence no alignment needed)."""
+        return self._replace(stages=1, p_in_k=False)
+
+    def grid(self, block_q: int, block_k: int) -> tuple[int, int]:
+        """(TR, TC)."""
+        return -(-block_q // self.rm), -(-block_k // self.kn)
+
+    def threads(self, block_q: int, block_k: int) -> int:
+        tr, tc = self.grid(block_q, block_k)
+        return tr * tc
+
+    def accumulators(self, block_k: int, dv: int) -> int:
+        """A thread's accumulators of O_i: RM rows x 4 XH dims (whole 4-wide chunks, so the
+        last chunk may run past dv)."""
+        tc = self.grid(1, block_k)[1]
+        return self.rm * 4 * -(-dv // (4 * tc))
+
+    def data_registers(self, block_k: int, dv: int) -> int:
+        """Registers a thread's scores and accumulators take (RM KN + RM 4 XH)."""
+        return self.rm * self.kn + self.accumulators(block_k, dv)
+
+    def registers(self, block_k: int, dv: int, reload: bool = False) -> int:
+        """The register cap to compile with: 128 (two CTAs of 256 threads per SM) unless
+        the thread's scores and accumulators alone take more than 64 registers (whether the
+        loop nest reloads O_i, `reload`, does not change that here)."""
+        return 255 if self.data_registers(block_k, dv) > DATA_REGISTERS else 128
+
+
+class MicroKernel(NamedTuple):
+    """The device functions of one micro-kernel build, over one CTA's shared buffer `buf`
+    (see the module docstring). Those with barriers (online_update, row_sums) are called by
+    every thread of the CTA.
+
+    clear(buf)                        zero the buffer (once per CTA, before any tile lands)
+    online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage)
+                                      fold K_j, V_j (keys key0 .. key0 + n_keys) into the
+                                      thread's rows; here Q_i is in shared memory
+                                      pre-scaled by scale log2(e) (load_q), so scale_log2
+                                      goes unused (the tensor-core one scales S);
+                                      `stage` too (one K/V buffer here)
+    row_sums(buf, l, l_row)           l_row[a] = the full l_i of row a (from the partials)
+    give_o(buf, acc, factor)          O_i = acc * factor[a] into its stage (kv_outer's O_i
+                                      stage, else the Q_i tile, which is done with by then):
+                                      normalised when factor = 1 / l_row, as the caller
+                                      chooses (`reciprocal`)
+    reciprocal(x, out)                out[a] = 1 / x[a] for the thread's rows
+    take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
+                                      from the stats rows (l as part tc = 0's partial)
+    keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
+    coords()                          this thread's place in the layout
+    row_of(tr, a)                     the tile row of the thread's row a (uint64; CUDA
+                                      cores only)
+    load_q(buf, q, bh, row0, n_rows, scale_log2), load_k(buf, k, bh, key0, n_keys, stage),
+    load_v(buf, v, bh, key0, n_keys, stage)
+                                      HBM -> the tile (rows past n_rows as the micro-kernel
+                                      needs them); each returns the elements this thread
+                                      counted; every thread calls them, then wait_loads(),
+                                      then the caller's barrier
+    wait_loads()                      this thread's loads have landed (tensor cores copy
+                                      asynchronously; a no-op on CUDA cores)
+    load_o(buf, o, bh, row0, n_rows), store_o(buf, o, bh, row0, n_rows)
+                                      O_i between HBM and its stage (kv_outer loads it)
+    store_lse(lse, bh, row0, n_rows, m, l_row)
+                                      lse_i of the thread's rows that hold it; returns how
+                                      many it wrote
+    NT, RM, NACC                      threads per CTA; rows and accumulators per thread
+    ROWS, STATS                       rows of the tiles; float offset of kv_outer's l_i, m_i
+                                      rows (m_i ROWS after l_i)
+    STAGES                            K/V buffers: with 2, the loop nest loads K_j+1, V_j+1
+                                      (`stage` (j + 1) % 2) while it folds in K_j, V_j
+    STAGGERED                         (CUDA cores, one K/V buffer) online_update is also
+                                      given in halves, so that a loop nest can load V_j
+                                      under the first and K_j+1 under the second:
+    weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+                                      S_ij, the row statistics and P_ij into shared memory
+                                      (vis: a local array of RM, the keys each row sees);
+                                      then the caller's barrier, then
+    fold(buf, acc, vis)               acc += P_ij V_j
+    """
+
+    clear: object
+    online_update: object
+    row_sums: object
+    give_o: object
+    reciprocal: object
+    take_o: object
+    keep_stats: object
+    coords: object
+    load_q: object
+    load_k: object
+    load_v: object
+    wait_loads: object
+    load_o: object
+    store_o: object
+    store_lse: object
+    NT: int
+    RM: int
+    NACC: int
+    ROWS: int
+    STATS: int
+    STAGES: int
+    STAGGERED: bool = False
+    weigh: object = None
+    fold: object = None
+    row_of: object = None
