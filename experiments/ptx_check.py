@@ -96,17 +96,24 @@ def kernel_ptx(kernel, args) -> str:
 
 def ptx_body(ptx: str) -> str:
     """The PTX with what a refactor may change and the kernel cannot see taken out: comments,
-    debug lines, and mangled names (replaced by their order of first appearance), so two
-    builds of the same kernel from moved or renamed Python compare equal."""
+    debug lines, mangled names and shared arrays' numbers (`_cudapy_smem_N` counts the
+    process's compilations), each replaced by its order of first appearance in the code, and
+    the module's declarations before the first function sorted (their order follows what the
+    process compiled before). Two builds of the same kernel from moved or renamed Python, in
+    processes that compiled different kernels first, compare equal."""
+    lines = [line.split("//", 1)[0].rstrip() for line in ptx.splitlines()]
+    lines = [line for line in lines if line and not line.lstrip().startswith((".file", ".loc"))]
+    start = next((i for i, line in enumerate(lines)
+                  if re.search(r"\.(entry|func)\b", line)), len(lines))
     names: dict = {}
-    lines = []
-    for line in ptx.splitlines():
-        line = line.split("//", 1)[0].rstrip()
-        if not line or line.lstrip().startswith((".file", ".loc")):
-            continue
-        lines.append(re.sub(r"_Z\w+", lambda m: names.setdefault(m.group(0),
-                                                                   f"F{len(names)}"), line))
-    return "\n".join(lines) + "\n"
+
+    def rename(line: str) -> str:
+        return re.sub(r"_Z\w+|_cudapy_smem_\d+",
+                      lambda m: names.setdefault(m.group(0), f"N{len(names)}"), line)
+
+    body = [rename(line) for line in lines[start:]]
+    header = sorted(rename(line) for line in lines[:start])
+    return "\n".join(header + body) + "\n"
 
 
 def check(kernel, args, dump: Path | None = None) -> dict:
