@@ -43,7 +43,8 @@ import loop_orders as lo
 import loop_orders.context_parallel as cp
 from experiments.common import QUICK_DIR, seed_for
 from experiments.gpu_common import reference_rows
-from loop_orders import results, runtime
+from loop_orders import results
+from loop_orders.device import runtime
 from loop_orders.reference import relative_error, tolerance
 
 SWEEP = {"schedule": cp.schedule_names(), "causal": [False, True],

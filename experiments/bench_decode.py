@@ -28,8 +28,8 @@ import numpy as np
 import loop_orders as lo
 from experiments.bench_runtime import POINT_BUDGET_S, time_launches
 from experiments.gpu_common import write_csv
-from loop_orders import runtime
-from loop_orders.arrays import KINDS
+from loop_orders.device import runtime
+from loop_orders.device.arrays import KINDS
 from loop_orders.reference import attention_reference, relative_error, tolerance
 from loop_orders.results import provenance
 

@@ -34,10 +34,10 @@ import numpy as np
 
 import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, flops, input_kind, runs, write_csv
-from loop_orders import runtime
-from loop_orders.microkernel_tc import TensorCores
-from loop_orders.microkernel_ws import Specialised
+from loop_orders.device import runtime
+from loop_orders.microkernel.tensor_cores import TensorCores
 from loop_orders.results import atomic_write_text, provenance
+from loop_orders.schedules.q_outer.warp_specialised import Specialised
 
 SWEEP = {"n": [512, 1024, 2048, 4096, 8192, 16384], "d": [64, 128], "causal": [False, True]}
 TOKENS = 4 * 16 * 4096  # batch * heads * N, the issue's reference shape B=4, H=16, N=4096
@@ -558,7 +558,7 @@ def ceiling_kernel(dtype: str):
     one sum per thread so the compiler keeps the loop."""
     from numba import float32
 
-    from loop_orders.intrinsics import mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_f16x2
+    from loop_orders.device.intrinsics import mma_bf16, mma_f16, mma_tf32, pack_bf16x2, pack_f16x2
 
     mma = {"float16": mma_f16, "bfloat16": mma_bf16, "tf32": mma_tf32}[dtype]
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2

@@ -12,17 +12,18 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from loop_orders import results, runtime
+from loop_orders import results
 from loop_orders.api import check_launch, check_simulator_budget
 from loop_orders.api_grad import check_backward
-from loop_orders.ledger import TENSORS, Ledger
+from loop_orders.core.ledger import TENSORS, Ledger
+from loop_orders.core.schedule import Problem, Schedule, backward_of
+from loop_orders.device import runtime
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
     relative_error,
     tolerance,
 )
-from loop_orders.schedule import Problem, Schedule, backward_of
 
 from .gpu_common import reference_rows
 

@@ -17,8 +17,9 @@ import sys
 import numpy as np
 
 import loop_orders as lo
-from loop_orders import results, runtime
-from loop_orders.ledger import Ledger
+from loop_orders import results
+from loop_orders.core.ledger import Ledger
+from loop_orders.device import runtime
 from loop_orders.reference import attention_reference, online_row
 
 from . import common

@@ -30,9 +30,9 @@ from experiments.gpu_common import (
     write_csv,
 )
 from experiments.hw_traffic import profile_rows
-from loop_orders import runtime
+from loop_orders.core.schedule import backward_of, grad_variants
+from loop_orders.device import runtime
 from loop_orders.results import provenance
-from loop_orders.schedule import backward_of, grad_variants
 
 SETTING = {"n": 1024, "d": 64, "heads": 16, "batch": 64, "causal": True}
 DTYPES = ["float16", "float32"]

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from loop_orders import runtime
+from loop_orders.device import runtime
 
 from . import common, explainer, gpu_figures, notes, theorem2, theorem5, traffic
 

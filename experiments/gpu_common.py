@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from loop_orders import runtime
-from loop_orders.arrays import bfloat16_bits, host_values
+from loop_orders.core.schedule import backward_of
+from loop_orders.device import runtime
+from loop_orders.device.arrays import bfloat16_bits, host_values
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
@@ -25,7 +26,6 @@ from loop_orders.reference import (
     tolerance,
 )
 from loop_orders.results import atomic_write_text, provenance
-from loop_orders.schedule import backward_of
 
 CHECK_ROWS = 128  # query rows per checked head
 # The pseudo-dtypes of the experiments' dtype lists and results, for the schedules with
@@ -160,7 +160,7 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
 
 def view(shape, dtype):
     """A zero-pointer device array view: for recording and compiling launches, never run."""
-    from loop_orders.arrays import DeviceView, c_strides
+    from loop_orders.device.arrays import DeviceView, c_strides
 
     dtype = np.dtype(dtype)
     return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)

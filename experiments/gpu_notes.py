@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import loop_orders as lo
-from loop_orders.schedule import backward_of
+from loop_orders.core.schedule import backward_of
 
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
 # Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles

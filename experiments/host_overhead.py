@@ -66,7 +66,7 @@ def tiny_calls() -> dict:
     import torch
 
     import loop_orders as lo
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     rng = np.random.default_rng(0)
     host = [rng.standard_normal((1, 1, 64, 64), dtype=np.float32) for _ in range(3)]
@@ -98,7 +98,7 @@ def n1024(causal: bool) -> dict:
 
     import loop_orders as lo
     from experiments.bench_runtime import time_launches
-    from loop_orders.arrays import KINDS
+    from loop_orders.device.arrays import KINDS
 
     q, k, v = (torch.randn(4, 16, 1024, 64, device="cuda") for _ in range(3))
     sched = lo.get_schedule("q_outer")
@@ -107,7 +107,7 @@ def n1024(causal: bool) -> dict:
     views = [KINDS["torch"].view(x).reshape(64, 1024, 64) for x in (q, k, v)]
     out = torch.empty_like(q)
     out_v = KINDS["torch"].view(out).reshape(64, 1024, 64)
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     lse, counts = runtime.device_empty((1, 1), np.float32), runtime.device_empty(1, np.int64)
 
@@ -136,7 +136,7 @@ def fresh_process(cache: Path) -> dict:
 
 
 def compile_cache() -> dict:
-    from loop_orders import kernel_cache
+    from loop_orders.device import kernel_cache
 
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "kernels"
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
-    from loop_orders import runtime
+    from loop_orders.device import runtime
     from loop_orders.results import atomic_write_json, provenance
 
     if runtime.SIMULATOR:

@@ -31,7 +31,7 @@ import numpy as np
 
 import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, input_kind, runs, write_csv
-from loop_orders import runtime
+from loop_orders.device import runtime
 from loop_orders.results import provenance
 
 SWEEP = {"n": [256, 512, 1024, 2048, 4096], "causal": [False, True],

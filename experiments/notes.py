@@ -15,57 +15,59 @@ from loop_orders import results
 
 from . import common, explainer, gpu_notes, theorem2, theorem5, traffic
 
-# Where the paper's statements live in our code: (label, file, a text on the line).
+# Where the paper's statements live in our code: (label, file under loop_orders/, a text on
+# the line).
 ANCHORS = [
-    ("Algorithm 1 line 1 (Bc, Br from M)", "loop_orders/schedules/kv_outer.py",
+    ("Algorithm 1 line 1 (Bc, Br from M)", "schedules/kv_outer/forward.py",
      "# Algorithm 1, line 1"),
-    ("Algorithm 1 line 2 (O, l, m initialised in HBM)", "loop_orders/schedules/kv_outer.py",
+    ("Algorithm 1 line 2 (O, l, m initialised in HBM)", "schedules/kv_outer/forward.py",
      "# Algorithm 1 line 2: O = 0"),
-    ("Algorithm 1 lines 5-6 (load K_j, V_j once per j)", "loop_orders/schedules/kv_outer.py",
+    ("Algorithm 1 lines 5-6 (load K_j, V_j once per j)", "schedules/kv_outer/forward.py",
      "# K_j, V_j: read from HBM once"),
-    ("Algorithm 1, kv_outer traffic model", "loop_orders/schedules/kv_outer.py",
+    ("Algorithm 1, kv_outer traffic model", "schedules/kv_outer/forward.py",
      "def model("),
-    ("FA-2 forward: load Q_i once", "loop_orders/schedules/q_outer.py", "# Q_i"),
-    ("FA-2 forward: K_j, V_j per query block", "loop_orders/schedules/q_outer.py",
+    ("FA-2 forward: load Q_i once", "schedules/q_outer/forward.py", "# Q_i"),
+    ("FA-2 forward: K_j, V_j per query block", "schedules/q_outer/forward.py",
      "# K_j: reloaded from HBM"),
-    ("FA-2 forward: write O_i once", "loop_orders/schedules/q_outer.py", "# O_i: written"),
-    ("FA-2 forward, q_outer traffic model", "loop_orders/schedules/q_outer.py", "def model("),
-    ("Shared micro-kernel (S = Q K^T, online softmax, P V)", "loop_orders/microkernel.py",
+    ("FA-2 forward: write O_i once", "schedules/q_outer/forward.py", "# O_i: written"),
+    ("FA-2 forward, q_outer traffic model", "schedules/q_outer/forward.py", "def model("),
+    ("Shared micro-kernel (S = Q K^T, online softmax, P V)", "microkernel/cuda_cores.py",
      "def online_update("),
-    ("Tiles to and from HBM, coalesced", "loop_orders/tiles.py", "def _tile_copy("),
-    ("online-softmax recurrence (explainer)", "loop_orders/reference.py", "def online_row("),
-    ("Standard attention (Algorithm 0) model", "loop_orders/schedules/dense.py", "def model("),
+    ("Tiles to and from HBM, coalesced", "microkernel/tiles.py", "def _tile_copy("),
+    ("online-softmax recurrence (explainer)", "reference.py", "def online_row("),
+    ("Standard attention (Algorithm 0) model", "schedules/dense/forward.py", "def model("),
     ("Split-KV: a split's K/V range, then its partial O and lse",
-     "loop_orders/schedules/split_kv.py", "j0 = s * per"),
-    ("Split-KV: the combine's weights exp(lse_is - lse_i)", "loop_orders/schedules/split_kv.py",
+     "schedules/split_kv.py", "j0 = s * per"),
+    ("Split-KV: the combine's weights exp(lse_is - lse_i)", "schedules/split_kv.py",
      "exp(lse_is - lse_i), summing"),
-    ("Algorithm 4 line 4 (dQ, dK, dV = 0 in HBM)", "loop_orders/backward/kv_outer.py",
+    ("Algorithm 4 line 4 (dQ, dK, dV = 0 in HBM)", "schedules/kv_outer/backward.py",
      "# Algorithm 4 line 4"),
     ("Algorithm 4 line 8 (Q_i, O_i, dO_i, dQ_i, l_i, m_i per (j, i))",
-     "loop_orders/backward/kv_outer.py", "reloaded from HBM per K/V block (line 8)"),
-    ("Algorithm 4 line 22 (dQ_i written back per (j, i))", "loop_orders/backward/kv_outer.py",
+     "schedules/kv_outer/backward.py", "reloaded from HBM per K/V block (line 8)"),
+    ("Algorithm 4 line 22 (dQ_i written back per (j, i))", "schedules/kv_outer/backward.py",
      "(line 22)"),
-    ("FA-2 backward: delta = rowsum(dO o O) (preprocess)", "loop_orders/backward/q_outer.py",
+    ("FA-2 backward: delta = rowsum(dO o O) (preprocess)", "schedules/q_outer/backward.py",
      "# delta_r: rowsum"),
-    ("FA-2 backward: K_j, V_j once per CTA", "loop_orders/backward/q_outer.py",
+    ("FA-2 backward: K_j, V_j once per CTA", "schedules/q_outer/backward.py",
      "# K_j, V_j: read from HBM once"),
-    ("FA-2 backward: dQ by float32 atomics", "loop_orders/backward/q_outer.py",
+    ("FA-2 backward: dQ by float32 atomics", "schedules/q_outer/backward.py",
      "# dq_acc_i: float32 atomic adds"),
-    ("Deterministic dQ: the Q-outer kernel", "loop_orders/backward/q_outer.py",
+    ("Deterministic dQ: the Q-outer kernel", "schedules/q_outer/backward.py",
      "def q_outer_bwd_dq("),
-    ("Backward tile: P, dS from S, dP (shared by the orders)", "loop_orders/backward_tiles.py",
+    ("Backward tile: P, dS from S, dP (shared by the orders)", "microkernel/grad_tiles.py",
      "def probs("),
-    ("Standard attention backward (Algorithm 3) model", "loop_orders/backward/dense.py",
+    ("Standard attention backward (Algorithm 3) model", "schedules/dense/backward.py",
      "def model("),
-    ("Theorem 2 Θ(N²d²/M), Θ(Nd + N²)", "loop_orders/theory.py", "def flash_traffic("),
-    ("Saha–Ye lower bound", "loop_orders/theory.py", "def saha_ye_lower_bound("),
-    ("Slope fit (scipy linregress)", "loop_orders/theory.py", "def fit_power_law("),
+    ("Theorem 2 Θ(N²d²/M), Θ(Nd + N²)", "theory.py", "def flash_traffic("),
+    ("Saha–Ye lower bound", "theory.py", "def saha_ye_lower_bound("),
+    ("Slope fit (scipy linregress)", "theory.py", "def fit_power_law("),
 ]
 
 
 def code_refs(root: Path = common.REPO_ROOT) -> str:
     lines = ["| paper | our code |", "|---|---|"]
-    for label, rel, needle in ANCHORS:
+    for label, path, needle in ANCHORS:
+        rel = f"loop_orders/{path}"
         text = (root / rel).read_text(encoding="utf-8").splitlines()
         hits = [i + 1 for i, line in enumerate(text) if needle in line]
         where = f"`{rel}:{hits[0]}`" if hits else f"`{rel}` (anchor not found: {needle!r})"
@@ -223,7 +225,7 @@ def replace_blocks(text: str, new: dict[str, str]) -> str:
 
 def schedule_table() -> str:
     """The README's table of the registered schedules, their options and backward orders."""
-    from loop_orders.schedule import get_backward
+    from loop_orders.core.schedule import get_backward
 
     lines = ["| schedule | loop order | options | backward |", "|---|---|---|---|"]
     for sched in lo.all_schedules():

@@ -25,7 +25,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results, theory
-from loop_orders.schedule import get_backward, grad_variants
+from loop_orders.core.schedule import get_backward, grad_variants
 
 from . import common
 

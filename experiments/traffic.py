@@ -20,7 +20,7 @@ import numpy as np
 
 import loop_orders as lo
 from loop_orders import results
-from loop_orders.ledger import Ledger
+from loop_orders.core.ledger import Ledger
 
 from . import common
 

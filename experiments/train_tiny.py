@@ -64,7 +64,7 @@ def corpus(size: int) -> np.ndarray:
 
 def runs() -> list[dict]:
     """One run per schedule with a backward pass and value of its backward's options; SDPA."""
-    from loop_orders.schedule import grad_variants
+    from loop_orders.core.schedule import grad_variants
 
     return [{"run": v.label, "schedule": v.schedule, "options": v.options}
             for v in grad_variants(forwards=True)] + [
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny setting the simulator runs on the CPU (tests)")
     args = parser.parse_args(argv)
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     if runtime.SIMULATOR and not args.smoke:
         print("train_tiny: no CUDA GPU here; nothing trained (--smoke runs a tiny setting)")

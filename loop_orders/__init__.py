@@ -10,15 +10,14 @@
     g.dq, g.dk, g.dv, g.counts_backward
 """
 
-from . import runtime  # noqa: F401  (chooses GPU or simulator before numba loads)
+from .device import runtime  # noqa: F401  (chooses GPU or simulator before numba loads)
 
 # isort: split
-from . import backward, schedules  # noqa: F401  (register every schedule and backward)
+from . import schedules  # noqa: F401  (registers every schedule, forward and backward)
 from .api import Result, attention, make_problem, predict_traffic
 from .api_grad import GradResult, attention_grad
-from .ledger import TENSORS, Ledger
-from .reference import attention_reference, online_row
-from .schedule import (
+from .core.ledger import TENSORS, Ledger
+from .core.schedule import (
     Problem,
     Schedule,
     all_schedules,
@@ -28,6 +27,7 @@ from .schedule import (
     schedule_names,
     schedule_options,
 )
+from .reference import attention_reference, online_row
 
 __all__ = [
     "TENSORS", "GradResult", "Ledger", "Problem", "Result", "Schedule", "all_schedules",

@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, runtime
-from .ledger import Ledger, n_slots
-from .schedule import (
+from .core.ledger import Ledger, n_slots
+from .core.schedule import (
     MAX_BLOCK_K,
     MAX_BLOCK_Q,
     MAX_HEAD_DIM,
@@ -34,6 +33,7 @@ from .schedule import (
     all_schedules,
     get_schedule,
 )
+from .device import arrays, runtime
 
 
 @dataclass
@@ -173,7 +173,7 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     threads = sched.threads(p)
     if backward:
         flops = flops * 7 // 2
-        from .schedule import backward_of
+        from .core.schedule import backward_of
 
         threads = max(threads, backward_of(sched).threads(p))
     moved = sched.model(p).total
@@ -498,7 +498,7 @@ def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch:
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
                      options=options, dtype=dtype, precision=precision)
     if backward:
-        from .schedule import backward_of
+        from .core.schedule import backward_of
 
         return backward_of(sched).model(p)
     return sched.model(p)

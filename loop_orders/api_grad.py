@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, runtime
 from .api import (
     MAX_CALLS,
     Inputs,
@@ -32,9 +31,10 @@ from .api import (
     make_problem,
     memory_need,
 )
-from .backward_schedule import BackwardSchedule
-from .ledger import Ledger, n_slots
-from .schedule import Problem, Schedule, backward_of, get_schedule
+from .core.backward_schedule import BackwardSchedule
+from .core.ledger import Ledger, n_slots
+from .core.schedule import Problem, Schedule, backward_of, get_schedule
+from .device import arrays, runtime
 
 
 @dataclass

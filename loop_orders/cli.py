@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .schedule import PRECISIONS, SUPPORTED_DTYPES
+from .core.schedule import PRECISIONS, SUPPORTED_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,7 +116,7 @@ def cmd_figures(rest: list[str]) -> int:
 def _random_array(args, rng, shape, device: bool = False):
     """Unit normal entries in args.dtype: a NumPy array (on the device with `device`), or for
     bfloat16, which NumPy lacks, a torch tensor (on the GPU with `device` when there is one)."""
-    from . import runtime
+    from .device import runtime
 
     x = rng.standard_normal(shape).astype(np.float32)
     if args.dtype != "bfloat16":
@@ -139,7 +139,7 @@ def _random_inputs(args, rng, device: bool = False):
 def _host(x) -> np.ndarray:
     """Any array the CLI made or got back, as a NumPy array of its values (bfloat16 widened
     to float32)."""
-    from . import runtime
+    from .device import runtime
 
     if type(x).__module__.startswith("torch"):
         return x.detach().float().cpu().numpy()
@@ -164,7 +164,7 @@ def _header(p, schedule: str, backward: bool = False) -> str:
     options only its backward reads, such as dq)."""
     from dataclasses import replace
 
-    from .schedule import get_schedule
+    from .core.schedule import get_schedule
 
     own = get_schedule(schedule).OPTIONS
     return p.describe() if backward else replace(
@@ -172,7 +172,7 @@ def _header(p, schedule: str, backward: bool = False) -> str:
 
 
 def cmd_schedules(args) -> int:
-    from .schedule import all_schedules, get_backward
+    from .core.schedule import all_schedules, get_backward
 
     for sched in all_schedules():
         print(f"{sched.name:10s} {sched.summary}")
@@ -205,8 +205,8 @@ def _measure(args, p):
 
 
 def cmd_traffic(args) -> int:
-    from . import runtime
-    from .schedule import backward_of, get_schedule
+    from .core.schedule import backward_of, get_schedule
+    from .device import runtime
 
     p = _problem(args)
     sched = get_schedule(args.schedule)
@@ -244,8 +244,9 @@ def cmd_traffic(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from . import runtime
     from .api import attention
+    from .core.schedule import get_schedule
+    from .device import runtime
     from .reference import (
         attention_reference,
         relative_error,
@@ -253,7 +254,6 @@ def cmd_run(args) -> int:
         tf32_tolerance,
         tolerance,
     )
-    from .schedule import get_schedule
 
     p = _problem(args)
     if args.repeat < 1:
@@ -296,7 +296,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from . import kernel_cache, runtime
+    from .device import kernel_cache, runtime
 
     where = kernel_cache.cache_dir()
     if where is None:

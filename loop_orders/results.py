@@ -85,7 +85,7 @@ def library_versions() -> dict[str, str]:
 
 def provenance(**extra: Any) -> dict[str, Any]:
     """Where and when numbers were produced. `extra` adds experiment-specific fields."""
-    from . import runtime
+    from .device import runtime
 
     record = {
         "git_sha": git_sha(),

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from .api_grad import GradCall, prepare_grad
-from .ledger import Ledger
-from .schedule import Problem
+from .core.ledger import Ledger
+from .core.schedule import Problem
 
 
 @dataclass

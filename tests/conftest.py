@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 import loop_orders as lo
-from loop_orders import runtime
+from loop_orders.device import runtime
 
 gpu = pytest.mark.skipif(runtime.SIMULATOR, reason="needs a CUDA GPU (running on the simulator)")
 

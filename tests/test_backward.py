@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import loop_orders as lo
 from loop_orders.cli import main
+from loop_orders.core.schedule import backward_of, get_backward, grad_variants, per_head_ledger
 from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
-from loop_orders.schedule import backward_of, get_backward, grad_variants, per_head_ledger
 
 # every schedule with a backward pass, every example value of its backward's options
 VARIANTS = [(v.schedule, v.options) for v in grad_variants(forwards=True)]
@@ -96,7 +96,7 @@ def test_flash_backwards_move_less_than_dense_and_scale_with_m(name):
 
 
 def test_backward_errors_before_launch(rng, monkeypatch):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q, k, v = random_qkv(rng, 1, 2, 8, 4, 4)
     do = rng.standard_normal((1, 2, 8, 4)).astype(np.float32)

@@ -5,7 +5,7 @@ from conftest import SCHEDULES
 
 import loop_orders as lo
 from loop_orders.cli import main
-from loop_orders.ledger import TENSORS
+from loop_orders.core.ledger import TENSORS
 
 
 def test_schedules_lists_the_registry(capsys):
@@ -107,7 +107,7 @@ def test_headers_name_the_options_of_the_pass_that_runs(capsys):
 
 
 def test_cache_under_the_simulator_says_nothing_is_cached_there(capsys, monkeypatch, tmp_path):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     monkeypatch.setenv("LOOP_ORDERS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime, "SIMULATOR", True)

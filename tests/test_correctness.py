@@ -72,7 +72,7 @@ def test_more_keys_than_queries(schedule, rng):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_device_array_in_device_array_out(schedule, rng):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q, k, v = random_qkv(rng, 1, 2, 9, 4, 4)
     dq, dk, dv = (runtime.to_device(x) for x in (q, k, v))
@@ -131,7 +131,7 @@ def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
     on 64 x 64 tiles at d = 128; LOOP_ORDERS_KV_STAGES=1 forces it here, at small tiles):
     K_j, V_j copied after the barrier that ends the previous tile, float32's accuracy,
     counters == model."""
-    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.microkernel.tensor_cores import TensorCores
     from loop_orders.reference import FLOAT32_TOLERANCE
 
     monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
@@ -157,12 +157,12 @@ WS_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 1, 70, 70, 12, 64, 64, 32
 @pytest.mark.parametrize("case", WS_CASES, ids=lambda c: "B{}H{}N{}x{}d{}dv{}-{}x{}-{}".format(
     *c[:-1], "causal" if c[-1] else "full"))
 def test_q_outer_warp_specialised(case, monkeypatch, rng):
-    """q_outer's warp-specialised kernel (`microkernel_ws`: what SPECIALISED takes at d = 128
+    """q_outer's warp-specialised kernel (`warp_specialised`: what SPECIALISED takes at d = 128
     on 128 x 64 tiles; LOOP_ORDERS_LAYOUT=ws forces it here, at small tiles, unrolled as
     there for the mask): S warps and P V warps under named barriers, float32's accuracy, lse,
     counters == model."""
-    from loop_orders.microkernel_ws import Specialised
     from loop_orders.reference import FLOAT32_TOLERANCE
+    from loop_orders.schedules.q_outer.warp_specialised import Specialised
 
     sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case
@@ -181,7 +181,7 @@ def test_q_outer_warp_specialised(case, monkeypatch, rng):
 
 
 # (batch, heads, n_q, n_k, d, dv, block_q, block_k, causal): more work items (query blocks x
-# heads) than the simulator's persistent CTAs (`microkernel_ws.SIMULATED_CTAS`, 2), so that a
+# heads) than the simulator's persistent CTAs (`warp_specialised.SIMULATED_CTAS`, 2), so that a
 # CTA folds block after block, the first its own and the next ones drawn; tails of both blocks
 # and dv != d, the causal diagonal, and whole tiles (`Specialised.even`)
 PERSISTENT_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 2, 70, 70, 12, 64, 64, 32, True),
@@ -198,8 +198,8 @@ def test_q_outer_warp_specialised_on_persistent_ctas(case, monkeypatch, rng):
     under the P V warps' last tile; float32's accuracy, lse, counters == model, and the
     counter back at zero for the next launch (twice in a row: a second launch that found it
     raised would skip blocks and leave their rows of O unwritten)."""
-    from loop_orders.microkernel_ws import Specialised, persistent_grid, tickets
     from loop_orders.reference import FLOAT32_TOLERANCE
+    from loop_orders.schedules.q_outer.warp_specialised import Specialised, persistent_grid, tickets
 
     sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case

@@ -107,7 +107,7 @@ def test_cli_subprocess_has_no_traceback():
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fail loudly if anything reaches the device: copies, allocations or launches."""
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     def reached(*args, **kwargs):
         raise AssertionError("reached the device before the input was refused")
@@ -157,7 +157,7 @@ def test_rank_shape_dtype_and_layout_refusals(qkv, no_launch):
 
 
 def test_non_contiguous_device_arrays_refused(qkv):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     dq, dk, dv = (runtime.to_device(x) for x in qkv)
     strided = runtime.to_device(np.concatenate([qkv[0]] * 2, axis=2))[:, :, ::2]
@@ -252,7 +252,7 @@ def test_cli_every_subcommand_exits_2_with_one_line(argv, pattern, capsys):
 
 @pytest.mark.parametrize("command", ["traffic", "run"])
 def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch, fresh_calls):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     monkeypatch.setattr(runtime, "memory_limit", lambda: (100, "a test limit"))
     argv = [command, "--schedule", "dense", "--n", "8", "--d", "4", "--block-q", "4",

@@ -132,8 +132,8 @@ BACKWARD_EXAMPLES = int(os.environ.get("LOOP_ORDERS_FUZZ_BACKWARD_EXAMPLES",
 def test_every_backward_matches_reference_and_model(case):
     """Each backward schedule (each value of its options) on the drawn case: gradients
     within tolerance of the float64 ones, counters == model exactly."""
+    from loop_orders.core.schedule import get_backward, grad_variants
     from loop_orders.reference import attention_grad_reference, grad_tolerance
-    from loop_orders.schedule import get_backward, grad_variants
 
     c = case
     rng = np.random.default_rng(c["seed"])

@@ -6,13 +6,13 @@ import pytest
 from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
+from loop_orders.core.schedule import backward_of, grad_variants
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
     relative_error,
     tolerance,
 )
-from loop_orders.schedule import backward_of, grad_variants
 
 
 @gpu
@@ -82,7 +82,7 @@ def test_q_outer_warp_specialised_on_whole_tiles(causal, rng):
     tails' code (Specialised.even; causal, the diagonal by row groups), unrolled as q_outer's
     SPECIALISED says for the mask (a CTA a query block: past PERSISTENT's N), float32
     accuracy, lse, counts == model."""
-    from loop_orders.microkernel_ws import Specialised
+    from loop_orders.schedules.q_outer.warp_specialised import Specialised
 
     q, k, v = random_qkv(rng, 2, 3, 4096, 128, 128)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=128, block_k=64, causal=causal,
@@ -107,7 +107,7 @@ def test_q_outer_warp_specialised_ctas_fold_several_blocks(n, causal, monkeypatc
     code (N = 1024); twice in a row, so that the second launch finds the counter the first set
     back (else it would skip blocks and leave their rows of O unwritten); float32 accuracy,
     lse, counts == model."""
-    from loop_orders.microkernel_ws import persistent_grid, tickets
+    from loop_orders.schedules.q_outer.warp_specialised import persistent_grid, tickets
 
     sched = lo.get_schedule("q_outer")
     _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
@@ -310,7 +310,7 @@ def test_every_kind_of_array_gives_the_same_kind_back(rng):
     """NumPy, Numba, torch (CUDA), CuPy (when installed) and a bare
     __cuda_array_interface__ object: the same numbers; torch and CuPy outputs on their
     device; torch's current stream used."""
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q, k, v = random_qkv(rng, 1, 2, 256, 64, 64)
     want = lo.attention(q, k, v).out
@@ -348,7 +348,7 @@ def test_every_kind_of_array_gives_the_same_kind_back(rng):
 def test_the_parameter_block_launch_matches_numbas_own(rng):
     """runtime.launch passes the arguments itself (a ctypes block, cuLaunchKernel): the same
     output as Numba's dispatcher launching the same kernel."""
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     sched = lo.get_schedule("q_outer")
     q, k, v = random_qkv(rng, 2, 2, 300, 64, 64)

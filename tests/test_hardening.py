@@ -14,7 +14,7 @@ import pytest
 from conftest import SCHEDULES, random_qkv
 
 import loop_orders as lo
-from loop_orders.ledger import n_slots, slot
+from loop_orders.core.ledger import n_slots, slot
 from loop_orders.reference import relative_error, tolerance
 
 # The simulator runs the kernels in NumPy scalars, which warn on NaN/inf arithmetic.
@@ -222,7 +222,7 @@ def test_workspace_is_stated_next_to_each_model():
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_memory_refused_before_any_copy_with_need_and_limit(schedule, rng, monkeypatch,
                                                            fresh_calls):
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q, k, v = random_qkv(rng, 1, 2, 8, 4, 4)
     need = sum(lo.api.memory_need(lo.get_schedule(schedule), lo.make_problem(
@@ -244,7 +244,7 @@ def test_memory_refused_before_any_copy_with_need_and_limit(schedule, rng, monke
 
 def test_dense_quadratic_workspace_refused_against_the_real_limit():
     """60000 heads of N = 12000: S and P alone are 69 TB. Zero-stride inputs cost nothing."""
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q = np.broadcast_to(np.float32(0), (1000, 60, 12000, 1))
     limit, where = runtime.memory_limit()
@@ -293,7 +293,7 @@ def test_model_counts_beyond_int32_are_exact_python_ints():
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_kernel_counters_are_int64_past_2_to_the_31(schedule, rng):
     """Start every counter slot just below 2^31: the kernels add to it without wrapping."""
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     q, k, v = random_qkv(rng, 1, 1, 9, 4, 4)
     sched = lo.get_schedule(schedule)

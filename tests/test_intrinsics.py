@@ -1,13 +1,13 @@
-"""The inline-PTX layer (loop_orders.intrinsics), one warp per test: on a GPU the instructions
-themselves, on the simulator their emulation, against NumPy in both cases. The fragment
+"""The inline-PTX layer (loop_orders.device.intrinsics), one warp per test: on a GPU the
+instructions themselves, on the simulator their emulation, against NumPy in both cases. The fragment
 layouts the tensor-core micro-kernel relies on are exactly what these check."""
 
 import numpy as np
 import pytest
 from numba import float32, uint32
 
-from loop_orders import intrinsics as ptx
-from loop_orders.runtime import cuda, to_device
+from loop_orders.device import intrinsics as ptx
+from loop_orders.device.runtime import cuda, to_device
 
 
 def _bf16_round(x):

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from loop_orders.microkernel import (
+from loop_orders.device.runtime import cuda
+from loop_orders.microkernel.cuda_cores import (
     DATA_REGISTERS,
     Layout,
     Unroll,
@@ -11,8 +12,7 @@ from loop_orders.microkernel import (
     shared_layout,
     thread_layout,
 )
-from loop_orders.runtime import cuda
-from loop_orders.tiles import block_grid, make_block_of, make_clear, unrolled
+from loop_orders.microkernel.tiles import block_grid, make_block_of, make_clear, unrolled
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
     them there and BLOCKS everywhere else (and for SDPA's rows)."""
     import loop_orders as lo
     from experiments import bench_runtime as bench
-    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.microkernel.tensor_cores import TensorCores
 
     q_outer = lo.get_schedule("q_outer")
 
@@ -293,8 +293,8 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
     """float16 runs kv_outer and q_outer on tensor cores (q_outer double-buffers K/V); float32,
     and schedules without TENSOR_CORES, keep the CUDA-core layout."""
     import loop_orders as lo
-    from loop_orders.microkernel_tc import TensorCores, tc_shared_layout
-    from loop_orders.runtime import dynamic_shared_limit
+    from loop_orders.device.runtime import dynamic_shared_limit
+    from loop_orders.microkernel.tensor_cores import TensorCores, tc_shared_layout
 
     for name, stages in (("q_outer", 2), ("kv_outer", 1)):
         sched = lo.get_schedule(name)
@@ -342,8 +342,9 @@ def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
     kernel for an o 4 bytes off too. Tiles of their own (24 x 12, d = 8; 64 x 32, d = 64), so
     the kernels built here are no other test's."""
     import loop_orders as lo
-    from loop_orders import microkernel, runtime
-    from loop_orders.arrays import DeviceView, c_strides
+    from loop_orders.device import runtime
+    from loop_orders.device.arrays import DeviceView, c_strides
+    from loop_orders.microkernel import cuda_cores as microkernel
 
     monkeypatch.setattr(microkernel, "SIMULATOR", False)
     sched = lo.get_schedule("q_outer")
@@ -387,7 +388,7 @@ def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
     """dense: kernels 1 and 3 on mma.sync for float16 and bfloat16 (a warp per 16 query rows,
     P rounded to 16 bits: one more output rounding), the CUDA-core kernels for float32."""
     import loop_orders as lo
-    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.microkernel.tensor_cores import TensorCores
 
     dense = lo.get_schedule("dense")
     for dtype in ("float16", "bfloat16"):
@@ -407,7 +408,7 @@ def test_the_launch_follows_a_tuning_override_set_between_calls(monkeypatch):
     LOOP_ORDERS_KV_STAGES between calls launches the kernel it asked for (a cache keyed on
     the problem alone once timed the double-buffered kernel's single-buffered twin)."""
     import loop_orders as lo
-    from loop_orders import runtime
+    from loop_orders.device import runtime
 
     sched = lo.get_schedule("q_outer")
     p = lo.make_problem("q_outer", n_q=64, d=16, block_q=32, block_k=16, dtype="float16")
@@ -425,7 +426,7 @@ def test_which_rows_the_tensor_cores_copy_with_cp_async():
     """cp.async moves 16 bytes: 8 16-bit elements or 4 float32 ones (TF32), so a head dim
     that is a multiple of 4 but not 8 takes it on TF32 only; the launch then checks the
     alignment of exactly those arrays (microkernel._launch_plan, dense.launch)."""
-    from loop_orders.microkernel_tc import TensorCores
+    from loop_orders.microkernel.tensor_cores import TensorCores
 
     f16, bf16, tf32 = TensorCores("float16"), TensorCores("bfloat16"), TensorCores("tf32")
     assert (f16.per_copy, bf16.per_copy, tf32.per_copy) == (8, 8, 4)
@@ -442,8 +443,8 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     LOOP_ORDERS_LAYOUT=ws is refused where the loop nest or the tiles have no such kernel;
     inputs cp.async cannot copy get the shared micro-kernel's plain loads."""
     import loop_orders as lo
-    from loop_orders.microkernel_tc import TensorCores
-    from loop_orders.microkernel_ws import Specialised, shared
+    from loop_orders.microkernel.tensor_cores import TensorCores
+    from loop_orders.schedules.q_outer.warp_specialised import Specialised, shared
 
     q_outer = lo.get_schedule("q_outer")
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from loop_orders.ledger import TENSORS, Ledger, declare_tensor, declared_tensors, n_slots, slot
+from loop_orders.core.ledger import TENSORS, Ledger, declare_tensor, declared_tensors, n_slots, slot
 
 declare_tensor("scratch_test", "float32")  # a schedule's own HBM tensor, as TENSORS declares
 

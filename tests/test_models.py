@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loop_orders as lo
-from loop_orders.schedule import per_head_ledger
+from loop_orders.core.schedule import per_head_ledger
 
 
 def options_of(draw, sched):

@@ -4,7 +4,7 @@ import threading
 import numpy as np
 import pytest
 
-from loop_orders import runtime
+from loop_orders.device import runtime
 
 
 def _threads_disagree(array_fn, n_threads=32):

@@ -8,8 +8,8 @@ import pytest
 from conftest import random_qkv
 
 import loop_orders as lo
-from loop_orders import runtime
 from loop_orders.api import simulated_seconds
+from loop_orders.device import runtime
 
 pytestmark = pytest.mark.skipif(not runtime.SIMULATOR, reason="the simulator's budget")
 

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 import loop_orders as lo  # noqa: E402
 import loop_orders.torch as lot  # noqa: E402
-from loop_orders import runtime  # noqa: E402
+from loop_orders.device import runtime  # noqa: E402
 
 DEVICE = "cpu" if runtime.SIMULATOR else "cuda"
 VARIANTS = [("q_outer", None), ("q_outer", {"dq": "separate"}), ("kv_outer", None),
@@ -79,8 +79,8 @@ def test_16_bit_tensors_forward_and_backward(schedule, options, dtype):
     loop order, forward (tensor cores where the schedule has them) and backward, with tails,
     an odd d and dv != d: outputs and gradients in the input dtype, against float64 within
     the 16-bit tolerances (`reference.tolerance`, `grad_tolerance`)."""
+    from loop_orders.core.schedule import backward_of
     from loop_orders.reference import grad_tolerance, relative_error, tolerance
-    from loop_orders.schedule import backward_of
 
     tdt = getattr(torch, dtype)
     q, k = leaves((1, 2, 11, 5), dtype=tdt, n=2)

@@ -38,8 +38,8 @@ import torch
 
 from .. import api
 from ..api import _check_bool, _check_scale  # the single-device API's checks and messages
-from ..ledger import Ledger
-from ..schedule import schedule_names as local_schedules
+from ..core.ledger import Ledger
+from ..core.schedule import schedule_names as local_schedules
 from . import allgather_kv, ring, ulysses
 from .layout import SCHEDULES, CPProblem, make_problem, rows_of, shard, unshard
 from .local import Device, LocalAttention
@@ -162,7 +162,7 @@ def use_device(local_rank: int) -> torch.device:
     """This process's device: GPU `local_rank` for torch and for our kernels (Numba) on a
     GPU machine, the CPU under the simulator. Call it once, before the first kernel
     (torchrun starts one process per GPU and sets LOCAL_RANK)."""
-    from .. import runtime
+    from ..device import runtime
 
     if runtime.SIMULATOR:
         return torch.device("cpu")

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from .. import api
-from ..ledger import Ledger
+from ..core.ledger import Ledger
 from .layout import CPProblem
 
 

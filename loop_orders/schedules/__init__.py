@@ -1,8 +1,10 @@
-"""The registered schedules, one module each. Importing this package registers them all.
+"""The registered schedules, one module or package each. Importing this package registers
+them all.
 
 To add a loop order, write `loop_orders/schedules/<name>.py` with a `Schedule` subclass
-decorated with `@register` (README, "Adding a schedule"); every module of this package is
-imported here, in name order, so nothing else needs an edit.
+decorated with `@register` (docs/architecture.md), or a package `<name>/` whose `__init__`
+imports its `forward` and `backward` modules; every module and package here is imported, in
+name order, so nothing else needs an edit.
 """
 
 import importlib

@@ -47,10 +47,10 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..intrinsics import narrow
-from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, Unroll, make_micro_kernel
-from ..runtime import (
+from ..core.ledger import Ledger, slot
+from ..core.schedule import Kernel, Option, Problem, ceil_div, int_option, register, rows, sees
+from ..device.intrinsics import narrow
+from ..device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
@@ -62,8 +62,8 @@ from ..runtime import (
     multiprocessor_count,
     resident_ctas,
 )
-from ..schedule import Kernel, Option, Problem, ceil_div, int_option, register, rows, sees
-from ..tiles import (
+from ..microkernel.cuda_cores import MicroKernelSchedule, Unroll, make_micro_kernel
+from ..microkernel.tiles import (
     LN2,
     counter_slots,
     counts_flusher,

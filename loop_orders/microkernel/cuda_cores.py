@@ -68,17 +68,9 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from numba import float32, int32, uint32, uint64
 
-from .intrinsics import cp_async_wait_all, exp2
-from .microkernel_spec import DATA_REGISTERS, Layout, MicroKernel
-from .microkernel_tc import (
-    TensorCores,
-    check_aligned,
-    make_tc_micro_kernel,
-    tc_shared_layout,
-    warp_exchanges_per_tile,
-)
-from .microkernel_ws import Specialised, persistent_grid, shared_floats, tickets
-from .runtime import (
+from ..core.schedule import Kernel, Problem, Schedule
+from ..device.intrinsics import cp_async_wait_all, exp2
+from ..device.runtime import (
     MAX_THREADS_PER_BLOCK,
     SIMULATOR,
     cuda,
@@ -87,7 +79,13 @@ from .runtime import (
     inlined,
     launch,
 )
-from .schedule import Kernel, Problem, Schedule
+from .spec import DATA_REGISTERS, Layout, MicroKernel, SharedLayout, shared_layout
+from .tensor_cores import (
+    TensorCores,
+    check_aligned,
+    make_tc_micro_kernel,
+    warp_exchanges_per_tile,
+)
 from .tiles import (
     LN2,
     LOG2E,
@@ -97,7 +95,6 @@ from .tiles import (
     make_scores,
     make_tile_loader,
     make_tile_storer,
-    odd_stride,
     unrolled,
 )
 
@@ -137,64 +134,6 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     while lay.threads(block_q, block_k) > MAX_THREADS_PER_BLOCK:
         lay = Layout(2 * lay.rm, lay.kn) if lay.rm <= lay.kn else Layout(lay.rm, 2 * lay.kn)
     return lay
-
-
-def _round4(n: int) -> int:
-    return -(-n // 4) * 4
-
-
-class SharedLayout(NamedTuple):
-    """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
-
-    q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
-    qs: int
-    qts: int  # Q_i^T's row stride (a row per head dim)
-    q_transposed: bool  # Q_i is kept as Q_i^T (TRANSPOSE_Q, rows in groups of 4), else Q_i
-    k: int  # K_j, Bc rows
-    ks: int
-    v: int  # V_j, Bc rows
-    vs: int
-    p: int  # P_ij^T, a row per key a thread owns (Bc or a few more), a column per query row
-    ps: int
-    red: int  # per-thread row partials (max, then sums), RM per thread
-    o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij^T's place
-    stats: int  # kv_outer only: l_i then m_i of the block's rows
-    size: int  # floats in all
-
-    @property
-    def bytes(self) -> int:
-        return 4 * self.size
-
-
-@cache
-def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,
-                  reload: bool, transpose_q: bool = False) -> SharedLayout:
-    """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows, and
-    `transpose_q` keeps Q_i transposed where the layout's rows come in groups of 4. Tiles
-    have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
-    shares P_ij^T's space: O_i is taken before P_ij^T is written (the caller puts a barrier
-    between: what a thread writes of P_ij^T is other threads' rows of the O_i stage) and given
-    after P V_j."""
-    tr, tc = lay.grid(BR, BC)
-    rows, keys = tr * lay.rm, tc * lay.kn
-    qs = odd_stride(max(D, DV))  # Q_i or O_i, a row per query row
-    qts = odd_stride(rows)  # Q_i^T: a row per head dim, a column per query row
-    ks = odd_stride(D)
-    vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
-    ps = odd_stride(rows)  # P_ij^T: a row of the thread's query rows per key
-    q_transposed = transpose_q and lay.groups == 4
-    if lay.p_in_k and reload:
-        raise ValueError("P_ij^T in K_j's place leaves no room for the O_i stage (reload)")
-    # Q_i's region holds Q_i or Q_i^T, and O_i on its way out; K_j's, with p_in_k, P_ij^T
-    # once S_ij is done
-    p_size = max(keys * ps, rows * qs if reload else 0)
-    sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0),
-             max(keys * ks, p_size if lay.p_in_k else 0), BC * vs,
-             0 if lay.p_in_k else p_size, tr * tc * lay.rm, 2 * rows if reload else 0]
-    q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    p = k if lay.p_in_k else p
-    return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
-                        p if reload else 0, stats, size)
 
 
 class Unroll(NamedTuple):
@@ -776,7 +715,7 @@ def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,
                  RELOAD: bool, UNROLL: Unroll, PEEL: bool = False,
                  TRANSPOSE_Q: bool = False) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
-    `microkernel_tc.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
+    `tensor_cores.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
         return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
     return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
@@ -792,16 +731,16 @@ class LaunchPlan(NamedTuple):
     # the arrays (of "qkvo") moved 16 bytes at a time (cp.async copies, the warp-specialised
     # kernel's O_i stores): 16-byte aligned, or ...
     aligned: str
-    falls_back: bool  # ... True: the plain-load kernel takes them; False: refused
-    # CTAs that fold work items in turn, drawing them from `microkernel_ws.tickets()`, one an
-    # SM (`persistent_grid`): the warp-specialised kernel where `Specialised.persistent`
-    persistent: bool
+    # the build (`Layout`, `TensorCores`, or a loop nest's own, e.g. q_outer's `Specialised`):
+    # its `falls_back` says whether unaligned arrays take plain loads or are refused, its
+    # `work_grid` how the CTAs take the work items
+    spec: object
 
 
 class MicroKernelSchedule(Schedule):
     """A schedule whose main kernel runs a micro-kernel: the CUDA-core one (thread layout
     `thread_layout`, buffer `shared_layout`) or, for 16-bit inputs where the schedule has
-    TENSOR_CORES, the tensor-core one (`microkernel_tc`); kv_outer's O_i stage is in the
+    TENSOR_CORES, the tensor-core one (`tensor_cores`); kv_outer's O_i stage is in the
     buffer when RELOAD. A subclass gives `make_kernel` (tile sizes, micro-kernel and flags as
     compile-time constants) and `launch` (grid and arguments, through `launch_kernel`); a
     schedule with more kernels adds them to `kernels`."""
@@ -823,25 +762,16 @@ class MicroKernelSchedule(Schedule):
     # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
-    # (block_q, block_k, d, dv, causal) -> (chunks, keys): float32 tiles this loop nest runs on
-    # its warp-specialised kernel (`microkernel_ws`, which only q_outer's loop nest has),
-    # measured faster there, with that kernel's unrolling (`Specialised`) measured fastest
-    SPECIALISED: ClassVar[dict] = {}
-    # The same key -> (largest N_q, (chunks, keys, peel)): up to that N_q the warp-specialised
-    # kernel runs on persistent CTAs (`Specialised.persistent`), unrolled so, instead
-    PERSISTENT: ClassVar[dict] = {}
-    SPECIALISES: ClassVar[bool] = False  # whether make_kernel takes a `Specialised`
-
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
         """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
 
-    def layout(self, p: Problem) -> Layout | TensorCores | Specialised:
+    def layout(self, p: Problem):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
         float32 ones at precision "tf32" or "tf32x3", where the schedule has them, else the
-        warp-specialised kernel where the schedule has it for p's tiles (`specialised`),
-        else the CUDA-core thread layout."""
+        loop nest's own kernel where it has one for p (`specialised`), else the CUDA-core
+        thread layout."""
         # tuning: LOOP_ORDERS_KV_STAGES=1 turns off a loop nest's double-buffered (tensor
         # cores) or staggered (CUDA cores) K/V loads, where it has them
         stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
@@ -855,30 +785,16 @@ class MicroKernelSchedule(Schedule):
         lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
         return lay._replace(stages=stages)
 
-    def specialised(self, p: Problem, stages: int) -> Specialised | None:
-        """The warp-specialised kernel, unrolled as SPECIALISED says (on persistent CTAs up to
-        the N_q PERSISTENT gives), where p's tiles and mask are in it (and K/V loads run under
-        the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
-        ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]: its unrolling and CTAs, `Specialised`) forces it
-        (for tuning and tests: a ValueError where this loop nest has no such kernel or the
-        tiles do not fit it); else None. Any other LOOP_ORDERS_LAYOUT names a thread tile of
-        the shared micro-kernel."""
+    def specialised(self, p: Problem, stages: int):
+        """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None
+        for the shared micro-kernel. LOOP_ORDERS_LAYOUT=ws forces one (for tuning): refused
+        here, where the loop nest has none."""
         forced = os.environ.get("LOOP_ORDERS_LAYOUT")
-        tiles = (p.block_q, p.block_k, p.d, p.dv)
         if forced and forced.split(",")[0] == "ws":
-            if not self.SPECIALISES or not Specialised.fits(*tiles):
-                raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
-                                 f"specialised kernel for block_q, block_k, d, dv = {tiles}")
-            chosen = Specialised.parse(forced, p.dv)
-        elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
-            largest_n, steps = self.PERSISTENT.get((*tiles, p.causal), (0, ()))
-            if p.n_q <= largest_n:
-                chosen = Specialised(p.dv, *steps, persistent=True)
-            else:
-                chosen = Specialised(p.dv, *self.SPECIALISED[(*tiles, p.causal)])
-        else:
-            return None
-        return chosen.for_problem(p.n_q, p.n_k, p.block_q, p.block_k)
+            tiles = (p.block_q, p.block_k, p.d, p.dv)
+            raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
+                             f"specialised kernel for block_q, block_k, d, dv = {tiles}")
+        return None
 
     def threads(self, p: Problem) -> int:
         return self.layout(p).threads(p.block_q, p.block_k)
@@ -925,26 +841,20 @@ class MicroKernelSchedule(Schedule):
         aligned = "" if SIMULATOR or not lay.copies_rows(p.d, p.dv) else lay.ALIGNED
         return LaunchPlan(self.micro_kernel(p, count, lay).fn,
                           lay.threads(p.block_q, p.block_k), self.dynamic_shared_bytes(p, lay),
-                          aligned, not isinstance(lay, TensorCores),
-                          isinstance(lay, Specialised) and lay.persistent)
+                          aligned, lay)
 
-    def dynamic_shared_bytes(self, p: Problem,
-                             lay: Layout | TensorCores | Specialised | None = None) -> int:
+    def dynamic_shared_bytes(self, p: Problem, lay=None) -> int:
+        """Bytes of the dynamic shared buffer of p's build (`layout`, unless given)."""
         lay = lay or self.layout(p)
-        if isinstance(lay, TensorCores):
-            return tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, self.RELOAD, lay).bytes
-        if isinstance(lay, Specialised):
-            return 4 * shared_floats(p.block_q, p.block_k, p.d, p.dv)
-        return shared_layout(p.block_q, p.block_k, p.d, p.dv, lay, self.RELOAD,
-                             self.transposes_q(p)).bytes
+        return lay.buffer_bytes(p.block_q, p.block_k, p.d, p.dv, self.RELOAD,
+                                self.transposes_q(p))
 
     def transposes_q(self, p: Problem) -> bool:
         """Whether this loop nest keeps Q_i transposed in shared memory for p (the CUDA-core
         micro-kernel's TRANSPOSE_Q); none does unless it says so."""
         return False
 
-    def micro_kernel(self, p: Problem, count: bool,
-                     lay: Layout | TensorCores | Specialised | None = None) -> Kernel:
+    def micro_kernel(self, p: Problem, count: bool, lay=None) -> Kernel:
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic
         buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
         lay = lay or self.layout(p)
@@ -968,10 +878,9 @@ class MicroKernelSchedule(Schedule):
             copied = {name: a for name, a in zip("qkvo", args[:4], strict=True)
                       if name in plan.aligned}
             if any(data_pointer(a) % 16 for a in copied.values()):
-                if plan.falls_back:
+                if plan.spec.falls_back:
                     plan = self._launch_plan(p, count, forced, plain=True)
                 else:
                     check_aligned(**copied)  # refused, with the reason
-        if plan.persistent:
-            grid, args = persistent_grid(grid), (*args, tickets())
+        grid, args = plan.spec.work_grid(grid, args)
         launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

@@ -15,7 +15,7 @@ Kernel 2 keeps one row of S in shared memory so that S is read exactly once; tha
 to what 48 KB of shared memory holds.
 
 16-bit inputs run kernels 1 and 3 on tensor cores, with the flash orders' matmul operands
-(`microkernel_tc.make_tc_operands`): a warp per 16 query rows, S_ij = Q_i K_j^T on mma.sync
+(`tensor_cores.make_tc_operands`): a warp per 16 query rows, S_ij = Q_i K_j^T on mma.sync
 written from its accumulator fragments, and acc += P_ij V_j with P_ij read from HBM straight
 into the A fragment (rounded to 16 bits, as the flash orders' P is). S and P stay float32 in
 HBM, so the traffic in elements is the same on either path (in bytes, a 16-bit S and P would
@@ -31,18 +31,10 @@ from functools import cache
 import numpy as np
 from numba import float32, int64, uint32, uint64
 
-from ..intrinsics import narrow, widen
-from ..ledger import Ledger, slot
-from ..microkernel import tensor_core_kind
-from ..microkernel_tc import (
-    TensorCores,
-    check_aligned,
-    make_tc_micro_kernel,
-    make_tc_operands,
-    tc_shared_layout,
-    warp_exchanges_per_tile,
-)
-from ..runtime import (
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Kernel, Problem, Schedule, ceil_div, register, rows
+from ...device.intrinsics import narrow, widen
+from ...device.runtime import (
     SHARED_BYTES_LIMIT,
     SHARED_F32,
     SIMULATOR,
@@ -52,8 +44,22 @@ from ..runtime import (
     kernel_factory,
     launch,
 )
-from ..schedule import Kernel, Problem, Schedule, ceil_div, register, rows
-from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer, zero_counts
+from ...microkernel.cuda_cores import tensor_core_kind
+from ...microkernel.tensor_cores import (
+    TensorCores,
+    check_aligned,
+    make_tc_micro_kernel,
+    make_tc_operands,
+    tc_shared_layout,
+    warp_exchanges_per_tile,
+)
+from ...microkernel.tiles import (
+    counter_slots,
+    counts_flusher,
+    make_tile_loader,
+    make_tile_storer,
+    zero_counts,
+)
 
 (Q_R, K_R, V_R, O_W, S_R, S_W, P_R, P_W, LSE_W) = (
     slot("q", "read"), slot("k", "read"), slot("v", "read"), slot("o", "write"),
@@ -304,7 +310,7 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):
 
 @kernel_factory
 def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):
-    """Kernel 1 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
+    """Kernel 1 on tensor cores (SPEC: `tensor_cores.TensorCores`)."""
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, D, 0, SPEC)
@@ -368,7 +374,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):
 
 @kernel_factory
 def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
-    """Kernel 3 on tensor cores (SPEC: `microkernel_tc.TensorCores`)."""
+    """Kernel 3 on tensor cores (SPEC: `tensor_cores.TensorCores`)."""
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, 0, DV, SPEC)

@@ -1,6 +1,6 @@
 """q_outer's float32 forward on CUDA cores with its warps specialised: S warps and P V warps.
 
-The shared micro-kernel (`microkernel`) has every thread compute both products of a tile, so
+The shared micro-kernel (`cuda_cores`) has every thread compute both products of a tile, so
 its registers hold a thread's scores and its accumulators at once, and at d = 128 that leaves
 an 8 x 4 thread tile for S_ij: 12 shared loads per 128 FMAs. Here the CTA's warps split:
 
@@ -74,7 +74,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
-from .intrinsics import (
+from ...device.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
     cp_async_wait_one,
@@ -84,8 +84,7 @@ from .intrinsics import (
     st_global_v4,
     vote_any,
 )
-from .microkernel_spec import Layout
-from .runtime import (
+from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     SIMULATOR,
@@ -97,7 +96,8 @@ from .runtime import (
     kernel_options,
     multiprocessor_count,
 )
-from .tiles import (
+from ...microkernel.spec import Layout
+from ...microkernel.tiles import (
     LN2,
     counter_slots,
     counts_flusher,
@@ -113,7 +113,7 @@ from .tiles import (
 )
 
 NEG_INF = float32(-math.inf)
-MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`microkernel.MAX_SLACK`)
+MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`cuda_cores.MAX_SLACK`)
 S_RM, S_KN = 8, 8  # an S thread's rows and keys
 P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
@@ -165,7 +165,7 @@ class Specialised(NamedTuple):
     # without a mask, without any masking), as FlashAttention's Is_even_MN
     even: bool = False
 
-    # as a `microkernel.Layout` reads: K/V copies under the arithmetic (K_j+1 under S_ij, V_j
+    # as a `cuda_cores.Layout` reads: K/V copies under the arithmetic (K_j+1 under S_ij, V_j
     # by halves two ahead), and P_ij^T in a region of its own
     stages: int = 2
     p_in_k: bool = False
@@ -190,6 +190,19 @@ class Specialised(NamedTuple):
 
     # K/V rows by cp.async, O_i by 16-byte stores: those arrays 16-byte aligned (`Layout`)
     ALIGNED = "kvo"
+    falls_back = True  # unaligned inputs take the shared micro-kernel with plain loads
+
+    def buffer_bytes(self, block_q: int, block_k: int, d: int, dv: int, reload: bool,
+                     transpose_q: bool) -> int:
+        """Bytes of a CTA's dynamic shared buffer (`shared_floats`)."""
+        return 4 * shared_floats(block_q, block_k, d, dv)
+
+    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+        """The launch's grid and kernel arguments: persistent CTAs, one an SM, drawing the
+        work items of `grid` from a counter in HBM (`tickets`); else a CTA per item."""
+        if self.persistent:
+            return persistent_grid(grid), (*args, tickets())
+        return grid, args
 
     def copies_rows(self, d: int, dv: int) -> bool:
         return True

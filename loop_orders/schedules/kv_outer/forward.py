@@ -27,11 +27,11 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, Unroll, micro_kernel
-from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
-from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import LN2, counter_slots, counts_flusher, zero_counts
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Problem, ceil_div, register, rows, sees
+from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ...microkernel.tiles import LN2, counter_slots, counts_flusher, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops: 1. This loop nest keeps more values live
 # across the update than q_outer's (the i loop inside the j loop, the l, m and O pointers),
@@ -247,7 +247,7 @@ class KVOuter(MicroKernelSchedule):
         return min(bc, d), bc
 
     def allocate_workspace(self, p: Problem, empty=None) -> tuple:
-        from ..runtime import device_empty
+        from ...device.runtime import device_empty
 
         empty = empty or device_empty
         return empty((p.bh, p.n_q), np.float32), empty((p.bh, p.n_q), np.float32)

@@ -19,7 +19,7 @@ d; P read twice (kernels 2 and 3), dP written once and read once, dS written onc
 twice (kernels 3 and 4), each N_q N_k; dQ, dK, dV written once. A causal mask reduces none of
 it (masked entries are zeros of P and dS, still moved), as in the forward. This is
 Theta(N d + N^2) for fixed tiles: Theorem 5's standard-attention baseline. The products share
-the flash backward's device functions (backward_tiles), so the baseline is not slowed by a
+the flash backward's device functions (grad_tiles), so the baseline is not slowed by a
 naive inner loop.
 """
 
@@ -30,16 +30,9 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule
-from ..backward_tiles import (
-    acc_layout,
-    grad_layout,
-    grad_shared_layout,
-    make_dkdv_epilogue,
-    make_grad_tile,
-)
-from ..ledger import Ledger, slot
-from ..runtime import (
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Kernel, Problem, register, rows
+from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
@@ -49,9 +42,16 @@ from ..runtime import (
     kernel_options,
     launch,
 )
-from ..schedule import Kernel, Problem, register, rows
-from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
-from ..tiles import zero_counts as zero
+from ...microkernel.grad_tiles import (
+    GradTileBackward,
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
+)
+from ...microkernel.tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ...microkernel.tiles import zero_counts as zero
 
 DS_MAX_THREADS = 128
 
@@ -288,7 +288,7 @@ def make_dq_kernel(BR, BC, D, DV, COUNT):
 
 
 @register
-class DenseBackward(BackwardSchedule):
+class DenseBackward(GradTileBackward):
     name = "dense"
     summary = "standard attention backward (Algorithm 3): P, dP, dS in HBM; four kernels"
     TENSORS = {"dp": "float32", "ds": "float32"}

@@ -9,7 +9,7 @@ inputs). The online softmax only ever exponentiates differences s - m <= 0 of a 
 and its running max, where a weight below 2^-126 is as good as 0, so the flushing version is
 exact enough; both give 2^-inf = 0 and propagate NaN. The simulator runs `math.exp2`.
 
-Tensor cores (the 16-bit micro-kernel, `microkernel_tc`), warp-collective: all 32 lanes of a
+Tensor cores (the 16-bit micro-kernel, `tensor_cores`), warp-collective: all 32 lanes of a
 warp call them together. Fragments are 32-bit registers holding two 16-bit values, the lower
 column (or key) in the low half; lane = 4 g + t.
 
@@ -48,7 +48,7 @@ column (or key) in the low half; lane = 4 g + t.
     shfl_xor(x, lanes)                            x of lane (lane ^ lanes), float32
     vote_any(x)                                   whether x holds on any lane of the warp
 
-Named barriers, for warps that split a CTA's work (`microkernel_ws`): barrier `ident` (1 ..
+Named barriers, for warps that split a CTA's work (`warp_specialised`): barrier `ident` (1 ..
 15; 0 is __syncthreads') of `count` threads (a multiple of 32, whole warps):
 
     named_barrier(ident, count) -> (sync, arrive)  sync(): arrive and wait until `count`

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from .ledger import Ledger, declare_tensor
+from .ledger import TENSORS, Ledger, declare_tensor
 
 # Limits of the kernels as written (compile-time local arrays, 1024 threads per CTA).
 MAX_HEAD_DIM = 256
@@ -243,8 +243,6 @@ class Schedule(ABC):
 
     def ledger_tensors(self) -> tuple[str, ...]:
         """The tensors this schedule's ledgers list: the common ones, then its own."""
-        from .ledger import TENSORS
-
         return TENSORS + tuple(t for t in self.TENSORS if t not in TENSORS)
 
     def ledger(self, per_head: dict, bh: int) -> Ledger:

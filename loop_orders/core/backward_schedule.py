@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import ClassVar
 
-from .ledger import Ledger, declare_tensor
+from .ledger import TENSORS, Ledger, declare_tensor
 from .schedule import Kernel, Option, Problem, Schedule, get_schedule
 
 BACKWARD_TENSORS = {"do": "input", "dq": "input", "dk": "input", "dv": "input",
@@ -49,11 +49,10 @@ class BackwardSchedule(ABC):
         """CTAs of the main kernel: how many tile chains run side by side (B H Tc)."""
         return p.bh * p.tc
 
+    @abstractmethod
     def threads(self, p: Problem) -> int:
-        """Threads of a CTA of the main kernel (backward_tiles.grad_layout)."""
-        from .backward_tiles import grad_layout
-
-        return grad_layout(p.block_q, p.block_k).threads
+        """Threads of a CTA of the main kernel (on the shared backward tile:
+        `microkernel.grad_tiles.GradTileBackward` says)."""
 
     def loop_nest(self) -> str:
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
@@ -62,8 +61,6 @@ class BackwardSchedule(ABC):
         return get_schedule(self.name)
 
     def ledger_tensors(self) -> tuple[str, ...]:
-        from .ledger import TENSORS
-
         extra = {**BACKWARD_TENSORS, **self.TENSORS}
         return TENSORS + tuple(t for t in extra if t not in TENSORS)
 

@@ -1,6 +1,6 @@
 """The tensor-core micro-kernel for 16-bit inputs (and TF32), shared by kv_outer and q_outer.
 
-The same device functions as the CUDA-core micro-kernel (`microkernel.MicroKernel`), so the
+The same device functions as the CUDA-core micro-kernel (`cuda_cores.MicroKernel`), so the
 two loop nests run either unchanged; this one multiplies on tensor cores, FlashAttention-2
 style (mma.sync m16n8k16, float32 accumulators; `intrinsics`):
 
@@ -54,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32, uint16, uint32, uint64
 
-from .intrinsics import (
+from ..device.intrinsics import (
     cp_async_wait_all,
     exp2,
     ldmatrix_x4,
@@ -67,8 +67,8 @@ from .intrinsics import (
     shfl_xor,
     tf32_round,
 )
-from .microkernel_spec import DATA_REGISTERS, MicroKernel
-from .runtime import SIMULATOR, cuda, data_pointer, inlined
+from ..device.runtime import SIMULATOR, cuda, data_pointer, inlined
+from .spec import DATA_REGISTERS, MicroKernel
 from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer, unrolled
 
 NEG_INF = float32(-math.inf)
@@ -80,7 +80,7 @@ class TensorCores(NamedTuple):
     or 'bfloat16' inputs (m16n8k16), or float32 inputs on m16n8k8 TF32: 'tf32' (each operand
     as TF32, the opt-in `precision="tf32"`) or 'tf32x3' (each operand split into a TF32 head
     and tail, three products: about float32's accuracy, `precision="tf32x3"`): the
-    counterpart of `microkernel.Layout` (which picks the CUDA-core one)."""
+    counterpart of `cuda_cores.Layout` (which picks the CUDA-core one)."""
 
     dtype: str
     stages: int = 1
@@ -106,6 +106,17 @@ class TensorCores(NamedTuple):
         return 16 // self.itemsize
 
     ALIGNED = "qkv"  # the arrays moved 16 bytes at a time where `copies_rows` (`Layout`)
+    falls_back = False  # inputs cp.async cannot copy are refused (`check_aligned`)
+
+    def buffer_bytes(self, block_q: int, block_k: int, d: int, dv: int, reload: bool,
+                     transpose_q: bool) -> int:
+        """Bytes of a CTA's dynamic shared buffer (`tc_shared_layout`; Q_i is never
+        transposed here)."""
+        return tc_shared_layout(block_q, block_k, d, dv, reload, self).bytes
+
+    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+        """The launch's grid and kernel arguments: a CTA per work item, as given."""
+        return grid, args
 
     def copies_rows(self, *widths: int) -> bool:
         """Whether rows of these widths arrive by cp.async (whole 16-byte copies; the source
@@ -552,7 +563,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 class TcTileIO(NamedTuple):
     """The tiles between HBM and shared memory (`make_tc_tile_io`): the
-    `microkernel.MicroKernel` fields of the same names."""
+    `cuda_cores.MicroKernel` fields of the same names."""
 
     load_q: object
     load_k: object
@@ -647,7 +658,7 @@ def make_tc_scaling(NKT: int) -> TcScaling:
 def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                           CAUSAL: bool, RELOAD: bool):
     """online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage): K_j, V_j
-    folded into the warp's rows (`microkernel.MicroKernel.online_update`)."""
+    folded into the warp's rows (`cuda_cores.MicroKernel.online_update`)."""
     KP = _up(BC, 16)  # keys of a tile, padded
     NKT = KP // 8  # 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
@@ -703,7 +714,7 @@ def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 class TcOStage(NamedTuple):
     """O_i and the row statistics through the float32 stage (`make_tc_o_stage`): the
-    `microkernel.MicroKernel` fields of the same names."""
+    `cuda_cores.MicroKernel` fields of the same names."""
 
     give_o: object
     take_o: object
@@ -764,7 +775,7 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 class TcRowStats(NamedTuple):
     """A row's statistics over its 4 lanes (`make_tc_row_stats`): the
-    `microkernel.MicroKernel` fields of the same names."""
+    `cuda_cores.MicroKernel` fields of the same names."""
 
     row_sums: object
     reciprocal: object
@@ -808,7 +819,7 @@ def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 @cache
 def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                          CAUSAL: bool, RELOAD: bool):
-    """The tensor-core micro-kernel's device functions (`microkernel.MicroKernel`); `stage`
+    """The tensor-core micro-kernel's device functions (`cuda_cores.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1). Its parts: `make_tc_operands`,
     `make_tc_tile_io`, `make_tc_online_update`, `make_tc_o_stage` and `make_tc_row_stats`."""
     W = -(-BR // WARP_ROWS)  # warps

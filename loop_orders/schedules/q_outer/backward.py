@@ -36,17 +36,10 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule
-from ..backward_tiles import (
-    acc_layout,
-    grad_layout,
-    grad_shared_layout,
-    make_dkdv_epilogue,
-    make_grad_tile,
-)
-from ..intrinsics import narrow, widen
-from ..ledger import Ledger, slot
-from ..runtime import (
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Kernel, Option, Problem, ceil_div, choice_option, register, rows, sees
+from ...device.intrinsics import narrow, widen
+from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
@@ -56,17 +49,15 @@ from ..runtime import (
     kernel_options,
     launch,
 )
-from ..schedule import (
-    Kernel,
-    Option,
-    Problem,
-    ceil_div,
-    choice_option,
-    register,
-    rows,
-    sees,
+from ...microkernel.grad_tiles import (
+    GradTileBackward,
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
 )
-from ..tiles import (
+from ...microkernel.tiles import (
     block_grid,
     counter_slots,
     counts_flusher,
@@ -74,7 +65,7 @@ from ..tiles import (
     make_tile_loader,
     make_tile_storer,
 )
-from ..tiles import zero_counts as zero
+from ...microkernel.tiles import zero_counts as zero
 
 PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
 CONVERT_THREADS = 256
@@ -335,7 +326,7 @@ def make_convert_kernel(COUNT):
 
 
 @register
-class QOuterBackward(BackwardSchedule):
+class QOuterBackward(GradTileBackward):
     name = "q_outer"
     summary = ("FlashAttention-2 backward: one CTA per K/V block for dK, dV; dQ by float32 "
                "atomics, or a Q-outer kernel (dq=separate)")

@@ -32,9 +32,11 @@ from typing import NamedTuple
 
 from numba import float32, uint32, uint64
 
-from .intrinsics import exp2
-from .ledger import slot
-from .runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
+from ..core.backward_schedule import BackwardSchedule
+from ..core.ledger import slot
+from ..core.schedule import Problem
+from ..device.intrinsics import exp2
+from ..device.runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
 from .tiles import LOG2E, make_clear, make_tile_storer
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
@@ -89,6 +91,15 @@ def grad_layout(block_q: int, block_k: int) -> GradLayout:
         rm *= 2
     return GradLayout(rm, kn, -(-block_q // rm), tc)
 
+
+
+
+class GradTileBackward(BackwardSchedule):
+    """A backward order whose main kernel runs the shared backward tile (`make_grad_tile`):
+    its CTA is `grad_layout`'s."""
+
+    def threads(self, p: Problem) -> int:
+        return grad_layout(p.block_q, p.block_k).threads
 
 class AccLayout(NamedTuple):
     """How a CTA's NT threads own an M x N accumulator: thread t = (tm, tn), tm = t // TN,

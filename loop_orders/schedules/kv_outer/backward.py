@@ -31,17 +31,9 @@ from collections import Counter
 import numpy as np
 from numba import float32, int64
 
-from ..backward_schedule import BackwardSchedule
-from ..backward_tiles import (
-    acc_layout,
-    grad_layout,
-    grad_shared_layout,
-    make_dkdv_epilogue,
-    make_grad_tile,
-    make_row_fns,
-)
-from ..ledger import Ledger, slot
-from ..runtime import (
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Kernel, Problem, ceil_div, register, rows, sees
+from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
@@ -50,9 +42,17 @@ from ..runtime import (
     kernel_options,
     launch,
 )
-from ..schedule import Kernel, Problem, ceil_div, register, rows, sees
-from ..tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
-from ..tiles import zero_counts as zero
+from ...microkernel.grad_tiles import (
+    GradTileBackward,
+    acc_layout,
+    grad_layout,
+    grad_shared_layout,
+    make_dkdv_epilogue,
+    make_grad_tile,
+    make_row_fns,
+)
+from ...microkernel.tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ...microkernel.tiles import zero_counts as zero
 
 
 def _make_grad_init(BR, BC, D, DV, COUNT):
@@ -215,7 +215,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
 
 
 @register
-class KVOuterBackward(BackwardSchedule):
+class KVOuterBackward(GradTileBackward):
     name = "kv_outer"
     summary = ("FlashAttention Algorithm 4: K/V block resident; Q, O, dO, dQ, l, m reloaded "
                "and dQ written back per K/V block; one CTA per head")

@@ -1,14 +1,17 @@
 """What a forward micro-kernel build is, apart from any one build's code.
 
 `Layout` names the CUDA-core build (a thread tile of S_ij, `microkernel`); `TensorCores`
-(`microkernel_tc`) and `Specialised` (`microkernel_ws`) name the others. Every build returns
+(`tensor_cores`) and `Specialised` (`warp_specialised`) name the others. Every build returns
 the device functions of `MicroKernel`, so a loop nest runs on any of them unchanged. This
 module depends on no build, so each build's module can import it.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import NamedTuple
+
+from .tiles import odd_stride
 
 DATA_REGISTERS = 64  # scores + accumulators per thread that fit beside the rest under 128
 
@@ -31,6 +34,18 @@ class Layout(NamedTuple):
     p_in_k: bool = False
     # the arrays (of "qkvo") moved 16 bytes at a time where `copies_rows`: 16-byte aligned
     ALIGNED = "kv"
+    # Inputs cp.async cannot copy (not 16-byte aligned) take the same thread tile with plain
+    # loads (`plain`) rather than being refused.
+    falls_back = True
+
+    def buffer_bytes(self, block_q: int, block_k: int, d: int, dv: int, reload: bool,
+                     transpose_q: bool) -> int:
+        """Bytes of a CTA's dynamic shared buffer (`shared_layout`)."""
+        return shared_layout(block_q, block_k, d, dv, self, reload, transpose_q).bytes
+
+    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+        """The launch's grid and kernel arguments: a CTA per work item, as given."""
+        return grid, args
 
     @property
     def groups(self) -> int:
@@ -155,3 +170,61 @@ class MicroKernel(NamedTuple):
     weigh: object = None
     fold: object = None
     row_of: object = None
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+class SharedLayout(NamedTuple):
+    """Offsets (floats) and row strides of the tiles in a CTA's dynamic shared buffer."""
+
+    q: int  # Q_i, Br rows (q_outer also writes O_i through it, once Q_i is done with)
+    qs: int
+    qts: int  # Q_i^T's row stride (a row per head dim)
+    q_transposed: bool  # Q_i is kept as Q_i^T (TRANSPOSE_Q, rows in groups of 4), else Q_i
+    k: int  # K_j, Bc rows
+    ks: int
+    v: int  # V_j, Bc rows
+    vs: int
+    p: int  # P_ij^T, a row per key a thread owns (Bc or a few more), a column per query row
+    ps: int
+    red: int  # per-thread row partials (max, then sums), RM per thread
+    o: int  # kv_outer: the stage of O_i in and out (Br rows, stride qs), in P_ij^T's place
+    stats: int  # kv_outer only: l_i then m_i of the block's rows
+    size: int  # floats in all
+
+    @property
+    def bytes(self) -> int:
+        return 4 * self.size
+
+
+@cache
+def shared_layout(BR: int, BC: int, D: int, DV: int, lay: Layout,
+                  reload: bool, transpose_q: bool = False) -> SharedLayout:
+    """The buffer for one CTA; `reload` adds kv_outer's O_i stage and l_i, m_i rows, and
+    `transpose_q` keeps Q_i transposed where the layout's rows come in groups of 4. Tiles
+    have a row for every row (key) a thread owns, past Br (Bc) too. kv_outer's O_i stage
+    shares P_ij^T's space: O_i is taken before P_ij^T is written (the caller puts a barrier
+    between: what a thread writes of P_ij^T is other threads' rows of the O_i stage) and given
+    after P V_j."""
+    tr, tc = lay.grid(BR, BC)
+    rows, keys = tr * lay.rm, tc * lay.kn
+    qs = odd_stride(max(D, DV))  # Q_i or O_i, a row per query row
+    qts = odd_stride(rows)  # Q_i^T: a row per head dim, a column per query row
+    ks = odd_stride(D)
+    vs = -(-DV // (4 * tc)) * 4 * tc  # whole 4-wide chunks for every thread of a row
+    ps = odd_stride(rows)  # P_ij^T: a row of the thread's query rows per key
+    q_transposed = transpose_q and lay.groups == 4
+    if lay.p_in_k and reload:
+        raise ValueError("P_ij^T in K_j's place leaves no room for the O_i stage (reload)")
+    # Q_i's region holds Q_i or Q_i^T, and O_i on its way out; K_j's, with p_in_k, P_ij^T
+    # once S_ij is done
+    p_size = max(keys * ps, rows * qs if reload else 0)
+    sizes = [max(rows * qs, _round4(D) * qts if q_transposed else 0),
+             max(keys * ks, p_size if lay.p_in_k else 0), BC * vs,
+             0 if lay.p_in_k else p_size, tr * tc * lay.rm, 2 * rows if reload else 0]
+    q, k, v, p, red, stats, size = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    p = k if lay.p_in_k else p
+    return SharedLayout(q, qs, qts, q_transposed, k, ks, v, vs, p, ps, red,
+                        p if reload else 0, stats, size)

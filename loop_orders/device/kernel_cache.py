@@ -28,7 +28,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parent.parent  # loop_orders/
 FORMAT = "loop_orders.kernel/1"
 
 
@@ -63,7 +63,7 @@ def source_hash() -> str:
 def _environment() -> tuple:
     from numba import cuda
 
-    from .ledger import n_slots
+    from ..core.ledger import n_slots
 
     versions = []
     for name in ("numba", "numba-cuda", "llvmlite"):

@@ -14,7 +14,7 @@ second buffer while K_j, V_j are folded in; on CUDA cores, with one K and one V 
 is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_staggered`; K_0
 while Q_i loads), by cp.async where rows are whole 16-byte copies. Float32 at d = 128 on
 128 x 64 tiles, causal or not, runs a kernel of its own, the same loop nest with its warps
-specialised (`microkernel_ws`: S warps and P V warps). Causal query blocks start heaviest
+specialised (`warp_specialised`: S warps and P V warps). Causal query blocks start heaviest
 first, over every (batch, head).
 
 Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
@@ -24,18 +24,18 @@ Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
 from numba import float32, int32, int64
 
-from ..ledger import Ledger, slot
-from ..microkernel import MicroKernelSchedule, Unroll, micro_kernel
-from ..microkernel_ws import Specialised, make_specialised_kernel
-from ..runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
-from ..schedule import Problem, ceil_div, register, rows, sees
-from ..tiles import (
+from ...core.ledger import Ledger, slot
+from ...core.schedule import Problem, ceil_div, register, rows, sees
+from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ...microkernel.tiles import (
     block_grid,
     counter_slots,
     counts_flusher,
@@ -43,6 +43,7 @@ from ..tiles import (
     make_kv_blocks,
     make_online_start,
 )
+from .warp_specialised import Specialised, make_specialised_kernel
 
 # Steps per trip of the micro-kernel's hot loops, per head dim (else Unroll.by(2): 2 chunks of
 # S_ij's dims, 8 keys of P_ij V_j). Measured on the H200 (B=4, H=16, N=4096, 128 x 64 tiles) at
@@ -181,7 +182,7 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
-    if isinstance(MK, Specialised):  # S warps and P V warps (`microkernel_ws`)
+    if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`)
         return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
     mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
@@ -290,7 +291,7 @@ class QOuter(MicroKernelSchedule):
     # 0.832 against 0.798 at 1024) (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two
     # alternating rounds).
     TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1, ("tf32", 64, 64, 128, 128): 1}
-    # float32 at d = 128 on 128 x 64 tiles: S warps and P V warps (`microkernel_ws`), 8 x 8
+    # float32 at d = 128 on 128 x 64 tiles: S warps and P V warps (`warp_specialised`), 8 x 8
     # scores and 8 x 16 accumulators a thread, where the shared micro-kernel's threads hold
     # 8 x 4 scores and 8 x 8 accumulators each. Built for whole tiles it ran 4.3 % faster at
     # N = 4096 (11.80 against 12.33 ms) and 3.8 % at 1024 (3.041 against 3.162)
@@ -311,7 +312,6 @@ class QOuter(MicroKernelSchedule):
     # diagonal's common keys went 8 rows a key (results/gpu_logs/ws_unroll_causal_1b996c9.log).
     # 64-row blocks, two CTAs an SM (64 x 32, 2 S + 2 P V warps), lost 6-24 % causal, and
     # without a mask ran 14-16 % behind SDPA (results/gpu_logs/ws_64_rows_99621b7.log).
-    SPECIALISES = True
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
     # Causal, up to N_q = 2048: persistent CTAs, a CTA an SM folding query blocks in turn (a
     # causal block at N = 512 folds 5 K/V tiles on average, and the pipeline's fill and drain
@@ -376,6 +376,29 @@ class QOuter(MicroKernelSchedule):
 
     def workspace_bytes(self, p: Problem) -> int:
         return 0  # m_i, l_i and the accumulator live in registers only
+
+    def specialised(self, p: Problem, stages: int) -> Specialised | None:
+        """The warp-specialised kernel, unrolled as SPECIALISED says (on persistent CTAs up to
+        the N_q PERSISTENT gives), where p's tiles and mask are in it (and K/V loads run under
+        the arithmetic, `stages` 2), or where LOOP_ORDERS_LAYOUT=ws (or
+        ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]: its unrolling and CTAs, `Specialised`) forces it
+        (for tuning and tests: a ValueError where the tiles do not fit it); else None. Any
+        other LOOP_ORDERS_LAYOUT names a thread tile of the shared micro-kernel."""
+        forced = os.environ.get("LOOP_ORDERS_LAYOUT")
+        tiles = (p.block_q, p.block_k, p.d, p.dv)
+        if forced and forced.split(",")[0] == "ws":
+            if not Specialised.fits(*tiles):
+                return super().specialised(p, stages)  # refused, with the reason
+            chosen = Specialised.parse(forced, p.dv)
+        elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
+            largest_n, steps = self.PERSISTENT.get((*tiles, p.causal), (0, ()))
+            if p.n_q <= largest_n:
+                chosen = Specialised(p.dv, *steps, persistent=True)
+            else:
+                chosen = Specialised(p.dv, *self.SPECIALISED[(*tiles, p.causal)])
+        else:
+            return None
+        return chosen.for_problem(p.n_q, p.n_k, p.block_q, p.block_k)
 
     def transposes_q(self, p: Problem) -> bool:
         return transposes_q(p.d)

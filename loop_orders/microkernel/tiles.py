@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 from numba import float32, int64, uint32, uint64
 
-from .intrinsics import cp_async16, cp_async_commit, narrow, widen
-from .ledger import n_slots
-from .runtime import cuda, inlined
+from ..core.ledger import n_slots
+from ..device.intrinsics import cp_async16, cp_async_commit, narrow, widen
+from ..device.runtime import cuda, inlined
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -198,7 +198,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,
     n_rows are filled with zeros. The copies run asynchronously, as one commit group: the
     caller waits for them (`intrinsics.cp_async_wait_all`, or `cp_async_wait_one` with one
     later group in flight) before its barrier. src must be
-    16-byte aligned (`microkernel_tc.check_aligned`). The THREADS threads from FIRST on (all
+    16-byte aligned (`tensor_cores.check_aligned`). The THREADS threads from FIRST on (all
     of the CTA's, or one group of warps) call it; returns the elements this thread counts
     (the first thread counts the tile's n_rows COLS). WHOLE: the caller copies whole tiles
     only (n_rows == ROWS, where STEADY), so the tail's code is left out."""
