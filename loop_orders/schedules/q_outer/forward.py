@@ -45,26 +45,12 @@ from ...microkernel.tiles import (
 )
 from .warp_specialised import Specialised, make_specialised_kernel
 
-# Steps per trip of the micro-kernel's hot loops, per head dim (else Unroll.by(2): 2 chunks of
-# S_ij's dims, 8 keys of P_ij V_j). Measured on the H200 (B=4, H=16, N=4096, 128 x 64 tiles) at
-# 69fa7d6 (results/gpu_logs/ab_tiles_unroll_69fa7d6.log): at d = 64, by 1, 2, 4 gave 6.58, 6.30,
-# 6.29 ms (causal 3.76, 3.63, 3.72: 4 ties, and loses causal). At d = 128, at 6db707f, chunks and
-# keys apart (results/gpu_logs/ab_unroll_6db707f.log, two rounds): (4, 16) 12.70 ms, causal 6.59;
-# (8, 16) 12.56, 6.53; (4, 32) 12.63, 6.54; (8, 32) 12.49, 6.49; (10, 32) 12.47, 6.46;
-# (15, 32) 12.48, 6.47; (10, 64) 12.60, 6.53; (15, 64) 12.67, 6.64; all 32 chunks and 64 keys
-# in straight-line code 29.9 ms, 2.4x slower, its tile loop 9,899 SASS instructions (158 KB)
-# against (10, 32)'s 4,938 (79 KB): instruction-cache misses, we take it (not traced in ncu).
+# Compile-time choices per head dim, each measured (results/tuning_history/q_outer.md):
+# hot-loop steps per trip (else Unroll.by(2): 2 chunks of S_ij's dims, 8 keys of P_ij V_j),
 UNROLL = {128: Unroll(chunks=10, keys=32)}
-# Head dims where S_ij's first 4-dim chunk sets the scores (the micro-kernel's PEEL) instead of
-# adding to zeroed ones: at dd7ec1a on the H200 (results/gpu_logs/ab_peel_dd7ec1a.log, two
-# rounds) d = 128 went 12.75 -> 12.70 ms, causal 6.67 -> 6.58, and d = 64 6.24 -> 6.28 (causal
-# 3.246 -> 3.253), so d = 64 keeps the zeroed scores.
+# S_ij's first 4-dim chunk setting the scores instead of adding to zeroed ones (`PEEL`),
 PEEL = {128}
-# Head dims where Q_i stays a row per query row in shared memory; the rest keep it transposed
-# (the micro-kernel's TRANSPOSE_Q: Q_i^T, a row per head dim). Transposed, at 2f3623d on the
-# H200 (results/gpu_logs/ab_q_transposed_2f3623d.log, two rounds, N = 4096 and 512), d = 64
-# went 6.180 -> 6.127 ms and 0.845 -> 0.838 (causal 3.233 -> 3.166 and 0.544 -> 0.526), but
-# d = 128 went 12.386 -> 12.515 and 1.706 -> 1.720 (causal 6.405 -> 6.450, 1.169 -> 1.175).
+# and Q_i kept a row per query row rather than transposed (the micro-kernel's TRANSPOSE_Q).
 ROW_MAJOR_Q = {128}
 
 
@@ -257,74 +243,22 @@ class QOuter(MicroKernelSchedule):
     BACKWARD = "q_outer"
     RELOAD = False
     TENSOR_CORES = True
+    # Which kernel this loop nest runs (`MicroKernelSchedule.layout`): each table says one
+    # measured choice; what was measured, with its logs, is results/tuning_history/q_outer.md.
     KV_STAGES = 2  # K/V loads under the arithmetic: double-buffered (tensor cores), staggered
-    # 8 x 8 at d = 64 (16 shared loads per 256 FMAs), 8 x 4 at d = 128, both on 255 registers:
-    # the fastest of the H200 sweep (results/bench_layouts.csv at 8bab0b5; at 69fa7d6 4 x 8 lost
-    # again at d = 128, 13.38 against 12.96 ms, and so did 192 x 64 tiles, 384 threads on 168
-    # registers, 13.81: results/gpu_logs/ab_tiles_unroll_69fa7d6.log; at 5b4eb48 256 x 32 tiles
-    # at 8 x 4, 12.65 against 12.47, causal 7.03 against 6.45:
-    # results/gpu_logs/ab_tiles_256x32_5b4eb48.log). kv_outer at 8 x 8
-    # measured 41.8 ms against 25.5 at 8 x 4 (results/bench_kernels.json at 4715661, and
-    # results/bench_runtime.csv at 6296e24): it keeps the rule.
-    # At 64 x 64 tiles and d = 128, P_ij^T in K_j's place (Layout.p_in_k): 104,448 bytes and
-    # 128 threads, two CTAs an SM, where P_ij^T in a region of its own (117,760 bytes) leaves
-    # one CTA of 4 warps.
+    # thread tiles measured fastest here: 8 x 8 at d = 64, 8 x 4 at 128; at 64 x 64 and d = 128,
+    # P_ij^T in K_j's place (two CTAs an SM)
     TUNED_LAYOUTS = {(128, 64, 64): (8, 8), (128, 64, 128): (8, 4),
                      (64, 64, 128): (8, 4, 1, True)}
-    # Causal at d = 64 and N = 512: 64-row query blocks (the layout rule's 8 x 4, 128 threads,
-    # three CTAs an SM) beat 128 x 64 (0.55 against 0.59 ms); from N = 1024 on they lose (up
-    # to N = 1024 they won while each head's query blocks started in turn, before b04fff5;
-    # results/bench_causal_tiles.csv). At d = 128, 64 x 64 tiles on the p_in_k layout (two CTAs
-    # an SM) beat 128 x 64 causal at N = 512 only, 1.058 against 1.109 ms; from N = 1024 on they
-    # lose (1.876 against 1.850 ms, 6.668 against 6.342 at N = 4096), and without the mask
-    # at every N (13.19 against 12.30 ms at N = 4096): three barriers a tile, K_j and V_j
-    # copied before S_ij instead of under it (results/gpu_logs/ab_p_in_k_ce34515.log). Since
-    # the warp-specialised kernel's persistent CTAs (PERSISTENT), 128 x 64 beats them there.
+    # causal d = 64 at N_q <= 512: 64-row blocks beat 128 x 64
     SHORT_TILES = {(64, True): ((512, (64, 64)),)}
-    # TF32 and 3xTF32 at d = 128 on 64 x 64 tiles: two K/V buffers take 169 KB, one CTA of 4
-    # warps an SM; one buffer takes 101 KB, two CTAs an SM, and ran 21-24 % faster in 3xTF32
-    # and 19-22 % in TF32 at N = 1024 and 4096, causal or not (the API's default tiles).
-    # Causal 3xTF32 on 64 x 64 and one buffer then beats the benchmark's 128 x 64 up to N = 2048
-    # (0.925 against 1.008 ms at N = 512, 1.602 against 1.666 at 1024, 2.950 against 2.985 at
-    # 2048) and loses from 4096 on (5.656 against 5.637), as it does at every N without the mask
-    # (11.26 against 10.86 ms at N = 4096); TF32 keeps 128 x 64 (0.52 ms either way at N = 512,
-    # 0.832 against 0.798 at 1024) (results/gpu_logs/ab_tc_tiles_tf32x3_43b6fc2.log, two
-    # alternating rounds).
+    # TF32 / 3xTF32 at d = 128 on 64 x 64: one K/V buffer lets two CTAs share an SM
     TC_KV_STAGES = {("tf32x3", 64, 64, 128, 128): 1, ("tf32", 64, 64, 128, 128): 1}
-    # float32 at d = 128 on 128 x 64 tiles: S warps and P V warps (`warp_specialised`), 8 x 8
-    # scores and 8 x 16 accumulators a thread, where the shared micro-kernel's threads hold
-    # 8 x 4 scores and 8 x 8 accumulators each. Built for whole tiles it ran 4.3 % faster at
-    # N = 4096 (11.80 against 12.33 ms) and 3.8 % at 1024 (3.041 against 3.162)
-    # (results/gpu_logs/ab_ws_f32c6cd.log). Causal it lost at first (6.43 against 6.34 ms at
-    # N = 4096, 2.08 against 1.85 at 1024), its P V warps taking the diagonal's two tiles key
-    # by key; by groups of 4 rows it wins (6.11 against 6.34 ms, 3.24 against 3.35 at 2048,
-    # 1.81 against 1.85 at 1024; results/gpu_logs/ab_ws_causal_4bbdeed.log). At N = 512 the
-    # causal 64 x 64 tiles of SHORT_TILES keep the shared micro-kernel (1.06 ms, against this
-    # kernel's 1.10 on 128 x 64: results/gpu_logs/ws_causal_4a73e41.log and the log above;
-    # 1.073 since the diagonal's fast path, results/gpu_logs/ws_diagonal_fast_path_1379107.log).
-    # Its unrolling (chunks of S_ij's dims, keys of P_ij V_j a trip) per mask, measured after
-    # O_i's 16-byte stores (d02c9f2) moved the code: 4 keys a trip took 1.3 % off without a
-    # mask (11.80 against 11.96 ms at N = 4096, 5.96 against 6.04 at 2048) and cost the causal
-    # build 1.7 % (6.25 against 6.14); (2, 8), (4, 8) and S_ij unpeeled lost both ways
-    # (results/gpu_logs/ab_ws_unroll_d02c9f2.log, two alternating rounds); causal, (2, 4),
-    # (4, 4) and (3, 2) lost too, by 0.1-2.6 % at N = 1024 ... 16384
-    # (results/gpu_logs/ws_unroll_1176fe2.log), and (3, 4), (2, 8) again by 0.1-0.3 % once the
-    # diagonal's common keys went 8 rows a key (results/gpu_logs/ws_unroll_causal_1b996c9.log).
-    # 64-row blocks, two CTAs an SM (64 x 32, 2 S + 2 P V warps), lost 6-24 % causal, and
-    # without a mask ran 14-16 % behind SDPA (results/gpu_logs/ws_64_rows_99621b7.log).
+    # float32 d = 128 on 128 x 64: S warps and P V warps, unrolled (chunks, keys) per mask
     SPECIALISED = {(128, 64, 128, 128, False): (3, 4), (128, 64, 128, 128, True): (3, 8)}
-    # Causal, up to N_q = 2048: persistent CTAs, a CTA an SM folding query blocks in turn (a
-    # causal block at N = 512 folds 5 K/V tiles on average, and the pipeline's fill and drain
-    # a CTA pays once weigh), whose S warps skip the scores of the block's first half of rows
-    # on the diagonal's second tile, 8 keys a trip and S_ij unpeeled: the build whose tile
-    # loops ptxas gave few register-bank conflicts (`experiments.sass_loops`: peeled, 666
-    # cycles a trip of the P V loop against 179 a CTA a block, and 6 % slower tiles). Against
-    # a CTA a block (3, 8), ms: 0.974 against 1.074 at N = 512, 1.706 against 1.787 at 1024,
-    # 3.184 against 3.217 at 2048, beside SDPA efficient's 0.999, 1.748, 3.240
-    # (results/gpu_logs/ws_persistent_half_1c039c5.log, two alternating rounds, and
-    # ws_persistent_827daa1.log); without the skip, 4 keys a trip: 1.008, 1.742, 3.228, and
-    # 6.18 against 6.10 at 4096 (ws_persistent_unpeeled_df30f4d.log).
+    # causal, up to N_q = 2048: persistent CTAs, unrolled (chunks, keys, peel)
     PERSISTENT = {(128, 64, 128, 128, True): (2048, (3, 8, False))}
+    # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
