@@ -25,7 +25,6 @@ import argparse
 import csv
 import itertools
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 import loop_orders as lo
 from experiments.gpu_common import Buffers, check_output, flops, input_kind, runs, write_csv
 from loop_orders.device import runtime
+from loop_orders.microkernel import tuning
 from loop_orders.microkernel.tensor_cores import TensorCores
 from loop_orders.results import atomic_write_text, provenance
 from loop_orders.schedules.q_outer.warp_specialised import Specialised
@@ -171,22 +171,19 @@ def layout_in_effect(sched, p) -> str:
 
 
 @contextmanager
-def tuning_override(name: str, value):
-    """Run with the tuning variable `name` (LOOP_ORDERS_LAYOUT: microkernel.thread_layout;
-    LOOP_ORDERS_KV_STAGES: MicroKernelSchedule.layout) set to `value`, or unchanged if None."""
-    if value is None:
+def tuning_override(layout: str | None = None, kv_stages: int | None = None):
+    """Run with this override of the kernel choice (`loop_orders.microkernel.tuning`), or
+    unchanged where both are None."""
+    if layout is None and kv_stages is None:
         yield
         return
-    os.environ[name] = str(value)
-    try:
+    with tuning.tuned(layout, kv_stages):
         yield
-    finally:
-        del os.environ[name]
 
 
 def forced_layout(layout: str | None):
-    """Run with LOOP_ORDERS_LAYOUT=layout, or unchanged if None."""
-    return tuning_override("LOOP_ORDERS_LAYOUT", layout)
+    """Run with this layout forced (as LOOP_ORDERS_LAYOUT takes it), or unchanged if None."""
+    return tuning_override(layout=layout)
 
 
 def measure(name, dtype, what, p, rng) -> dict:
@@ -419,7 +416,7 @@ def run_tc_tiles(out_dir: Path, rng) -> list[dict]:
                 TC_TILE_SWEEP["dtypes"], tiles, TC_TILE_SWEEP["stages"]):
             p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
                                 block_q=block_q, block_k=block_k, **input_kind(label))
-            with tuning_override("LOOP_ORDERS_KV_STAGES", stages):
+            with tuning_override(kv_stages=stages):
                 timed = time_layout(sched, p, seen, rng)
                 # the buffers in effect: q_outer's TC_KV_STAGES may take fewer than asked
                 row = {"schedule": sched.name, **blank_row(sched.name, label, sched, p),

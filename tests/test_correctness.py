@@ -5,6 +5,7 @@ import pytest
 from conftest import SCHEDULES, random_qkv
 
 import loop_orders as lo
+from loop_orders.microkernel import tuning
 from loop_orders.reference import relative_error, tolerance
 
 # (batch, heads, n, d, dv, block_q, block_k, causal, dtype): tails of both block sizes, N
@@ -134,7 +135,7 @@ def test_q_outer_tf32x3_on_one_kv_buffer(case, monkeypatch, rng):
     from loop_orders.microkernel.tensor_cores import TensorCores
     from loop_orders.reference import FLOAT32_TOLERANCE
 
-    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(kv_stages=int("1")))
     b, h, n, d, dv, bq, bk, causal = case
     q, k, v = random_qkv(rng, b, h, n, d, dv)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
@@ -167,7 +168,7 @@ def test_q_outer_warp_specialised(case, monkeypatch, rng):
     sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case
     chunks, keys = sched.SPECIALISED[(128, 64, 128, 128, causal)]  # the GPU's for the mask
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout=f"ws,{chunks},{keys},1"))
     monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")  # 256 threads' worth of work
     q, k, v = random_qkv(rng, b, h, n_q, d, dv, n_k=n_k)
     res = lo.attention(q, k, v, schedule="q_outer", block_q=bq, block_k=bk, causal=causal,
@@ -204,7 +205,8 @@ def test_q_outer_warp_specialised_on_persistent_ctas(case, monkeypatch, rng):
     sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case
     _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},{int(peel)},1")
+    forced = f"ws,{chunks},{keys},{int(peel)},1"
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout=forced))
     monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")
     q, k, v = random_qkv(rng, b, h, n_q, d, dv, n_k=n_k)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
@@ -224,7 +226,7 @@ def test_q_outer_warp_specialised_on_persistent_ctas(case, monkeypatch, rng):
 def test_q_outer_warp_specialised_never_multiplies_a_masked_key(where, monkeypatch, rng):
     """A NaN in key 40's row of K or V reaches only the rows that see key 40 (causal): the
     S warps give its score -inf where masked, and the P V warps skip it on the diagonal."""
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="ws"))
     monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "600")
     q, k, v = random_qkv(rng, 1, 1, 70, 12, 64)
     clean = (q.copy(), k.copy(), v.copy())

@@ -7,6 +7,7 @@ from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
 from loop_orders.core.schedule import backward_of, grad_variants
+from loop_orders.microkernel import tuning
 from loop_orders.reference import (
     attention_grad_reference,
     grad_tolerance,
@@ -112,7 +113,8 @@ def test_q_outer_warp_specialised_ctas_fold_several_blocks(n, causal, monkeypatc
     sched = lo.get_schedule("q_outer")
     _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
     if not causal:
-        monkeypatch.setenv("LOOP_ORDERS_LAYOUT", f"ws,{chunks},{keys},{int(peel)},1")
+        forced = f"ws,{chunks},{keys},{int(peel)},1"
+        monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout=forced))
     q, k, v = random_qkv(rng, 2, 40, n, 128, 128)
     ref, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     for _ in range(2):

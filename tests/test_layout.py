@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from loop_orders.device.runtime import cuda
+from loop_orders.microkernel import tuning
 from loop_orders.microkernel.cuda_cores import (
     DATA_REGISTERS,
     Layout,
@@ -17,7 +18,7 @@ from loop_orders.microkernel.tiles import block_grid, make_block_of, make_clear,
 
 @pytest.fixture(autouse=True)
 def no_forced_layout(monkeypatch):
-    monkeypatch.delenv("LOOP_ORDERS_LAYOUT", raising=False)
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning())
 
 
 def test_tuned_tiles_take_the_measured_layouts():
@@ -105,9 +106,9 @@ def test_every_layout_fits_a_cta_and_covers_the_tile():
 
 
 def test_forced_layout_is_used_or_refused(monkeypatch):
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,2")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="4,2"))
     assert thread_layout(64, 32, 64) == Layout(4, 2)
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "1,1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="1,1"))
     with pytest.raises(ValueError, match="LOOP_ORDERS_LAYOUT=1,1 needs more than 1024"):
         thread_layout(64, 32, 64)
 
@@ -166,7 +167,7 @@ def test_p_in_k_is_exact_and_counts_as_the_model(monkeypatch):
     import loop_orders as lo
     from loop_orders.reference import attention_reference
 
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "4,4,1,1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="4,4,1,1"))
     rng = np.random.default_rng(11)
     sched = lo.get_schedule("q_outer")
     for n, n_k, d, dv, causal in ((20, 19, 16, 12, False), (20, 20, 8, 8, True)):
@@ -330,7 +331,7 @@ def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_c
     mk = make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, Unroll.by(1), 2)
     assert mk.STAGGERED and mk.weigh is not None and mk.fold is not None
     assert not make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, Unroll.by(1)).STAGGERED
-    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(kv_stages=1))
     assert q_outer.layout(p) == Layout(8, 8, 1)
 
 
@@ -371,7 +372,7 @@ def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
         p16 = lo.make_problem("q_outer", n_q=48, d=8, block_q=24, block_k=12, dtype="float16")
         with pytest.raises(ValueError, match="k: the tensor-core kernels need its data 16-byte"):
             launched(p16, "float16", (2 << 20) + 2)
-        monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+        monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="ws"))
         pw = lo.make_problem("q_outer", n_q=128, d=64, block_q=64, block_k=32)
         ws = sched.layout(pw)
         specialised = sched.micro_kernel(pw, False, ws).fn
@@ -405,7 +406,7 @@ def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
 
 def test_the_launch_follows_a_tuning_override_set_between_calls(monkeypatch):
     """The launch plan is cached per problem *and* per tuning override: a sweep that sets
-    LOOP_ORDERS_KV_STAGES between calls launches the kernel it asked for (a cache keyed on
+    kv_stages between calls launches the kernel it asked for (a cache keyed on
     the problem alone once timed the double-buffered kernel's single-buffered twin)."""
     import loop_orders as lo
     from loop_orders.device import runtime
@@ -413,13 +414,13 @@ def test_the_launch_follows_a_tuning_override_set_between_calls(monkeypatch):
     sched = lo.get_schedule("q_outer")
     p = lo.make_problem("q_outer", n_q=64, d=16, block_q=32, block_k=16, dtype="float16")
     launched = {}
-    for stages in ("1", "2"):
-        monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", stages)
+    for stages in (1, 2):
+        monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(kv_stages=stages))
         with runtime.recording_launches() as launches:
             sched.launch_kernel(p, (p.tr, p.bh), False, 0.25, None, None, None)
         launched[stages] = launches[0][0]
         assert launched[stages] is sched.kernels(p, False)[0].fn
-    assert launched["1"] is not launched["2"]
+    assert launched[1] is not launched[2]
 
 
 def test_which_rows_the_tensor_cores_copy_with_cp_async():
@@ -475,12 +476,12 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     assert str(Specialised(128, 4, 8, False)) == "ws,4,8,0"
     with pytest.raises(ValueError, match="expected ws or ws,CHUNKS,KEYS"):
         Specialised.parse("ws,4", 128)
-    monkeypatch.setenv("LOOP_ORDERS_KV_STAGES", "1")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(kv_stages=1))
     assert q_outer.layout(problem()) == Layout(8, 4, 1)
-    monkeypatch.delenv("LOOP_ORDERS_KV_STAGES")
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "8,4,2")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning())
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="8,4,2"))
     assert q_outer.layout(problem()) == Layout(8, 4, 2)
-    monkeypatch.setenv("LOOP_ORDERS_LAYOUT", "ws")
+    monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(layout="ws"))
     with pytest.raises(ValueError, match="kv_outer has no warp-specialised kernel"):
         lo.get_schedule("kv_outer").layout(lo.make_problem("kv_outer", n_q=256, d=128,
                                                            block_q=128, block_k=64))

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from abc import abstractmethod
 from functools import cache
 from typing import ClassVar, NamedTuple
@@ -79,6 +78,7 @@ from ..device.runtime import (
     inlined,
     launch,
 )
+from . import tuning
 from .spec import DATA_REGISTERS, Layout, MicroKernel, SharedLayout, shared_layout
 from .tensor_cores import (
     TensorCores,
@@ -116,7 +116,7 @@ def thread_layout(block_q: int, block_k: int, dv: int, tuned: dict | None = None
     accumulators fit in DATA_REGISTERS, RM doubled while the CTA would exceed 1024 threads
     (KN in turn). `LOOP_ORDERS_LAYOUT=RM,KN[,STAGES[,P_IN_K]]` forces a layout (for tuning;
     P_IN_K 1: `Layout.p_in_k`)."""
-    forced = os.environ.get("LOOP_ORDERS_LAYOUT")
+    forced = tuning.current().layout
     if forced:
         rm, kn, *rest = map(int, forced.split(","))
         lay = Layout(rm, kn, *rest[:1], *map(bool, rest[1:2]))
@@ -772,9 +772,9 @@ class MicroKernelSchedule(Schedule):
         float32 ones at precision "tf32" or "tf32x3", where the schedule has them, else the
         loop nest's own kernel where it has one for p (`specialised`), else the CUDA-core
         thread layout."""
-        # tuning: LOOP_ORDERS_KV_STAGES=1 turns off a loop nest's double-buffered (tensor
-        # cores) or staggered (CUDA cores) K/V loads, where it has them
-        stages = min(self.KV_STAGES, int(os.environ.get("LOOP_ORDERS_KV_STAGES") or 2))
+        # a sweep's kv_stages=1 turns off a loop nest's double-buffered (tensor cores) or
+        # staggered (CUDA cores) K/V loads, where it has them (`tuning`)
+        stages = min(self.KV_STAGES, tuning.current().kv_stages or 2)
         kind = tensor_core_kind(self, p)
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
@@ -789,10 +789,10 @@ class MicroKernelSchedule(Schedule):
         """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None
         for the shared micro-kernel. LOOP_ORDERS_LAYOUT=ws forces one (for tuning): refused
         here, where the loop nest has none."""
-        forced = os.environ.get("LOOP_ORDERS_LAYOUT")
-        if forced and forced.split(",")[0] == "ws":
+        forced = tuning.current()
+        if forced.forces_own_kernel():
             tiles = (p.block_q, p.block_k, p.d, p.dv)
-            raise ValueError(f"LOOP_ORDERS_LAYOUT={forced}: {self.name} has no warp-"
+            raise ValueError(f"LOOP_ORDERS_LAYOUT={forced.layout}: {self.name} has no warp-"
                              f"specialised kernel for block_q, block_k, d, dv = {tiles}")
         return None
 
@@ -832,7 +832,7 @@ class MicroKernelSchedule(Schedule):
     def _launch_plan(self, p: Problem, count: bool, forced: tuple,
                      plain: bool = False) -> LaunchPlan:
         """p's `LaunchPlan`, worked out once per problem and tuning override (`forced`: the
-        environment's LOOP_ORDERS_LAYOUT and LOOP_ORDERS_KV_STAGES), as a call's host time
+        sweep's `tuning.Tuning`), as a call's host time
         counts. `plain`: the CUDA-core kernel with plain K/V loads, for inputs cp.async
         cannot copy."""
         lay = self.layout(p)
@@ -872,7 +872,7 @@ class MicroKernelSchedule(Schedule):
         one scales S). Arrays it would move 16 bytes at a time from or to an address that is
         not 16-byte aligned get the CUDA-core kernel with plain loads, or are refused on
         tensor cores."""
-        forced = (os.environ.get("LOOP_ORDERS_LAYOUT"), os.environ.get("LOOP_ORDERS_KV_STAGES"))
+        forced = tuning.current()
         plan = self._launch_plan(p, count, forced)
         if plan.aligned:  # some arrays move 16 bytes at a time: they must be 16-byte aligned
             copied = {name: a for name, a in zip("qkvo", args[:4], strict=True)

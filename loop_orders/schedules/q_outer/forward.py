@@ -24,7 +24,6 @@ Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import NamedTuple
 
@@ -34,6 +33,7 @@ from numba import float32, int32, int64
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
 from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...microkernel import tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
 from ...microkernel.tiles import (
     block_grid,
@@ -318,13 +318,13 @@ class QOuter(MicroKernelSchedule):
         ws,CHUNKS,KEYS[,PEEL[,PERSISTENT]]: its unrolling and CTAs, `Specialised`) forces it
         (for tuning and tests: a ValueError where the tiles do not fit it); else None. Any
         other LOOP_ORDERS_LAYOUT names a thread tile of the shared micro-kernel."""
-        forced = os.environ.get("LOOP_ORDERS_LAYOUT")
+        forced = tuning.current()
         tiles = (p.block_q, p.block_k, p.d, p.dv)
-        if forced and forced.split(",")[0] == "ws":
+        if forced.forces_own_kernel():
             if not Specialised.fits(*tiles):
                 return super().specialised(p, stages)  # refused, with the reason
-            chosen = Specialised.parse(forced, p.dv)
-        elif not forced and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
+            chosen = Specialised.parse(forced.layout, p.dv)
+        elif not forced.layout and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
             largest_n, steps = self.PERSISTENT.get((*tiles, p.causal), (0, ()))
             if p.n_q <= largest_n:
                 chosen = Specialised(p.dv, *steps, persistent=True)

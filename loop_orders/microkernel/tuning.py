@@ -1,0 +1,51 @@
+"""Overrides of the kernel choice, for tuning sweeps and tests: one value, read once.
+
+Which build runs is the schedules' tables' choice (`MicroKernelSchedule.layout`). A sweep
+overrides it with a `Tuning`: `layout`, a CUDA-core thread tile "RM,KN[,STAGES[,P_IN_K]]"
+(`cuda_cores.thread_layout`) or a loop nest's own kernel "ws[,CHUNKS,KEYS[,PEEL[,PERSISTENT]]]"
+(q_outer's `Specialised.parse`); `kv_stages`, at most this many K/V buffers (1 turns off the
+double-buffered or staggered loads). The environment gives the process's value, read once at
+import (LOOP_ORDERS_LAYOUT, LOOP_ORDERS_KV_STAGES: a sweep run by a shell script); within a
+process `tuned(...)` overrides it for a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import NamedTuple
+
+
+class Tuning(NamedTuple):
+    """A sweep's override of the kernel choice (None: the tables decide)."""
+
+    layout: str | None = None
+    kv_stages: int | None = None
+
+    @classmethod
+    def from_environment(cls) -> Tuning:
+        stages = os.environ.get("LOOP_ORDERS_KV_STAGES")
+        return cls(os.environ.get("LOOP_ORDERS_LAYOUT") or None,
+                   int(stages) if stages else None)
+
+    def forces_own_kernel(self) -> bool:
+        """Whether `layout` names a loop nest's own kernel ("ws...") rather than a thread tile."""
+        return bool(self.layout) and self.layout.split(",")[0] == "ws"
+
+
+CURRENT = Tuning.from_environment()  # the process's: the environment, read once
+
+
+def current() -> Tuning:
+    return CURRENT
+
+
+@contextlib.contextmanager
+def tuned(layout: str | None = None, kv_stages: int | None = None):
+    """Inside the block, kernels are chosen under this override (a tuning sweep's row)."""
+    global CURRENT
+    previous, CURRENT = CURRENT, Tuning(layout, kv_stages)
+    try:
+        yield CURRENT
+    finally:
+        CURRENT = previous
