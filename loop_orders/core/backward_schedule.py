@@ -1,9 +1,10 @@
 """Backward schedules: the loop orders of attention's backward pass, registered by the name of
 the forward schedule they differentiate.
 
-A backward schedule is one module under `loop_orders/backward/` (found and imported by that
-package). Like a forward schedule it owns its loop nest, kernels, exact traffic model and an
-independent brute-force walk, its own HBM tensors (`TENSORS`) and options (`OPTIONS`, given
+A backward schedule is the `backward` module of its forward's package under
+`loop_orders/schedules/` (registered by `schedule.register`, the one registry). Like a
+forward schedule it owns its loop nest, kernels, exact traffic model and an independent
+brute-force walk, its own HBM tensors (`TENSORS`) and options (`OPTIONS`, given
 through the same options dict as the forward's). It reads what its forward saved: the
 forward's lse, and the forward's workspace (dense's P, kv_outer's l and m).
 

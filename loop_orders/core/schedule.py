@@ -216,7 +216,7 @@ class Schedule(ABC):
     # Whether partial results are combined through a float32 log-sum-exp: the combine
     # weights then lose log l where |scores| reach ~1e7 (README, numerics).
     COMBINES_BY_LSE: ClassVar[bool] = False
-    # The name of the backward schedule (loop_orders/backward/) that differentiates this
+    # The name of the backward schedule (`get_backward`) that differentiates this
     # forward, if any: its own name unless the forward shares another's backward.
     BACKWARD: ClassVar[str | None] = None
 
