@@ -132,8 +132,8 @@ class TensorCores(NamedTuple):
     def registers(self, block_k: int, dv: int, reload: bool = False) -> int:
         """The register cap to compile with: 128 (two CTAs of 256 threads per SM) while a
         thread's S (Bc/2) and O (dv/2) accumulators take at most DATA_REGISTERS, else 255.
-        Measured (results/gpu_logs/tensor_cores_ab_2026-12-01.txt): q_outer float16 at
-        d = 64 takes 130 uncapped, one CTA per SM, 1.694 ms against 1.308 capped. TF32's
+        Uncapped, q_outer float16 at d = 64 takes 130 registers and one CTA an SM
+        (measured: results/tuning_history/micro_kernel.md). TF32's
         scalar fragment loads need more (kv_outer spills under 128); 3xTF32's fit in a loop
         nest that writes O_i once (q_outer at d = 64: 128 registers and 4 bytes spilled, by
         ptxas) but not in one that reloads it (`reload`: kv_outer spills 56 bytes)."""

@@ -35,9 +35,7 @@ from ...microkernel.tiles import LN2, counter_slots, counts_flusher, zero_counts
 
 # Chunks per trip of the micro-kernel's hot loops: 1. This loop nest keeps more values live
 # across the update than q_outer's (the i loop inside the j loop, the l, m and O pointers),
-# and at 2 ptxas spills 88 bytes at d = 64; measured on the H200 (B=4, H=16, N=4096, d = 64,
-# launches back to back; results/gpu_logs/ab_variants_2026-11-30.txt) that took 27.5 ms
-# against 25.7 at 1.
+# and at 2 ptxas spills 88 bytes at d = 64 (measured: results/tuning_history/kv_outer.md).
 UNROLL = Unroll.by(1)
 
 (Q_R, K_R, V_R, O_R, O_W, L_R, L_W, M_R, M_W, LSE_W) = (

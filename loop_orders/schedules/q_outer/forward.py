@@ -205,15 +205,14 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
         cnt = cuda.local.array(NCNT, int64)
         start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
         if STAGGERED:
-            # K_0 is copied while Q_i loads (causal N = 512 -0.5 %,
-            # results/gpu_logs/ab_lazy_max_d564bde.log)
+            # K_0 is copied while Q_i loads (results/tuning_history/q_outer.md)
             c_i = kv_blocks(row0, n_rows, n_k)
             if c_i > 0:
                 load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
         else:
-            # Q_i first: on tensor cores K_0 and V_0 ahead of it cost 2 % at d = 128 in tf32x3
-            # (results/gpu_logs/ab_first_kv_tc_95c2204.log); stream_kv copies them
+            # Q_i first (K_0 and V_0 ahead of it lost on tensor cores:
+            # results/tuning_history/q_outer.md); stream_kv copies them
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
             c_i = kv_blocks(row0, n_rows, n_k)
         fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt)
