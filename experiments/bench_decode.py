@@ -101,7 +101,7 @@ def bench_ours(name: str, point: Point, options=None) -> dict:
     out = torch.empty(*point.q.shape[:-1], p.dv, device="cuda", dtype=point.q.dtype)
     out_v = kind.view(out).reshape(p.bh, p.n_q, p.dv)
     lse = runtime.device_empty((1, 1), np.float32)
-    counts = runtime.device_zeros(lo.ledger.n_slots(), np.int64)
+    counts = runtime.device_zeros(lo.core.ledger.n_slots(), np.int64)
     workspace = sched.allocate_workspace(p)
 
     def launch(_i, count=False):

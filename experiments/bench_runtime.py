@@ -256,7 +256,7 @@ BACKWARD_TORCH = [("torch_sdpa_efficient", "float32", "efficient"),
 def backward_providers(only: set[str] | None = None) -> list[tuple[str, dict | None]]:
     """(schedule, options) for every backward order and value of its options, or for the
     schedules named in `only`."""
-    return [(v.schedule, v.options) for v in lo.schedule.grad_variants()
+    return [(v.schedule, v.options) for v in lo.core.schedule.grad_variants()
             if only is None or v.schedule in only]
 
 

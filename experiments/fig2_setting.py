@@ -76,7 +76,7 @@ def measure(cfg: dict, rng) -> list[dict]:
     rows = []
     for pass_, order, launch in (("forward", sched, bufs.launch),
                                  ("backward", bwd, bufs.launch_backward)):
-        bufs.counts.copy_to_device(np.zeros(lo.ledger.n_slots(), np.int64))
+        bufs.counts.copy_to_device(np.zeros(lo.core.ledger.n_slots(), np.int64))
         if pass_ == "backward":
             bufs.launch(0)  # the forward the backward reads, uncounted
         launch(0, count=True)

@@ -106,7 +106,7 @@ class Buffers:
         self.dev = [tuple(runtime.to_device(x) for x in s) for s in self.host]
         self.out = runtime.device_empty((p.bh, p.n_q, p.dv), p.kernel_dtype)
         self.lse = runtime.device_empty((p.bh, p.n_q) if p.save_lse else (1, 1), np.float32)
-        self.counts = runtime.device_zeros(lo.ledger.n_slots(), np.int64)
+        self.counts = runtime.device_zeros(lo.core.ledger.n_slots(), np.int64)
         self.workspace = sched.allocate_workspace(p)
         self.sched, self.p = sched, p
 
@@ -172,7 +172,7 @@ def recorded_launches(sched, p, count: bool, backward: bool) -> list:
     dt = p.kernel_dtype
     q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh, p.n_k, p.d), dt)
     v, o = view((p.bh, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
-    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.ledger.n_slots(),), np.int64)
+    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.core.ledger.n_slots(),), np.int64)
     with runtime.recording_launches() as launches:
         workspace = sched.allocate_workspace(p, view)
         sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)

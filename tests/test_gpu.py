@@ -367,6 +367,6 @@ def test_the_parameter_block_launch_matches_numbas_own(rng):
             kern = sched.kernels(p, False)[0]
             lay = sched.layout(p)
             kern.fn[(p.tr, p.bh), lay.threads(32, 32), 0, sched.dynamic_shared_bytes(p)](
-                dq, dk, dv, out, lse, counts, np.float32(0.125 * lo.tiles.LOG2E))
+                dq, dk, dv, out, lse, counts, np.float32(0.125 * lo.microkernel.tiles.LOG2E))
         outs.append(out.copy_to_host())
     np.testing.assert_array_equal(outs[0], outs[1])
