@@ -154,7 +154,8 @@ def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = F
 
 
 def grad_tolerance(dtype, roundings: int) -> float:
-    """Largest acceptable `relative_error` of a gradient (dQ, dK or dV).
+    """Largest acceptable `relative_error` of a gradient (dQ, dK or dV) where no cancellation
+    shrinks it below its terms (see `grad_tolerances` for the bound that holds for any inputs).
 
     float32: 1e-5. 16-bit: the reference sees the same rounded inputs; the gradients lose u
     (`unit_roundoff`) of their largest magnitude at each rounding to the input type
@@ -166,6 +167,51 @@ def grad_tolerance(dtype, roundings: int) -> float:
     if u == 0:
         return FLOAT32_TOLERANCE
     return FLOAT32_TOLERANCE + (roundings + 2) * u
+
+
+@dataclass(frozen=True)
+class GradTolerances:
+    """The largest acceptable `relative_error` of each gradient, for one set of inputs."""
+
+    dq: float
+    dk: float
+    dv: float
+
+
+def grad_tolerances(q, k, v, do, refs, dtype, roundings: int, *, scale: float | None = None,
+                    causal: bool = False) -> GradTolerances:
+    """`grad_tolerance`, grown where dQ or dK is small against the terms it sums.
+
+    The backward reads O as stored in `dtype`, so delta_r = sum_x dO_rx O_rx is off by up to
+    2 u sum_x |dO_rx| (P |V|)_rx (O's own rounding, and P rounded before P V on tensor cores).
+    Through dS = P o (dP - delta) that moves dQ_r by up to scale |delta error_r| sum_c P_rc
+    |K_c| and dK_c by scale sum_r P_rc |delta error_r| |Q_r|: absolute amounts that stay the
+    size of the terms even when the gradient itself cancels to almost nothing (one query over
+    a few keys of similar values), so they are taken relative to max |ref|. dV = P^T dO does
+    not read delta.
+    """
+    base = grad_tolerance(dtype, roundings)
+    u = unit_roundoff(dtype)
+    if u == 0:
+        return GradTolerances(base, base, base)
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
+    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    o_size = np.einsum("...qk,...kd->...qd", p, np.abs(v))
+    delta_error = 2 * u * (np.abs(do) * o_size).sum(axis=-1)
+    weighted = p * delta_error[..., None]
+    dq_shift = abs(scale) * np.einsum("...qk,...kd->...qd", weighted, np.abs(k))
+    dk_shift = abs(scale) * np.einsum("...qk,...qd->...kd", weighted, np.abs(q))
+
+    def grown(shift, ref) -> float:
+        ref_max = float(np.abs(ref).max())
+        return base + (float(shift.max()) / ref_max if ref_max > 0 else float(shift.max()))
+
+    return GradTolerances(grown(dq_shift, refs[0]), grown(dk_shift, refs[1]), base)
 
 
 @dataclass(frozen=True)
