@@ -288,43 +288,49 @@ class TcLoads(NamedTuple):
 
 
 @cache
+def make_tc_tile_loader(R: int, C: int, AT: int, S: int, STAGE: int, NT: int, PER: int,
+                        VEC: bool, tiles):
+    """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
+    < C) into the tile at AT + stage STAGE of the buffer `tiles()`, stride S, by NT threads;
+    rows past n_rows become zero. VEC: by cp.async, PER elements a 16-byte copy (every tile
+    of the kernel in whole copies: `TensorCores.copies_rows`), else by plain loads. Returns
+    the elements this thread counts (thread 0 counts the tile)."""
+    if VEC:
+        copy_rows = make_row_copier(R, C, S, NT, PER)
+
+        @cuda.jit(device=True, inline="always")
+        def load(src, bh, row0, n_rows, stage):
+            at = uint64(AT) + uint64(stage) * uint64(STAGE)
+            return copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
+
+        return load
+
+    @cuda.jit(device=True, inline="always")
+    def load_plain(src, bh, row0, n_rows, stage):
+        tile = tiles()
+        t = uint32(cuda.threadIdx.x)
+        at = uint64(AT) + uint64(stage) * uint64(STAGE)
+        for e in range(t, R * C, NT):
+            r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
+            x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
+            tile[at + uint64(r) * uint64(S) + uint64(c)] = x
+        return n_rows * C if t == 0 else 0
+
+    return load_plain
+
+
+@cache
 def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                   RELOAD: bool = False) -> TcLoads:
-    """Q_i, K_j and V_j from HBM into their tiles: by cp.async where every row is whole
-    16-byte copies, else by plain loads."""
+    """Q_i, K_j and V_j from HBM into their tiles (`make_tc_tile_loader`)."""
     NT = 32 * -(-BR // WARP_ROWS)
     KP = _up(BC, 16)  # keys of a tile, padded
-    PER = SPEC.per_copy  # elements of one 16-byte copy
     VEC = SPEC.copies_rows(D, DV)  # rows in whole 16-byte copies
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     tiles = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD).tiles
 
     def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):
-        """load(src, bh, row0, n_rows, stage): rows row0 .. row0 + R - 1 of src[bh] (columns
-        < C) into the tile at AT + stage STAGE, stride S; rows past n_rows become zero.
-        Returns the elements this thread counts (thread 0 counts the tile)."""
-        if VEC:
-            copy_rows = make_row_copier(R, C, S, NT, PER)
-
-            @cuda.jit(device=True, inline="always")
-            def load(src, bh, row0, n_rows, stage):
-                at = uint64(AT) + uint64(stage) * uint64(STAGE)
-                return copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
-
-            return load
-
-        @cuda.jit(device=True, inline="always")
-        def load_plain(src, bh, row0, n_rows, stage):
-            tile = tiles()
-            t = uint32(cuda.threadIdx.x)
-            at = uint64(AT) + uint64(stage) * uint64(STAGE)
-            for e in range(t, R * C, NT):
-                r, c = uint32(e) // uint32(C), uint32(e) % uint32(C)
-                x = src[bh, row0 + r, c] if r < uint32(n_rows) else 0
-                tile[at + uint64(r) * uint64(S) + uint64(c)] = x
-            return n_rows * C if t == 0 else 0
-
-        return load_plain
+        return make_tc_tile_loader(R, C, AT, S, STAGE, NT, SPEC.per_copy, VEC, tiles)
 
     load_q_tile = make_loader(BR, D, sm.q, sm.qs, 0)
 

@@ -36,12 +36,15 @@ from ...core.schedule import Kernel, Problem, ceil_div, register, rows, sees
 from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
+    SIMULATOR,
     cuda,
     dynamic_shared_limit,
     kernel_factory,
     kernel_options,
     launch,
 )
+from ...microkernel.cuda_cores import TENSOR_CORE_DTYPES
+from ...microkernel.grad_tensor_cores import TC_ROUNDINGS
 from ...microkernel.grad_tiles import (
     GradTileBackward,
     acc_layout,
@@ -51,8 +54,10 @@ from ...microkernel.grad_tiles import (
     make_grad_tile,
     make_row_fns,
 )
+from ...microkernel.tensor_cores import TensorCores, check_aligned
 from ...microkernel.tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
 from ...microkernel.tiles import zero_counts as zero
+from . import backward_tensor_cores as tc
 
 
 def _make_grad_init(BR, BC, D, DV, COUNT):
@@ -286,20 +291,43 @@ class KVOuterBackward(GradTileBackward):
         return p.bh  # one CTA per head, as the forward
 
     def output_roundings(self, p: Problem) -> int:
-        # dQ_i is stored in the input dtype after every K/V block that visits it.
-        return int(p.visible_kv_blocks().max())
+        # dQ_i is stored in the input dtype after every K/V block that visits it; tensor
+        # cores round P and dS to it too, for the products that read them
+        tc_roundings = TC_ROUNDINGS if self.tensor_cores(p) is not None else 0
+        return int(p.visible_kv_blocks().max()) + tc_roundings
+
+    @staticmethod
+    def tensor_cores(p: Problem) -> TensorCores | None:
+        """The tensor-core build p's kernel runs (16-bit inputs), or None (CUDA cores)."""
+        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+
+    def threads(self, p: Problem) -> int:
+        if self.tensor_cores(p) is not None:
+            return tc.tc_threads(p.block_k)
+        return super().threads(p)
+
+    def shared_bytes(self, p: Problem) -> int:
+        """Dynamic shared bytes of the kernel (without the counters)."""
+        if self.tensor_cores(p) is not None:
+            return tc.tc_shared_bytes(p.block_q, p.block_k, p.d, p.dv)
+        return grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, True, True).bytes
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
-        fn = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, count)
-        shared = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, True, True).bytes
+        sizes = (p.block_q, p.block_k, p.d, p.dv, p.causal)
+        spec = self.tensor_cores(p)
+        fn = make_kernel(*sizes, count) if spec is None else tc.make_tc_kernel(*sizes, spec,
+                                                                              count)
         counters = 8 * counter_slots(True) if count else 0
-        return [Kernel(fn.py_func.__name__, fn, shared + counters, dynamic_shared_limit())]
+        return [Kernel(fn.py_func.__name__, fn, self.shared_bytes(p) + counters,
+                       dynamic_shared_limit())]
 
     def launch(self, p, q, k, v, o, do, lse, dq, dk, dv, counts, *, scale, count,
                forward_workspace, workspace=None):
         l_hbm, m_hbm = forward_workspace  # what kv_outer's forward kept in HBM
+        spec = self.tensor_cores(p)
+        if spec is not None and spec.copies_rows(p.d, p.dv) and not SIMULATOR:
+            check_aligned(q=q, k=k, v=v, o=o, do=do)  # cp.async copies: before the launch
         (kernel,) = self.kernels(p, count)
-        shared = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, True, True).bytes
-        launch(kernel.fn, p.bh, grad_layout(p.block_q, p.block_k).threads, shared, q, k, v, o,
-               do, l_hbm, m_hbm, dq, dk, dv, counts, np.float32(scale),
+        launch(kernel.fn, p.bh, self.threads(p), self.shared_bytes(p), q, k, v, o, do, l_hbm,
+               m_hbm, dq, dk, dv, counts, np.float32(scale),
                np.float32(scale * math.log2(math.e)))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 from numba import float32, int64
@@ -42,6 +43,7 @@ from ...device.intrinsics import narrow, widen
 from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
+    SIMULATOR,
     cuda,
     device_empty,
     dynamic_shared_limit,
@@ -49,6 +51,9 @@ from ...device.runtime import (
     kernel_options,
     launch,
 )
+from ...microkernel import tuning
+from ...microkernel.cuda_cores import TENSOR_CORE_DTYPES
+from ...microkernel.grad_tensor_cores import TC_ROUNDINGS
 from ...microkernel.grad_tiles import (
     GradTileBackward,
     acc_layout,
@@ -57,6 +62,7 @@ from ...microkernel.grad_tiles import (
     make_dkdv_epilogue,
     make_grad_tile,
 )
+from ...microkernel.tensor_cores import TensorCores, check_aligned
 from ...microkernel.tiles import (
     block_grid,
     counter_slots,
@@ -66,8 +72,10 @@ from ...microkernel.tiles import (
     make_tile_storer,
 )
 from ...microkernel.tiles import zero_counts as zero
+from . import backward_tensor_cores as tc
 
 PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
+TC_Q_STAGES = 2  # tensor cores: Q_i, dO_i buffers of the K/V-outer kernel (the next lands early)
 CONVERT_THREADS = 256
 
 
@@ -325,6 +333,17 @@ def make_convert_kernel(COUNT):
     return q_outer_bwd_convert
 
 
+class MainKernels(NamedTuple):
+    """q_outer's backward kernels between the preprocess and the convert, for one problem."""
+
+    main: object  # the K/V-outer kernel (dK, dV; dQ by atomics)
+    threads: int
+    dq: object  # dq="separate": the Q-outer dQ kernel, else None
+    dq_threads: int
+    shared: int  # dynamic shared bytes of the K/V-outer kernel
+    dq_shared: int  # and of the dQ kernel
+
+
 @register
 class QOuterBackward(GradTileBackward):
     name = "q_outer"
@@ -439,26 +458,61 @@ class QOuterBackward(GradTileBackward):
         shape = (p.bh, p.n_q, p.d) if p.option("dq") == "atomic" else (1, 1, 1)
         return empty((p.bh, p.n_q), np.float32), empty(shape, np.float32)
 
+    @staticmethod
+    def tensor_cores(p: Problem) -> TensorCores | None:
+        """The tensor-core build p's main kernels run (16-bit inputs), or None (CUDA cores)."""
+        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+
+    def threads(self, p: Problem) -> int:
+        if self.tensor_cores(p) is not None:
+            return tc.tc_kv_threads(p.block_k)
+        return super().threads(p)
+
+    def output_roundings(self, p: Problem) -> int:
+        # tensor cores round P and dS to the input dtype for the products that read them
+        return 1 + (TC_ROUNDINGS if self.tensor_cores(p) is not None else 0)
+
+    def main_kernels(self, p: Problem, count: bool) -> MainKernels:
+        """The K/V-outer kernel and (separate) the Q-outer dQ kernel: on tensor cores for
+        16-bit inputs, else on CUDA cores."""
+        separate = p.option("dq") == "separate"
+        sizes = (p.block_q, p.block_k, p.d, p.dv, p.causal)
+        spec = self.tensor_cores(p)
+        if spec is not None:
+            stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
+            return MainKernels(
+                tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count),
+                tc.tc_kv_threads(p.block_k),
+                tc.make_tc_q_kernel(*sizes, spec, count) if separate else None,
+                tc.tc_q_threads(p.block_q), tc.tc_shared_bytes(*sizes[:4], stages),
+                tc.tc_shared_bytes(*sizes[:4], 1))
+        threads = grad_layout(p.block_q, p.block_k).threads
+        shared = grad_shared_layout(*sizes[:4], False, False).bytes
+        return MainKernels(make_kv_kernel(*sizes, not separate, count), threads,
+                           make_q_kernel(*sizes, count) if separate else None, threads,
+                           shared, shared)
+
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         atomic = p.option("dq") == "atomic"
         counters = 8 * counter_slots(True) if count else 0
-        shared = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
         pre = make_preprocess_kernel(atomic, count)
-        main = make_kv_kernel(p.block_q, p.block_k, p.d, p.dv, p.causal, atomic, count)
-        last = make_convert_kernel(count) if atomic else make_q_kernel(
-            p.block_q, p.block_k, p.d, p.dv, p.causal, count)
+        mk = self.main_kernels(p, count)
+        last = make_convert_kernel(count) if atomic else mk.dq
         limit = dynamic_shared_limit()
         return [Kernel(pre.py_func.__name__, pre, 4 * PRE_ROWS * PRE_LANES + counters, limit),
-                Kernel(main.py_func.__name__, main, shared + counters, limit),
+                Kernel(mk.main.py_func.__name__, mk.main, mk.shared + counters, limit),
                 Kernel(last.py_func.__name__, last,
-                       (0 if atomic else shared) + counters, limit)]
+                       (0 if atomic else mk.dq_shared) + counters, limit)]
 
     def launch(self, p, q, k, v, o, do, lse, dq, dk, dv, counts, *, scale, count,
                forward_workspace, workspace=None):
+        spec = self.tensor_cores(p)
+        if spec is not None and spec.copies_rows(p.d, p.dv) and not SIMULATOR:
+            check_aligned(q=q, k=k, v=v, do=do)  # cp.async copies: before any launch
         delta, dq_acc = workspace or self.allocate_workspace(p)
         pre, main, last = (kern.fn for kern in self.kernels(p, count))
-        threads = grad_layout(p.block_q, p.block_k).threads
-        shared = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
+        mk = self.main_kernels(p, count)
+        threads, q_threads, shared = mk.threads, mk.dq_threads, mk.shared
         tau, tau_log2 = np.float32(scale), np.float32(scale * math.log2(math.e))
         launch(pre, (ceil_div(p.n_q, PRE_ROWS), p.bh), PRE_ROWS * PRE_LANES, 0, o, do, delta,
                dq_acc, counts)
@@ -468,5 +522,5 @@ class QOuterBackward(GradTileBackward):
             launch(last, (ceil_div(p.n_q * p.d, CONVERT_THREADS), p.bh), CONVERT_THREADS, 0,
                    dq_acc, dq, counts)
         else:
-            launch(last, block_grid(p.tr, p.bh, p.causal), threads, shared, q, k, v, do, lse,
-                   delta, dq, counts, tau, tau_log2)
+            launch(last, block_grid(p.tr, p.bh, p.causal), q_threads, mk.dq_shared, q, k, v,
+                   do, lse, delta, dq, counts, tau, tau_log2)
