@@ -370,3 +370,16 @@ def test_the_parameter_block_launch_matches_numbas_own(rng):
                 dq, dk, dv, out, lse, counts, np.float32(0.125 * lo.microkernel.tiles.LOG2E))
         outs.append(out.copy_to_host())
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@gpu
+@pytest.mark.parametrize("count", [False, True])
+def test_a_buffer_of_exactly_48_kb_launches_counted(count, rng):
+    """Issue 50's crash: dense's P V on tensor cores at 128 x 16 tiles and d = 96 takes exactly
+    48 KB of dynamic shared memory; counted, the counters' static shared memory put the
+    total over the line where CUDA wants the opt-in, and the launch failed."""
+    q, k, v = random_qkv(rng, 3, 3, 1519, 96, 96, "float16")
+    res = lo.attention(q, k, v, schedule="dense", block_q=128, block_k=16, causal=True,
+                       count=count)
+    ref, _ = lo.attention_reference(q, k, v, causal=True)
+    assert relative_error(res.out, ref) <= tolerance("float16", 1, v, ref)

@@ -236,6 +236,7 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
     sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)
     ELEMENT = _tile_type(SPEC.dtype)
     BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
+    STATS_STAGE = sm.stats_stage  # (a plain int: device code reads no NamedTuple property)
     clear = make_clear(sm.size, NT)
 
     @cuda.jit(device=True, inline="always")
@@ -287,7 +288,7 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
     def lse_stats(buf, lse, delta, bh, row0, n_rows, stage):
         """base = lse log2(e), inv = 1, D = delta for the block's rows, into buffer stage."""
         loaded = 0
-        at = stage * sm.stats_stage
+        at = stage * STATS_STAGE
         for r in range(cuda.threadIdx.x, n_rows, NT):
             buf[at + BASE + r] = lse[bh, row0 + r] * float32(LOG2E)
             buf[at + INV + r] = float32(1.0)
@@ -347,6 +348,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
     NSQ, NSK = 4 * QT, 4 * KT  # a thread's scores: K/V-outer (RP queries), Q-outer (KP keys)
     NDQ = 4 * DT  # a thread's accumulators of 16 rows of dQ_i
     BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
+    Q_STAGE, DO_STAGE, STATS_STAGE = sm.q_stage, sm.do_stage, sm.stats_stage  # plain ints
     io = make_tc_grad_io(BR, BC, D, DV, WITH_O, SPEC, NT, STAGES)
     tiles, coords = io.tiles, io.coords
     # K/V-outer: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (16 keys x RP queries a warp)
@@ -369,9 +371,9 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
     @cuda.jit(device=True, inline="always")
     def kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2, stage):
         tile = tiles()
-        q_at = uint64(sm.q) + uint64(stage) * uint64(sm.q_stage)
-        do_at = uint64(sm.do) + uint64(stage) * uint64(sm.do_stage)
-        stats = stage * sm.stats_stage
+        q_at = uint64(sm.q) + uint64(stage) * uint64(Q_STAGE)
+        do_at = uint64(sm.do) + uint64(stage) * uint64(DO_STAGE)
+        stats = stage * STATS_STAGE
         w, lane = coords()
         g, t2 = lane >> uint32(2), uint32(2) * (lane & uint32(3))
         s = cuda.local.array(NSQ, float32)
