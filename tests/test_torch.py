@@ -5,6 +5,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import gpu  # noqa: E402
+
 import loop_orders as lo  # noqa: E402
 import loop_orders.torch as lot  # noqa: E402
 from loop_orders.device import runtime  # noqa: E402
@@ -122,3 +124,79 @@ def test_a_non_contiguous_output_gradient_is_taken():
     q, k, v = leaves((1, 2, 6, 4))
     lot.attention(q, k, v, block_q=4, block_k=4).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# --- the torch.library op: torch.compile, CUDA graphs -------------------------------------
+
+@pytest.mark.parametrize("schedule, options", [("kv_outer", ""),
+                                               ("split_kv", "dq=separate,splits=2")])
+def test_the_op_passes_torch_library_opcheck(schedule, options):
+    """torch's own checks of a custom op: schema, fake (shape) kernel of every output (the
+    workspace too) against the real one, autograd registration, a dynamic-shape trace."""
+    q, k, v = leaves((1, 2, 6, 4))
+    torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None))
+    assert lot.decode_options(lot.encode_options({"splits": 2, "dq": "separate"})) == {
+        "dq": "separate", "splits": "2"}
+
+
+def test_torch_compile_traces_the_op_in_one_graph_and_counting_sees_every_pass():
+    """fullgraph=True (a graph break would raise) through dynamo and AOTAutograd on the fake
+    kernels (backend aot_eager: inductor's C++ build is too slow for CI; the GPU tests compile
+    with inductor): outputs and gradients as in eager mode, and counting() inside which the
+    compiled function runs collects the same passes, each equal to its model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    q, k, v = leaves((1, 2, 8, 4))
+    (w,) = leaves((1, 2, 8, 4), n=1, seed=3)
+
+    def two_layers(q, k, v):
+        h = lot.attention(q, k, v, schedule="kv_outer", causal=True, block_q=4, block_k=4)
+        out = lot.attention(h.tanh(), k, v, schedule="split_kv", block_q=4, block_k=4,
+                            options={"splits": 2, "dq": "separate"})
+        return (out * w.detach()).sum()
+
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(two_layers, fullgraph=True, backend=backend)
+    runs = []
+    for fn in (compiled, two_layers):
+        with lot.counting() as calls:
+            fn(q, k, v).backward()
+        runs.append((calls, [x.grad.clone() for x in (q, k, v)]))
+        for x in (q, k, v):
+            x.grad = None
+    (calls, grads), (eager_calls, eager_grads) = runs
+    assert backend.frame_count == 1
+    ops = [n.target for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.loop_orders.attention.default) == 2
+    assert [(c.schedule, c.pass_) for c in calls] == [(c.schedule, c.pass_)
+                                                      for c in eager_calls] == [
+        ("kv_outer", "forward"), ("split_kv", "forward"), ("split_kv", "backward"),
+        ("kv_outer", "backward")]
+    assert [c.ledger for c in calls] == [c.ledger for c in eager_calls]
+    assert all(c.ledger == c.model for c in calls)
+    for got, want in zip(grads, eager_grads, strict=True):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@gpu
+def test_a_cuda_graph_captures_the_op_and_counting_refuses_a_capture():
+    """torch.cuda.graph captures the forward (its launches on the capture stream, its
+    outputs from the graph's pool); a replay on new inputs gives the eager output. Inside
+    counting() a capture is refused: its replays would count nothing."""
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda") for _ in range(3))
+    lot.attention(q, k, v, schedule="q_outer", causal=True)  # warm-up: kernels compiled
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lot.attention(q, k, v, schedule="q_outer", causal=True)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    expect = lot.attention(q, k, v, schedule="q_outer", causal=True)
+    assert torch.equal(out, expect)
+    with lot.counting() as calls, pytest.raises(RuntimeError, match="CUDA graph"), \
+            torch.cuda.graph(torch.cuda.CUDAGraph()):
+        lot.attention(q, k, v, schedule="q_outer", causal=True)
+    assert calls == []
