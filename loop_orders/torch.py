@@ -7,6 +7,10 @@
         loss = model(x); loss.backward()
     calls[0].ledger, calls[0].pass_                                 # per forward / backward
 
+    lot.scaled_dot_product_attention(q, k, v, is_causal=True, schedule="kv_outer")  # SDPA's
+    with lot.use("kv_outer", block_q=32):      # an unmodified model's F.scaled_dot_product_
+        loss = model(x); loss.backward()       # attention calls run in that loop order
+
 q, k, v: (batch, heads, n, d) or (n, d) torch tensors, float32, float16 or bfloat16, on a CUDA
 device (the kernels run on the tensors' memory, on torch's current stream, outputs allocated by
 torch, no host copies) or, under the Numba CUDA simulator, on the CPU (through NumPy; tiny
@@ -182,3 +186,69 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     out, _, _ = _forward(q.contiguous(), k.contiguous(), v.contiguous(), schedule,
                          encode_options(options), causal, block_q, block_k, scale)
     return out
+
+
+def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:
+    """SDPA's arguments the kernels do not implement, refused before anything runs."""
+    if attn_mask is not None:
+        raise ValueError("attn_mask: loop_orders takes no mask tensor (is_causal=True is its "
+                         "mask); use torch's scaled_dot_product_attention for other masks")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: got {dropout_p}; loop_orders has no dropout, only "
+                         f"dropout_p=0.0 (e.g. model.eval(), or a model built without it)")
+    if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        raise ValueError(f"enable_gqa: grouped-query attention ({query.shape[-3]} query heads "
+                         f"over {key.shape[-3]} key/value heads) is not supported; repeat K "
+                         f"and V over the groups first")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 schedule="q_outer", block_q=64, block_k=64, **options):
+    """`torch.nn.functional.scaled_dot_product_attention`'s signature, computed in the loop
+    order `schedule` with tiles `block_q` x `block_k` and the schedule's `options` (as
+    `attention`'s dict). Refused with a ValueError naming the argument: a mask tensor,
+    dropout_p != 0, enable_gqa with fewer key/value heads than query heads, is_causal with
+    fewer or more keys than queries (SDPA aligns that mask top-left, FlashAttention
+    bottom-right: we do not guess).
+    Inputs of 3 or 5+ dimensions are folded to (batch, 1, n, d) and back."""
+    _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa)
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"is_causal: needs as many queries as keys, got {query.shape[-2]} "
+                         f"and {key.shape[-2]}")
+    args = dict(schedule=schedule, causal=is_causal, block_q=block_q, block_k=block_k,
+                options=options or None, scale=scale)
+    if query.dim() in (2, 4):
+        return attention(query, key, value, **args)
+    lead = query.shape[:-2]
+    flat = [x.reshape(-1, 1, *x.shape[-2:]) for x in (query, key, value)]
+    out = attention(*flat, **args)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+@contextlib.contextmanager
+def use(schedule: str = "q_outer", *, block_q: int = 64, block_k: int = 64, **options):
+    """Inside the block, `torch.nn.functional.scaled_dot_product_attention` is
+    `scaled_dot_product_attention` in the loop order `schedule`: an unmodified model's
+    attention (its calls of F.scaled_dot_product_attention, torch.nn.MultiheadAttention's
+    too) runs our kernels, forward and backward, and `counting()` collects every pass. The
+    original comes back on exit, also on an exception. The schedule and options are checked
+    on entry. A name bound before the block (`from torch.nn.functional import
+    scaled_dot_product_attention` in the model's module) is not routed. Arguments the
+    kernels do not implement (a mask tensor, dropout) raise ValueError rather than fall back
+    to torch: a counted run then means every pass was ours."""
+    get_schedule(schedule).options_for(decode_options(encode_options(options)))
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        return scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            schedule=schedule, block_q=block_q, block_k=block_k, **options)
+
+    functional = torch.nn.functional
+    previous = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = routed
+    try:
+        yield routed
+    finally:
+        functional.scaled_dot_product_attention = previous
