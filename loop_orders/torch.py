@@ -232,8 +232,10 @@ def use(schedule: str = "q_outer", *, block_q: int = 64, block_k: int = 64, **op
     `scaled_dot_product_attention` in the loop order `schedule`: an unmodified model's
     attention (its calls of F.scaled_dot_product_attention, torch.nn.MultiheadAttention's
     too) runs our kernels, forward and backward, and `counting()` collects every pass. The
-    original comes back on exit, also on an exception. The schedule and options are checked
-    on entry. A name bound before the block (`from torch.nn.functional import
+    original comes back on exit, also on an exception; blocks nest. The routing is a module
+    attribute, so process-wide while the block is open (every thread's calls). It yields the
+    routed function. The schedule and options are checked on entry. A name bound before the
+    block (`from torch.nn.functional import
     scaled_dot_product_attention` in the model's module) is not routed. Arguments the
     kernels do not implement (a mask tensor, dropout) raise ValueError rather than fall back
     to torch: a counted run then means every pass was ours."""
