@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests, host, decode, backward, theorems, train, fig2, bench, layouts, tctiles, warm,
-# ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
+# STAGE: tests, host, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
+# warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
 # stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
@@ -40,6 +40,7 @@ for arg in "$@"; do
                 --results-dir "$W/$t" --figures-dir "$W/$t/fig" --notes "$W/$t/notes.md"
             done ;;
   train)    run train "$T" python3 -m experiments.train_tiny --out "$W/train" ;;
+  model)    run model "$T" python3 -m experiments.model_traffic --out "$W/model" ;;
   fig2)     run fig2 "$T" python3 -m experiments.fig2_setting --out "$W/fig2" ;;
   bench)    run bench "$T" python3 -m experiments.bench_runtime --out "$W/bench" ${BENCH_ARGS:-} ;;
   layouts)  run layouts "$T" python3 -m experiments.bench_runtime --layouts --out "$W/layouts" ;;

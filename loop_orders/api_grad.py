@@ -59,8 +59,9 @@ class GradResult:
 
 @dataclass
 class Saved:
-    """What a forward leaves for its backward: O and lse (the caller's and the kernels'
-    views) and the forward's workspace."""
+    """What a forward leaves for its backward: O, lse and the forward's workspace, each as
+    the caller's kind of array (`out`, `lse`, `kept`) and as the kernels see it (`out_dev`,
+    `lse_dev`, `workspace`)."""
 
     out: Any
     out_dev: Any
@@ -68,6 +69,7 @@ class Saved:
     lse_dev: Any
     workspace: tuple
     counts: Ledger | None
+    kept: tuple = ()
 
 
 def backward_memory(bwd: BackwardSchedule, p: Problem, count: bool,
@@ -119,8 +121,26 @@ class GradCall:
         kind = self.inputs.kind
         return lambda shape, dtype: kind.empty(like, shape, dtype)[1]
 
-    def _counts(self):
-        return runtime.device_zeros(n_slots() if self.count else 1, np.int64)
+    def _workspace(self, like) -> tuple[tuple, tuple]:
+        """The forward's workspace allocated as the caller's kind of array: (as the kernels
+        see it, as the caller's arrays) — the torch op returns the latter for its backward."""
+        kind, callers = self.inputs.kind, {}
+
+        def empty(shape, dtype):
+            caller, dev = kind.empty(like, shape, dtype)
+            callers[id(dev)] = caller
+            return dev
+
+        workspace = self.sched.allocate_workspace(self.p, empty)
+        return workspace, tuple(callers[id(dev)] for dev in workspace)
+
+    def _counts(self, like):
+        """Zeroed counters when counting, else a placeholder the kernels never touch,
+        allocated like the outputs (torch's allocator for CUDA tensors, so that a CUDA
+        graph can capture the call)."""
+        if self.count:
+            return runtime.device_zeros(n_slots(), np.int64)
+        return self.inputs.kind.empty(like, (1,), np.int64)[1]
 
     def _ledger(self, counts, tensors) -> Ledger | None:
         return Ledger.from_array(runtime.to_host(counts), tensors) if self.count else None
@@ -136,14 +156,21 @@ class GradCall:
         qv, kv, vv = self._views(q, k, v)
         out, out_dev = kind.empty(q, self.out_shape, self.dtype)
         lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
-        workspace = self.sched.allocate_workspace(p, self._empty(q))
-        counts = self._counts()
+        workspace, kept = self._workspace(q)
+        counts = self._counts(q)
         with runtime.on_stream(kind.stream(q)), runtime.launching():
             self.sched.launch(p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv),
                               lse_dev.reshape(p.bh, p.n_q), counts, scale=self.scale,
                               count=self.count, workspace=workspace)
         return Saved(out, out_dev, lse, lse_dev, workspace,
-                     self._ledger(counts, self.sched.ledger_tensors()))
+                     self._ledger(counts, self.sched.ledger_tensors()), kept)
+
+    def resume(self, out, lse, kept) -> Saved:
+        """A forward's Saved rebuilt from the caller's arrays it returned (out, lse and
+        `Saved.kept`): how the torch op's backward, a separate op, picks up its forward."""
+        kind = self.inputs.kind
+        return Saved(out, kind.view(out), lse, kind.view(lse),
+                     tuple(kind.view(x) for x in kept), None, tuple(kept))
 
     def backward(self, saved: Saved, q, k, v, do):
         """(dq, dk, dv, backward ledger) as the caller's kind of array."""
@@ -155,7 +182,7 @@ class GradCall:
                   self.inputs.q_shape[:-2] + (p.n_k, p.dv))]
         dqv, dkv, dvv = (dev.reshape(p.bh, n, width) for (_, dev), n, width in
                          zip(grads, (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=True))
-        counts = self._counts()
+        counts = self._counts(q)
         with runtime.on_stream(kind.stream(q)), runtime.launching():
             self.bwd.launch(p, qv, kv, vv, saved.out_dev.reshape(p.bh, p.n_q, p.dv), dov,
                             saved.lse_dev.reshape(p.bh, p.n_q), dqv, dkv, dvv, counts,

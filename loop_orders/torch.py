@@ -1,4 +1,4 @@
-"""A differentiable PyTorch op: attention in any loop order, forward and backward.
+"""A PyTorch op: attention in any loop order, forward and backward, that torch.compile traces.
 
     import loop_orders.torch as lot
     out = lot.attention(q, k, v, schedule="q_outer", causal=True)   # torch in, torch out
@@ -7,12 +7,23 @@
         loss = model(x); loss.backward()
     calls[0].ledger, calls[0].pass_                                 # per forward / backward
 
+    lot.scaled_dot_product_attention(q, k, v, is_causal=True, schedule="kv_outer")  # SDPA's
+    with lot.use("kv_outer", block_q=32):      # an unmodified model's F.scaled_dot_product_
+        loss = model(x); loss.backward()       # attention calls run in that loop order
+
 q, k, v: (batch, heads, n, d) or (n, d) torch tensors, float32, float16 or bfloat16, on a CUDA
-device (the kernels run on the tensors' memory, on torch's current stream, no host copies) or, under
-the Numba CUDA simulator, on the CPU (through NumPy; tiny sizes). The forward runs the
-schedule's forward kernels and keeps what its backward reads (lse; dense's P, kv_outer's l
-and m) in torch-allocated memory until the backward runs the schedule's backward kernels.
-torch is an optional dependency (`pip install -e ".[torch]"`).
+device (the kernels run on the tensors' memory, on torch's current stream, outputs allocated by
+torch, no host copies) or, under the Numba CUDA simulator, on the CPU (through NumPy; tiny
+sizes). torch is an optional dependency (`pip install -e ".[torch]"`).
+
+Two `torch.library` custom ops carry it: `loop_orders::attention` (the forward: O, lse, and what
+the schedule's backward reads besides, such as dense's S and P or kv_outer's l and m, all
+allocated through torch) and `loop_orders::attention_backward` (dq, dk, dv from those);
+`register_autograd` joins them, `register_fake` gives every output's shape, so
+`torch.compile(model, fullgraph=True)` traces a model calling them without a graph break, and
+a CUDA graph (`mode="reduce-overhead"`) can capture them. The schedule and its arguments are op
+arguments; its options are one string, `encode_options`: "dq=separate,splits=2" (the
+`--option key=value` strings of the command line, sorted).
 """
 
 from __future__ import annotations
@@ -22,9 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .api import make_problem
 from .api_grad import GradCall, prepare_grad
 from .core.ledger import Ledger
-from .core.schedule import Problem
+from .core.schedule import Problem, get_schedule
+from .device.arrays import numpy_to_torch_dtype
 
 
 @dataclass
@@ -44,9 +57,16 @@ _collecting: list | None = None
 
 @contextlib.contextmanager
 def counting():
-    """Run every `attention` call inside the block with its counted kernels, collecting a
-    `Counted` record per forward and per backward pass (the list it yields). Counted
-    kernels copy their counters back after each pass, so they synchronise."""
+    """Run every pass of the op inside the block with its counted kernels, collecting a
+    `Counted` record per forward and per backward pass (the list it yields). A pass is
+    counted when it runs inside the block: a backward when `.backward()` runs there.
+
+    Counted kernels copy their counters back after each pass, so they synchronise. The op
+    asks whether a block is open when it runs, not when it was traced, so a model compiled by
+    `torch.compile` (called inside the block; open the block outside the compiled function)
+    is counted pass by pass as in eager mode. Not under CUDA graphs: a replay runs no Python
+    and could collect nothing, so capturing the op inside this block raises RuntimeError;
+    count the same model without `mode="reduce-overhead"`."""
     global _collecting
     previous, _collecting = _collecting, []
     try:
@@ -62,24 +82,98 @@ def _record(call: GradCall, pass_: str, ledger: Ledger | None, collected) -> Non
     collected.append(Counted(call.sched.name, pass_, call.p, ledger, model))
 
 
-class _LoopOrderAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, schedule, causal, block_q, block_k, options, scale):
-        collected = _collecting
-        call = prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
-                            dict(options) if options else None, collected is not None, False)
-        saved = call.forward(q, k, v)
-        _record(call, "forward", saved.counts, collected)
-        ctx.call, ctx.saved, ctx.collected = call, saved, collected
-        ctx.save_for_backward(q, k, v)
-        return call.inputs.kind.finish(saved.out)
+def encode_options(options: dict | None) -> str:
+    """A schedule's options as the op's string argument: sorted `key=value` pairs joined by
+    commas ("" for none); each value as its `--option` string, which every option accepts."""
+    if not options:
+        return ""
+    pairs = [f"{key}={value}" for key, value in sorted(options.items())]
+    if any(pair.count("=") != 1 or "," in pair for pair in pairs):
+        raise ValueError(f"options: names and values may not contain ',' or '=', got "
+                         f"{options!r}")
+    return ",".join(pairs)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        dq, dk, dv, ledger = ctx.call.backward(ctx.saved, q, k, v, grad_out.contiguous())
-        _record(ctx.call, "backward", ledger, ctx.collected)
-        return dq, dk, dv, None, None, None, None, None, None
+
+def decode_options(text: str) -> dict | None:
+    """`encode_options`' string back to a dict (values as strings; the schedule checks them)."""
+    return dict(pair.split("=") for pair in text.split(",")) if text else None
+
+
+def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, count) -> GradCall:
+    """The prepared call of these arguments, counted or not (`prepare_grad` keeps it)."""
+    if count and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("counting(): a CUDA graph is being captured; its replays run no "
+                           "Python, so their passes could not be counted: count without CUDA "
+                           "graphs (mode='reduce-overhead')")
+    return prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
+                        decode_options(options), count, False)
+
+
+@torch.library.custom_op("loop_orders::attention", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, options: str,
+             causal: bool, block_q: int, block_k: int,
+             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The forward pass: O, lse, and the schedule's workspace its backward reads."""
+    collected = _collecting
+    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale,
+                 collected is not None)
+    saved = call.forward(q, k, v)
+    _record(call, "forward", saved.counts, collected)
+    kind = call.inputs.kind
+    return kind.finish(saved.out), kind.finish(saved.lse), [kind.finish(x) for x in saved.kept]
+
+
+@_forward.register_fake
+def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale):
+    # The sizes as ints: a workspace's shape may depend on them beyond arithmetic (split_kv's
+    # splits="auto"), so a dynamic-shape trace specialises on them, as the kernels do.
+    (*lead, n_q, d), n_k, dv = map(int, q.shape), int(k.shape[-2]), int(v.shape[-1])
+    sched = get_schedule(schedule)
+    batch, heads = lead if lead else (1, 1)
+    p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv,
+                     batch=batch, heads=heads, block_q=block_q, block_k=block_k, causal=causal,
+                     save_lse=True, dtype=str(q.dtype).removeprefix("torch."),
+                     options=decode_options(options))
+    kept = sched.allocate_workspace(
+        p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype)))
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty(q.shape[:-1], dtype=torch.float32), list(kept))
+
+
+@torch.library.custom_op("loop_orders::attention_backward", mutates_args=())
+def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor], schedule: str,
+              options: str, causal: bool, block_q: int, block_k: int,
+              scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The schedule's backward loop order: dq, dk, dv from the forward's outputs."""
+    collected = _collecting
+    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale,
+                 collected is not None)
+    dq, dk, dv, ledger = call.backward(call.resume(out, lse, kept), q, k, v, do)
+    _record(call, "backward", ledger, collected)
+    return dq, dk, dv
+
+
+@_backward.register_fake
+def _backward_shapes(do, q, k, v, out, lse, kept, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, *args = inputs
+    out, lse, kept = output
+    ctx.mark_non_differentiable(lse, *kept)
+    ctx.save_for_backward(q, k, v, out, lse, *kept)
+    ctx.args = tuple(args)
+
+
+def _gradients(ctx, grad_out, _grad_lse, _grad_kept):
+    q, k, v, out, lse, *kept = ctx.saved_tensors
+    dq, dk, dv = _backward(grad_out.contiguous(), q, k, v, out, lse, kept, *ctx.args)
+    return dq, dk, dv, *(None,) * len(ctx.args)
+
+
+_forward.register_autograd(_gradients, setup_context=_setup_context)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
@@ -87,7 +181,76 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
               options: dict | None = None, scale: float | None = None) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
-    {"dq": "separate"}). Arguments are checked as `loop_orders.attention_grad` checks them."""
-    frozen = tuple(sorted(options.items())) if options else None
-    return _LoopOrderAttention.apply(q, k, v, schedule, causal, block_q, block_k, frozen,
-                                     scale)
+    {"dq": "separate"}). Arguments are checked as `loop_orders.attention_grad` checks them.
+    Non-contiguous inputs are copied contiguous first (torch's copy, outside the ledgers)."""
+    out, _, _ = _forward(q.contiguous(), k.contiguous(), v.contiguous(), schedule,
+                         encode_options(options), causal, block_q, block_k, scale)
+    return out
+
+
+def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:
+    """SDPA's arguments the kernels do not implement, refused before anything runs."""
+    if attn_mask is not None:
+        raise ValueError("attn_mask: loop_orders takes no mask tensor (is_causal=True is its "
+                         "mask); use torch's scaled_dot_product_attention for other masks")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: got {dropout_p}; loop_orders has no dropout, only "
+                         f"dropout_p=0.0 (e.g. model.eval(), or a model built without it)")
+    if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        raise ValueError(f"enable_gqa: grouped-query attention ({query.shape[-3]} query heads "
+                         f"over {key.shape[-3]} key/value heads) is not supported; repeat K "
+                         f"and V over the groups first")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 schedule="q_outer", block_q=64, block_k=64, **options):
+    """`torch.nn.functional.scaled_dot_product_attention`'s signature, computed in the loop
+    order `schedule` with tiles `block_q` x `block_k` and the schedule's `options` (as
+    `attention`'s dict). Refused with a ValueError naming the argument: a mask tensor,
+    dropout_p != 0, enable_gqa with fewer key/value heads than query heads, is_causal with
+    fewer or more keys than queries (SDPA aligns that mask top-left, FlashAttention
+    bottom-right: we do not guess).
+    Inputs of 3 or 5+ dimensions are folded to (batch, 1, n, d) and back."""
+    _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa)
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"is_causal: needs as many queries as keys, got {query.shape[-2]} "
+                         f"and {key.shape[-2]}")
+    args = dict(schedule=schedule, causal=is_causal, block_q=block_q, block_k=block_k,
+                options=options or None, scale=scale)
+    if query.dim() in (2, 4):
+        return attention(query, key, value, **args)
+    lead = query.shape[:-2]
+    flat = [x.reshape(-1, 1, *x.shape[-2:]) for x in (query, key, value)]
+    out = attention(*flat, **args)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+@contextlib.contextmanager
+def use(schedule: str = "q_outer", *, block_q: int = 64, block_k: int = 64, **options):
+    """Inside the block, `torch.nn.functional.scaled_dot_product_attention` is
+    `scaled_dot_product_attention` in the loop order `schedule`: an unmodified model's
+    attention (its calls of F.scaled_dot_product_attention, torch.nn.MultiheadAttention's
+    too) runs our kernels, forward and backward, and `counting()` collects every pass. The
+    original comes back on exit, also on an exception; blocks nest. The routing is a module
+    attribute, so process-wide while the block is open (every thread's calls). It yields the
+    routed function. The schedule and options are checked on entry. A name bound before the
+    block (`from torch.nn.functional import
+    scaled_dot_product_attention` in the model's module) is not routed. Arguments the
+    kernels do not implement (a mask tensor, dropout) raise ValueError rather than fall back
+    to torch: a counted run then means every pass was ours."""
+    get_schedule(schedule).options_for(decode_options(encode_options(options)))
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+        return scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            schedule=schedule, block_q=block_q, block_k=block_k, **options)
+
+    functional = torch.nn.functional
+    previous = functional.scaled_dot_product_attention
+    functional.scaled_dot_product_attention = routed
+    try:
+        yield routed
+    finally:
+        functional.scaled_dot_product_attention = previous

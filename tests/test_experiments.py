@@ -157,6 +157,27 @@ def test_theorem2_sweeps_stay_in_the_theorem_range():
         assert max(c["n"] for c in kernel) <= common.SIMULATOR_MAX_N
 
 
+def test_model_traffic_counts_a_routed_training_step_equal_to_the_model():
+    """experiments/model_traffic.py's row for one run on its tiny shape: every layer's passes
+    counted, summed equal to the model, the gradients those of torch's own step."""
+    torch = pytest.importorskip("torch")
+    from experiments import model_traffic as mt
+    from loop_orders.core.schedule import GradVariant
+
+    model = mt.gpt2(mt.TINY)
+    idx, targets = mt.batch(mt.TINY, "cpu")
+    _, reference = mt.train_step(model, idx, targets)
+    row, grads = mt.routed_run(model, mt.TINY, GradVariant("kv_outer", "kv_outer", None), idx,
+                               targets)
+    assert torch.nn.functional.scaled_dot_product_attention is \
+        torch._C._nn.scaled_dot_product_attention  # use() gave torch's back
+    for pass_ in ("forward", "backward"):
+        assert row[pass_]["equals_model"] and row[pass_]["calls"] == mt.TINY.layers
+        assert row[pass_]["bytes"] == 4 * row[pass_]["elements"]  # float32: 4 bytes each
+    assert mt.grad_error(grads, reference) <= 1e-5
+    json.dumps(row)
+
+
 def test_measurable_labels_simulator_points(monkeypatch):
     sched = lo.get_schedule("q_outer")
     small = common.problem(sched, 32, 4, 8, 8)

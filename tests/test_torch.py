@@ -1,15 +1,21 @@
-"""The differentiable PyTorch op (loop_orders.torch): on the CPU under the simulator (tiny
-sizes), on CUDA tensors on a GPU (tests/test_gpu.py); skipped where torch is not installed."""
+"""The differentiable PyTorch op (loop_orders.torch), torch.compile over it, its SDPA
+signature and model routing: on the CPU under the simulator (tiny sizes), on CUDA tensors on a
+GPU (also tests/test_gpu.py; the CUDA-graph and inductor tests here are GPU-only); skipped
+where torch is not installed."""
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402, N812
+from conftest import gpu  # noqa: E402
 
 import loop_orders as lo  # noqa: E402
 import loop_orders.torch as lot  # noqa: E402
 from loop_orders.device import runtime  # noqa: E402
 
 DEVICE = "cpu" if runtime.SIMULATOR else "cuda"
+SDPA = F.scaled_dot_product_attention  # torch's own
 VARIANTS = [("q_outer", None), ("q_outer", {"dq": "separate"}), ("kv_outer", None),
             ("dense", None), ("split_kv", {"splits": 2})]
 
@@ -122,3 +128,211 @@ def test_a_non_contiguous_output_gradient_is_taken():
     q, k, v = leaves((1, 2, 6, 4))
     lot.attention(q, k, v, block_q=4, block_k=4).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# --- the torch.library op: torch.compile, CUDA graphs -------------------------------------
+
+@pytest.mark.parametrize("schedule, options", [("kv_outer", ""),
+                                               ("split_kv", "dq=separate,splits=2")])
+def test_the_op_passes_torch_library_opcheck(schedule, options):
+    """torch's own checks of a custom op: schema, fake (shape) kernel of every output (the
+    workspace too) against the real one, autograd registration, a dynamic-shape trace."""
+    q, k, v = leaves((1, 2, 6, 4))
+    torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None))
+    assert lot.decode_options(lot.encode_options({"splits": 2, "dq": "separate"})) == {
+        "dq": "separate", "splits": "2"}
+
+
+def test_torch_compile_traces_the_op_in_one_graph_and_counting_sees_every_pass():
+    """fullgraph=True (a graph break would raise) through dynamo and AOTAutograd on the fake
+    kernels (backend aot_eager: inductor's C++ build is too slow for CI; the GPU tests compile
+    with inductor): outputs and gradients as in eager mode, and counting() inside which the
+    compiled function runs collects the same passes, each equal to its model."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    q, k, v = leaves((1, 2, 8, 4))
+    (w,) = leaves((1, 2, 8, 4), n=1, seed=3)
+
+    def two_layers(q, k, v):
+        h = lot.attention(q, k, v, schedule="kv_outer", causal=True, block_q=4, block_k=4)
+        out = lot.attention(h.tanh(), k, v, schedule="split_kv", block_q=4, block_k=4,
+                            options={"splits": 2, "dq": "separate"})
+        return (out * w.detach()).sum()
+
+    backend = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(two_layers, fullgraph=True, backend=backend)
+    runs = []
+    for fn in (compiled, two_layers):
+        with lot.counting() as calls:
+            fn(q, k, v).backward()
+        runs.append((calls, [x.grad.clone() for x in (q, k, v)]))
+        for x in (q, k, v):
+            x.grad = None
+    (calls, grads), (eager_calls, eager_grads) = runs
+    assert backend.frame_count == 1
+    ops = [n.target for n in backend.graphs[0].graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.loop_orders.attention.default) == 2
+    assert [(c.schedule, c.pass_) for c in calls] == [(c.schedule, c.pass_)
+                                                      for c in eager_calls] == [
+        ("kv_outer", "forward"), ("split_kv", "forward"), ("split_kv", "backward"),
+        ("kv_outer", "backward")]
+    assert [c.ledger for c in calls] == [c.ledger for c in eager_calls]
+    assert all(c.ledger == c.model for c in calls)
+    for got, want in zip(grads, eager_grads, strict=True):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def gpt2_on(device, shape=None):
+    from experiments.model_traffic import TINY, batch, gpt2
+
+    shape = shape or TINY
+    return shape, gpt2(shape).to(device), *batch(shape, device)
+
+
+@gpu
+def test_torch_compile_fullgraph_with_inductor_on_cuda():
+    """The GPT-2-shaped stack routed through q_outer and compiled whole by inductor:
+    the loss and gradients of eager mode's routed step, and counting() still collects."""
+    from experiments.model_traffic import Shape, predicted, train_step
+
+    torch._dynamo.reset()
+    shape, model, idx, targets = gpt2_on("cuda", Shape(layers=2, heads=4, head_dim=64,
+                                                       seq=256, batch=2, vocab=128))
+    with lot.use("q_outer"):
+        loss, grads = train_step(model, idx, targets)
+        model.compile(fullgraph=True)  # in place: the parameters keep their names
+        with lot.counting() as calls:
+            got, got_grads = train_step(model, idx, targets)
+    assert abs(got - loss) <= 1e-5 * abs(loss)
+    for name, ref in grads.items():
+        assert (got_grads[name] - ref).abs().max() <= 1e-4 * ref.abs().max(), name
+    forward = [c.ledger for c in calls if c.pass_ == "forward"]
+    assert len(forward) == shape.layers and all(c.ledger == c.model for c in calls)
+    assert sum(forward[1:], forward[0]) == predicted(shape, "q_outer", None, False)
+
+
+@gpu
+def test_cuda_graphs_reduce_overhead_replay_the_op():
+    """mode="reduce-overhead": the op allocates through torch and launches on its current
+    stream, so inductor's CUDA graphs take the whole step (no skip) and replays give eager
+    mode's loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    from experiments.model_traffic import Shape, train_step
+
+    torch._dynamo.reset()
+    counters.clear()
+    _, model, idx, targets = gpt2_on("cuda", Shape(layers=2, heads=4, head_dim=64, seq=256,
+                                                   batch=2, vocab=128))
+    with lot.use("kv_outer"):
+        loss, grads = train_step(model, idx, targets)
+        model.compile(mode="reduce-overhead", fullgraph=True)
+        for _ in range(4):  # warm-up, recording, replays
+            torch.compiler.cudagraph_mark_step_begin()
+            got, got_grads = train_step(model, idx, targets)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert abs(got - loss) <= 1e-5 * abs(loss)
+    for name, ref in grads.items():
+        assert (got_grads[name] - ref).abs().max() <= 1e-4 * ref.abs().max(), name
+
+
+@gpu
+def test_a_cuda_graph_captures_the_op_and_counting_refuses_a_capture():
+    """torch.cuda.graph captures the forward (its launches on the capture stream, its
+    outputs from the graph's pool); a replay on new inputs gives the eager output. Inside
+    counting() a capture is refused: its replays would count nothing."""
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda") for _ in range(3))
+    lot.attention(q, k, v, schedule="q_outer", causal=True)  # warm-up: kernels compiled
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lot.attention(q, k, v, schedule="q_outer", causal=True)
+    for x in (q, k, v):
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    expect = lot.attention(q, k, v, schedule="q_outer", causal=True)
+    assert torch.equal(out, expect)
+    with lot.counting() as calls, pytest.raises(RuntimeError, match="CUDA graph"), \
+            torch.cuda.graph(torch.cuda.CUDAGraph()):
+        lot.attention(q, k, v, schedule="q_outer", causal=True)
+    assert calls == []
+
+
+# --- SDPA's signature and model routing ---------------------------------------------------
+
+@pytest.mark.parametrize("shape, kwargs", [((1, 2, 8, 4), {"is_causal": True,
+                                                           "enable_gqa": True}),
+                                           ((2, 8, 4), {"scale": 0.3}), ((8, 4), {})])
+def test_sdpa_signature_gives_torchs_sdpa(shape, kwargs):
+    """4-D, 3-D (folded to heads of one) and 2-D inputs, is_causal, scale, enable_gqa with
+    equal heads, against torch's SDPA in float64; output and gradients."""
+    q, k, v = leaves(shape)
+    out = lot.scaled_dot_product_attention(q, k, v, schedule="kv_outer", block_q=4, block_k=4,
+                                           **kwargs)
+    out.sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expect = F.scaled_dot_product_attention(*ref, **kwargs)
+    expect.sum().backward()
+    assert out.shape == expect.shape
+    assert torch.allclose(out.double(), expect, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(k.grad.double(), ref[1].grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "attn_mask"),
+    ({"dropout_p": 0.1}, "dropout_p"), ({"enable_gqa": True}, "enable_gqa"),
+    ({"is_causal": True}, "is_causal")])
+def test_sdpa_refuses_what_the_kernels_do_not_implement(kwargs, name):
+    """A mask tensor, dropout, grouped-query heads, causal over n_q != n_k: a ValueError
+    naming the argument, before any pass runs."""
+    (q,) = leaves((1, 4, 8, 4), n=1)
+    k, v = leaves((1, 2 if name == "enable_gqa" else 4, 6 if name == "is_causal" else 8, 4),
+                  n=2)
+    with lot.counting() as calls, pytest.raises(ValueError, match=f"^{name}: "):
+        lot.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert calls == []
+
+
+def test_use_routes_an_unmodified_models_sdpa_and_counts_every_pass():
+    """The GPT-2-shaped stack (experiments/model_traffic.py, torch alone, calling
+    F.scaled_dot_product_attention): its training step under use(...) gives plain torch's
+    loss and gradients, and counting() collects each layer's forward and backward, summing
+    to the model's prediction."""
+    from experiments.model_traffic import predicted, train_step
+
+    shape, model, idx, targets = gpt2_on(DEVICE)
+    loss, grads = train_step(model, idx, targets)
+    with lot.use("split_kv", block_q=4, block_k=4, splits=2, dq="separate"), \
+            lot.counting() as calls:
+        routed_loss, routed_grads = train_step(model, idx, targets)
+    assert F.scaled_dot_product_attention is SDPA
+    assert [c.pass_ for c in calls] == ["forward"] * shape.layers + ["backward"] * shape.layers
+    assert abs(routed_loss - loss) <= 1e-5 * abs(loss)
+    for name, ref in grads.items():
+        assert (routed_grads[name] - ref).abs().max() <= 1e-5 * ref.abs().max(), name
+    for pass_ in ("forward", "backward"):
+        mine = [c.ledger for c in calls if c.pass_ == pass_]
+        assert all(c.ledger == c.model for c in calls)
+        assert sum(mine[1:], mine[0]) == predicted(
+            shape, "split_kv", {"splits": 2, "dq": "separate"}, pass_ == "backward")
+
+
+def test_use_restores_torchs_sdpa_on_exit_on_errors_and_when_nested():
+    q, k, v = leaves((1, 2, 8, 4))
+    with pytest.raises(ValueError, match="attn_mask"), lot.use("dense"):
+        assert F.scaled_dot_product_attention is not SDPA
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    assert F.scaled_dot_product_attention is SDPA
+    with lot.use("dense") as outer:
+        with lot.use("kv_outer", block_q=4):
+            assert F.scaled_dot_product_attention not in (SDPA, outer)
+        assert F.scaled_dot_product_attention is outer
+    assert F.scaled_dot_product_attention is SDPA
+    with pytest.raises(ValueError, match="schedule: unknown schedule 'nope'"), lot.use("nope"):
+        pass
+    with pytest.raises(ValueError, match="options: unknown option 'splits' for q_outer"), \
+            lot.use("q_outer", splits=2):
+        pass
+    assert F.scaled_dot_product_attention is SDPA
