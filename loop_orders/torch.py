@@ -64,10 +64,11 @@ def _record(call: GradCall, pass_: str, ledger: Ledger | None, collected) -> Non
 
 class _LoopOrderAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, schedule, causal, block_q, block_k, options, scale):
+    def forward(ctx, q, k, v, schedule, causal, block_q, block_k, options, scale, window):
         collected = _collecting
         call = prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
-                            dict(options) if options else None, collected is not None, False)
+                            dict(options) if options else None, collected is not None, False,
+                            window)
         saved = call.forward(q, k, v)
         _record(call, "forward", saved.counts, collected)
         ctx.call, ctx.saved, ctx.collected = call, saved, collected
@@ -79,15 +80,18 @@ class _LoopOrderAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         dq, dk, dv, ledger = ctx.call.backward(ctx.saved, q, k, v, grad_out.contiguous())
         _record(ctx.call, "backward", ledger, ctx.collected)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
               causal: bool = False, block_q: int = 64, block_k: int = 64,
-              options: dict | None = None, scale: float | None = None) -> torch.Tensor:
+              options: dict | None = None, scale: float | None = None,
+              window: tuple = (-1, -1)) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
-    {"dq": "separate"}). Arguments are checked as `loop_orders.attention_grad` checks them."""
+    {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
+    `loop_orders.attention`. Arguments are checked as `loop_orders.attention_grad` checks
+    them."""
     frozen = tuple(sorted(options.items())) if options else None
     return _LoopOrderAttention.apply(q, k, v, schedule, causal, block_q, block_k, frozen,
-                                     scale)
+                                     scale, tuple(window))

@@ -74,6 +74,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
+from ...core.mask import NO_MASK, mask_of
 from ...device.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -280,6 +281,12 @@ def make_barriers(NS: int, NP: int) -> Barriers:
     l_sync, l_arrive = named_barrier(L_READY, NS + NP)
     return Barriers(full_sync, full_arrive, empty_sync, empty_arrive, s_sync, pv_sync, l_sync,
                     l_arrive)
+
+
+# The masks this kernel's roles implement: none, and causal with N_q = N_k (query row r sees
+# keys c <= r; `visible` below); q_outer's `specialised` gives every other problem the
+# micro-kernel, whose mask is `core.mask`'s.
+SQUARE_MASKS = (NO_MASK, mask_of(True))
 
 
 @cache
@@ -963,11 +970,16 @@ def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
 
 
 @cache
-def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):
+def make_specialised_kernel(BR, BC, D, DV, SP, MASK, SAVE_LSE, COUNT, slots):
     """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
     (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
     q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with
-    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's. MASK: no mask,
+    or causal with N_q = N_k (`SQUARE_MASKS`; q_outer runs any other on the micro-kernel)."""
+    if MASK not in SQUARE_MASKS:
+        raise ValueError(f"the warp-specialised kernel has no mask {MASK}: it runs "
+                         f"{SQUARE_MASKS} with as many queries as keys")
+    CAUSAL = MASK.bounded
     roles = make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots)
     make = make_persistent_kernel if SP.persistent else make_block_kernel
     return make(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles)
