@@ -54,6 +54,23 @@ UNROLL = Unroll.by(1)
     slot("m", "write"), slot("lse", "write"))
 
 
+def _make_load_stats(NT, ROWS, STATS, COUNT):
+    """load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt): l_i, m_i of the block's rows
+    into the stats rows, thread t taking row t, counted."""
+
+    @cuda.jit(device=True, inline="always")
+    def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            # l_i, m_i: reloaded from HBM for every K/V block
+            buf[STATS + r] = l_hbm[bh, row0 + r]
+            buf[STATS + ROWS + r] = m_hbm[bh, row0 + r]
+            if COUNT:
+                cnt[L_R] += 1
+                cnt[M_R] += 1
+
+    return load_stats
+
+
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, True, UNROLL)
@@ -70,17 +87,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     flush_counts = counts_flusher()
     NCNT = counter_slots(COUNT)
 
-    @cuda.jit(device=True, inline="always")
-    def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
-        """l_i, m_i of the block's rows into the stats rows, thread t taking row t."""
-        for r in range(cuda.threadIdx.x, n_rows, NT):
-            # l_i, m_i: reloaded from HBM for every K/V block
-            buf[STATS + r] = l_hbm[bh, row0 + r]
-            buf[STATS + ROWS + r] = m_hbm[bh, row0 + r]
-            if COUNT:
-                cnt[L_R] += 1
-                cnt[M_R] += 1
-
+    load_stats = _make_load_stats(NT, ROWS, STATS, COUNT)
     @cuda.jit(device=True, inline="always")
     def store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows, last, cnt):
         """l_i, m_i of the block's rows back to HBM from the stats rows; lse_i once final."""
