@@ -132,6 +132,7 @@ def make_row_io(BR: int, W: int, SC: int):
 def make_scores_kernel(BR, BC, D, MASK, COUNT):
     NCNT = counter_slots(COUNT)
     visible = make_visible(MASK)  # the keys of a K/V block a row sees
+    MASKED = MASK.bounded  # (the unmasked build tests no key)
     flush_counts = counts_flusher()
     load_K_j = make_tile_loader(BC, D, BR)
     SW = score_chunk(BC)
@@ -174,7 +175,7 @@ def make_scores_kernel(BR, BC, D, MASK, COUNT):
                 width = min(SW, bc - c0)
                 for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
                     score = float32(-math.inf)  # masked scores are written too
-                    if first <= c0 + c < end:
+                    if not MASKED or first <= c0 + c < end:
                         dot = float32(0.0)
                         for x in range(D):
                             dot += Q_i[x] * K_j[c0 + c, x]
@@ -264,6 +265,7 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT, MASKED=False):
 def make_pv_kernel(BR, BC, DV, MASK, COUNT):
     NCNT = counter_slots(COUNT)
     visible = make_visible(MASK)  # the keys of a K/V block a row sees
+    MASKED = MASK.bounded  # (the unmasked build tests no key)
     flush_counts = counts_flusher()
     load_V_j = make_tile_loader(BC, DV, BR)
     SW = score_chunk(BC)
@@ -308,7 +310,7 @@ def make_pv_kernel(BR, BC, DV, MASK, COUNT):
                 cuda.syncthreads()  # V_j and this chunk of P_ij are in shared memory
                 first, end = visible(row + n_k - n_q, key0, bc)  # its diagonal: row + N_k - N_q
                 for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
-                    if first <= c0 + c < end:
+                    if not MASKED or first <= c0 + c < end:
                         # a masked key (P = 0) never touches V: 0 * NaN would be NaN
                         p = P_ij[t, c]
                         for x in range(DV):
