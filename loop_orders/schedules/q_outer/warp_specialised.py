@@ -104,7 +104,6 @@ from ...microkernel.tiles import (
     counts_flusher,
     make_block_of,
     make_clear,
-    make_kv_blocks,
     make_row_copier,
     make_scores,
     make_tile_loader,
@@ -287,6 +286,22 @@ def make_barriers(NS: int, NP: int) -> Barriers:
 # keys c <= r; `visible` below); q_outer's `specialised` gives every other problem the
 # micro-kernel, whose mask is `core.mask`'s.
 SQUARE_MASKS = (NO_MASK, mask_of(True))
+
+
+@cache
+def make_kv_prefix(BC: int, CAUSAL: bool):
+    """kv_blocks(row0, n_rows, n_k) -> c_i: the K/V blocks j < c_i the query block of rows
+    row0 .. row0 + n_rows - 1 visits under this kernel's masks (`SQUARE_MASKS`): all, or
+    (causal, N_q = N_k) those up to its last row; `tiles.make_kv_blocks` for any mask."""
+
+    @cuda.jit(device=True, inline="always")
+    def kv_blocks(row0, n_rows, n_k):
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        return c_i
+
+    return kv_blocks
 
 
 @cache
@@ -789,7 +804,7 @@ def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
     EVEN = SP.even
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    kv_blocks = make_kv_prefix(BC, CAUSAL)
     clear_q, load_q_tile, load_k, load_v_half = roles.copies
     s_role, pv_role = roles.s_role, roles.pv_role
 
@@ -883,7 +898,7 @@ def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:
     Q_R = slots[0]
     HK = BC // 2  # keys of a V half
     EVEN = SP.even
-    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    kv_blocks = make_kv_prefix(BC, CAUSAL)
     publish = make_items(BR, CAUSAL).publish
     clear_q, load_q_tile, load_k, load_v_half = roles.copies
     s_sync, pv_sync = roles.bars.s_sync, roles.bars.pv_sync
