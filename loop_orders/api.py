@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .core.ledger import Ledger, n_slots
+from .core.mask import check_window
 from .core.schedule import (
     MAX_BLOCK_K,
     MAX_BLOCK_Q,
@@ -71,8 +72,10 @@ def _check_bool(name: str, value) -> bool:
 
 def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1, heads=1,
                  block_q, block_k, causal=False, save_lse=False, dtype="float32",
-                 options=None, precision="ieee") -> Problem:
+                 options=None, precision="ieee", window=(-1, -1)) -> Problem:
     """Validate sizes and options for `schedule` and return the Problem they describe.
+    `causal` is bottom-right aligned (query i sees keys j <= i + n_k - n_q); `window` =
+    (left, right) is FlashAttention's window_size (`core.mask`).
 
     Block sizes larger than the problem are clamped to it (block_q to n_q, block_k to n_k):
     the traffic is the same, and the CTA is not sized for rows that do not exist."""
@@ -91,10 +94,8 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
         block_k=min(_check_int("block_k", block_k, 1, MAX_BLOCK_K), n_k),
         causal=_check_bool("causal", causal), save_lse=_check_bool("save_lse", save_lse),
         dtype=dtype, options=sched.options_for(options),
-        precision=_check_precision(sched, precision, dtype),
+        precision=_check_precision(sched, precision, dtype), window=check_window(window),
     )
-    if p.causal and p.n_q != p.n_k:
-        raise ValueError(f"causal: needs as many queries as keys, got n_q={p.n_q}, n_k={p.n_k}")
     return p
 
 
@@ -433,7 +434,7 @@ def clamped_blocks(p: Problem, block_q, block_k) -> dict:
 def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
               causal: bool = False, scale: float | None = None, save_lse: bool = False,
               count: bool = False, options: dict | None = None, timed: bool = False,
-              precision: str = "ieee") -> Result:
+              precision: str = "ieee", window: tuple = (-1, -1)) -> Result:
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
@@ -447,20 +448,25 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     instead of 1e-6; the schedules with TENSOR_CORES) instead of exact float32 FMA, and
     `precision="tf32x3"` on them with each operand split into a TF32 head and tail (3xTF32,
     three products: about float32's accuracy, as SDPA's float32 efficient backend does).
+    `causal` is bottom-right aligned: with n_q != n_k query i sees keys j <= i + n_k - n_q.
+    `window=(left, right)` (FlashAttention's window_size, -1 unbounded) lets query i see
+    keys i + n_k - n_q - left <= j <= i + n_k - n_q + right; with causal, right is 0. K/V
+    blocks no row of a query block sees are skipped (`core.mask`). A row that sees no key
+    gets output 0 and lse -inf.
 
     Numerics (README "Limits and numerics"): the running row max is subtracted before every
     exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that
     depend on them: NaN in q[r] -> row r; in k[c] -> every row attending key c; in v[c, x] ->
-    column x of those rows. Masked (causal) keys never touch the output. Everything that
+    column x of those rows. Masked keys (causal, window) never touch the output. Everything that
     cannot run (shapes, dtypes, block sizes, options, shared or device memory, the
     simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
     key = call_key(schedule, (q, k, v), (block_q, block_k, causal, scale, save_lse, count,
-                                         timed, precision), options)
+                                         timed, precision, window), options)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
         call = _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count,
-                        options, timed, precision)
+                        options, timed, precision, window)
         if key is not None:
             _CALLS[key] = call
             if len(_CALLS) > MAX_CALLS:
@@ -471,13 +477,14 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
 
 
 def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count, options,
-             timed, precision) -> _Call:
+             timed, precision, window=(-1, -1)) -> _Call:
     """Every check of `attention`, in the order the error messages promise."""
     sched = get_schedule(schedule)
     inp = check_inputs(q, k, v)
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=save_lse, dtype=inp.dtype, options=options, precision=precision)
+                     save_lse=save_lse, dtype=inp.dtype, options=options, precision=precision,
+                     window=window)
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
@@ -489,14 +496,14 @@ def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch:
                     heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
                     save_lse: bool = False, n_k: int | None = None, options: dict | None = None,
                     backward: bool = False, dtype: str = "float32",
-                    precision: str = "ieee") -> Ledger:
+                    precision: str = "ieee", window: tuple = (-1, -1)) -> Ledger:
     """The schedule's exact traffic model (elements moved through HBM) for these sizes:
     the forward pass, or with `backward` the backward pass alone. The elements do not depend
     on dtype or precision (checked as a call's would be); bytes do (`Ledger.bytes`)."""
     sched = get_schedule(schedule)
     p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
-                     options=options, dtype=dtype, precision=precision)
+                     options=options, dtype=dtype, precision=precision, window=window)
     if backward:
         from .core.schedule import backward_of
 

@@ -207,12 +207,12 @@ _CALLS: OrderedDict = OrderedDict()
 
 
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
-                 timed) -> GradCall:
+                 timed, window=(-1, -1)) -> GradCall:
     """Every check of `attention_grad`, in the order the error messages promise (a call
     key seen before skips them). `do` None: the caller gives the output's gradient later,
     of the output's shape and dtype (the torch op: autograd guarantees it)."""
     arrays_in = (q, k, v) if do is None else (q, k, v, do)
-    key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed),
+    key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed, window),
                    options)
     if key is not None:
         call = _CALLS.get(key)
@@ -224,7 +224,7 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     inp = check_inputs(q, k, v, **({} if do is None else {"do": do}))
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=True, dtype=inp.dtype, options=options)
+                     save_lse=True, dtype=inp.dtype, options=options, window=window)
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count, timed = _check_bool("count", count), _check_bool("timed", timed)
     check_launch(sched, p, count, host_inputs=inp.host, simulator_budget=False)
@@ -241,7 +241,7 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
 def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
                    block_k: int = 64, causal: bool = False, scale: float | None = None,
                    options: dict | None = None, count: bool = False,
-                   timed: bool = False) -> GradResult:
+                   timed: bool = False, window: tuple = (-1, -1)) -> GradResult:
     """Attention's forward pass in the loop order `schedule`, then the gradients of
     sum(O * do) with respect to q, k, v in its backward loop order (`backward_schedule_names`;
     options such as {"dq": "separate"} choose among a backward's variants).
@@ -249,7 +249,8 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
     q, k, v as for `attention`; do: the output's shape and dtype. Outputs are the same kind of
     array as q; `lse` is float32. With `count`, the counted kernels run and the ledgers of
     each pass are returned (the forward's includes what it saves for the backward).
+    `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
     """
     call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,
-                        count, timed)
+                        count, timed, window)
     return call(q, k, v, do)

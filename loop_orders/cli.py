@@ -47,7 +47,12 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--block-q", type=int, default=64, help="Br, query rows per block")
     parser.add_argument("--block-k", type=int, default=64, help="Bc, keys per block")
-    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--causal", action="store_true",
+                        help="bottom-right aligned: query i sees keys j <= i + n_k - n")
+    parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
+                        default=(-1, -1),
+                        help="sliding window: query i sees keys i + n_k - n - LEFT .. "
+                             "i + n_k - n + RIGHT (-1: unbounded; default -1 -1, none)")
     parser.add_argument("--save-lse", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=list(SUPPORTED_DTYPES),
                         help="input dtype (bfloat16 inputs are torch tensors: needs torch)")
@@ -156,7 +161,8 @@ def _problem(args):
     return make_problem(args.schedule, n_q=args.n, n_k=args.n_k, d=args.d, dv=args.dv,
                         batch=args.batch, heads=args.heads, block_q=args.block_q,
                         block_k=args.block_k, causal=args.causal, save_lse=args.save_lse,
-                        dtype=args.dtype, options=_options(args), precision=args.precision)
+                        dtype=args.dtype, options=_options(args), precision=args.precision,
+                        window=tuple(args.window))
 
 
 def _header(p, schedule: str, backward: bool = False) -> str:
@@ -194,7 +200,8 @@ def _measure(args, p):
 
     q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
     kwargs = {"schedule": args.schedule, "block_q": p.block_q, "block_k": p.block_k,
-              "causal": p.causal, "options": _options(args), "count": True}
+              "causal": p.causal, "window": p.window, "options": _options(args),
+              "count": True}
     if args.backward:
         from .api_grad import attention_grad
 
@@ -216,6 +223,8 @@ def cmd_traffic(args) -> int:
         record = {"schedule": args.schedule, "n": p.n_q, "d": p.d, "dv": p.dv,
                   "batch": p.batch, "heads": p.heads, "block_q": p.block_q,
                   "block_k": p.block_k, "causal": p.causal, "save_lse": p.save_lse}
+        if p.window != (-1, -1):
+            record["window"] = list(p.window)
         if args.n_k is not None:
             record["n_k"] = p.n_k
         options = sched.resolved_options(p)
@@ -264,13 +273,14 @@ def cmd_run(args) -> int:
     for _ in range(args.repeat):
         res = attention(dq, dk, dv, schedule=args.schedule, block_q=args.block_q,
                         block_k=args.block_k, causal=p.causal, save_lse=p.save_lse,
-                        options=_options(args), timed=True, precision=p.precision)
+                        options=_options(args), timed=True, precision=p.precision,
+                        window=p.window)
         times.append(res.ms)
     out = _host(res.out)
-    ref, ref_lse = attention_reference(q, k, v, causal=p.causal)
+    ref, ref_lse = attention_reference(q, k, v, mask=p.mask)  # the problem's mask
     err = relative_error(out, ref)
     tc = p.precision != "ieee"  # float32 on TF32 tensor cores: their rounding's bound
-    tol = (tf32_tolerance(q, k, v, ref, causal=p.causal, precision=p.precision) if tc else
+    tol = (tf32_tolerance(q, k, v, ref, mask=p.mask, precision=p.precision) if tc else
            tolerance(p.dtype, get_schedule(args.schedule).output_roundings(p), v, ref))
     ok = err <= tol
     print(f"{args.schedule} on {runtime.device_name()}: {_header(p, args.schedule)}")
@@ -279,10 +289,14 @@ def cmd_run(args) -> int:
     print(f"max relative error vs float64 reference: {err:.3e} "
           f"({'ok' if ok else 'FAILED'}, tolerance {tol:.1e})")
     if p.save_lse:
-        lse_err = float(np.abs(_host(res.lse) - ref_lse).max())
-        lse_tol = 1e-5 * max(1.0, float(np.abs(ref_lse).max()))
+        lse = _host(res.lse)
+        seen = np.isfinite(ref_lse)  # -inf where a row sees no key: the kernel's must be too
+        lse_err = float(np.abs(lse - ref_lse)[seen].max(initial=0.0))
+        if not np.array_equal(lse[~seen], ref_lse[~seen]):
+            lse_err = np.inf
+        lse_tol = 1e-5 * max(1.0, float(np.abs(ref_lse[seen]).max(initial=0.0)))
         if tc:
-            lse_tol += tf32_score_shift(q, k, causal=p.causal, precision=p.precision)
+            lse_tol += tf32_score_shift(q, k, mask=p.mask, precision=p.precision)
         lse_ok = lse_err <= lse_tol
         print(f"max |lse - reference|: {lse_err:.3e} ({'ok' if lse_ok else 'FAILED'})")
         ok = ok and lse_ok
@@ -290,7 +304,7 @@ def cmd_run(args) -> int:
     if runtime.SIMULATOR:
         print(f"time: {ms:.1f} ms median of {args.repeat} on the simulator (no GPU timing)")
     else:
-        flops = 2 * p.bh * p.n_q * p.n_k * (p.d + p.dv) // (2 if p.causal else 1)
+        flops = 2 * p.bh * int(p.mask.visible(p.n_q, p.n_k).sum()) * (p.d + p.dv)
         print(f"time: {ms:.3f} ms median of {args.repeat} ({flops / ms / 1e9:.3f} TFLOP/s)")
     return 0 if ok else 1
 

@@ -14,16 +14,36 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .core.mask import Mask, mask_of
+
 
 def default_scale(d: int) -> float:
     return 1.0 / float(np.sqrt(d))
 
 
-def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = False):
+def visible_pairs(n_q: int, n_k: int, causal: bool = False, mask: Mask | None = None):
+    """The (n_q, n_k) boolean matrix of the (query, key) pairs the mask shows: `mask` (a
+    problem's `Problem.mask`, `core.mask`'s rule), else causal (bottom-right aligned) or none."""
+    return (mask if mask is not None else mask_of(causal)).visible(n_q, n_k)
+
+
+def _softmax_parts(scores):
+    """(row_max, weights, row_sum) of masked scores: exp(scores - row_max) and its row sums,
+    a row with no visible key (all -inf) taking row_max 0, weights 0 and row_sum 0."""
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isneginf(row_max), 0.0, row_max)
+    weights = np.exp(scores - row_max)
+    return row_max, weights, weights.sum(axis=-1, keepdims=True)
+
+
+def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = False,
+                        mask: Mask | None = None):
     """Dense float64 attention over the last two axes; returns (out, lse).
 
     q: (..., n_q, d), k: (..., n_k, d), v: (..., n_k, dv). With `causal`, query row r attends
-    keys c <= r. lse is the natural-log normaliser of each row, shape (..., n_q).
+    keys c <= r + n_k - n_q (bottom-right aligned); `mask` (a problem's `Problem.mask`:
+    causal, a window, `core.mask`) says which instead. lse is the natural-log normaliser of
+    each row, shape (..., n_q); a row that sees no key gets output 0 and lse -inf.
 
     A masked key takes no part at all: a NaN or inf in a masked row of K or V does not reach
     the output (as in the kernels), while one in a visible row does.
@@ -31,30 +51,32 @@ def attention_reference(q, k, v, *, scale: float | None = None, causal: bool = F
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    visible = visible_pairs(n_q, n_k, causal, mask)
     scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores - row_max)
-    row_sum = weights.sum(axis=-1, keepdims=True)
-    out = _visible_matmul(weights / row_sum, visible, v)
-    lse = (row_max + np.log(row_sum))[..., 0]
+    row_max, weights, row_sum = _softmax_parts(scores)
+    out = _visible_matmul(weights / np.where(row_sum > 0, row_sum, 1.0), visible, v)
+    with np.errstate(divide="ignore"):  # log 0 = -inf: a row that sees no key
+        lse = (row_max + np.log(row_sum))[..., 0]
     return out, lse
 
 
-def attention_grad_reference(q, k, v, do, *, scale: float | None = None, causal: bool = False):
+def attention_grad_reference(q, k, v, do, *, scale: float | None = None, causal: bool = False,
+                             mask: Mask | None = None):
     """Float64 gradients of O = softmax(scale Q K^T + mask) V for the output gradient do:
     (dq, dk, dv), by the standard formulas (the FlashAttention paper's Algorithm 3):
 
         P = softmax(scale Q K^T + mask);  dV = P^T dO;  dP = dO V^T
         dS = P o (dP - rowsum(dP o P));   dQ = scale dS K;  dK = scale dS^T Q
+
+    (mask as `attention_reference`'s; a row that sees no key has P = 0 and no gradient).
     """
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    visible = visible_pairs(n_q, n_k, causal, mask)
     scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
+    _, p, row_sum = _softmax_parts(scores)
+    p /= np.where(row_sum > 0, row_sum, 1.0)
     dv = np.einsum("...qk,...qd->...kd", p, do)
     dp = np.einsum("...qd,...kd->...qk", do, v)
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
@@ -112,7 +134,8 @@ def tolerance(dtype, roundings: int, v, ref) -> float:
         return base
     v_max = float(np.abs(np.asarray(v, dtype=np.float64)).max())
     ref_max = float(np.abs(np.asarray(ref, dtype=np.float64)).max())
-    return base + roundings * u * v_max / ref_max
+    # relative to max|ref|, or absolute where ref is all zeros (as `relative_error`)
+    return base + roundings * u * v_max / (ref_max if ref_max > 0 else 1.0)
 
 
 TF32_UNIT = 2.0**-10  # TF32 keeps 10 mantissa bits of float32; the hardware drops the rest
@@ -124,20 +147,20 @@ PRODUCT_LOSS = {"tf32": 2 * TF32_UNIT + TF32_UNIT**2, "tf32x3": 1.25 * 2.0**-20}
 
 
 def tf32_score_shift(q, k, *, scale: float | None = None, causal: bool = False,
-                     precision: str = "tf32") -> float:
+                     precision: str = "tf32", mask: Mask | None = None) -> float:
     """The most a score can move at a TF32 `precision` ("tf32", "tf32x3"): each product
     loses at most PRODUCT_LOSS of itself, so |scale| PRODUCT_LOSS max_(r,c) sum_x
-    |q_rx| |k_cx| (over the visible pairs when causal). A row's lse moves by at most as much."""
+    |q_rx| |k_cx| (over the visible pairs under a mask). A row's lse moves by at most as
+    much."""
     q, k = (np.asarray(x, dtype=np.float64) for x in (q, k))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     worst = np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k))
-    if causal:
-        worst = np.tril(worst)
+    worst = np.where(visible_pairs(q.shape[-2], k.shape[-2], causal, mask), worst, 0.0)
     return abs(scale) * PRODUCT_LOSS[precision] * float(worst.max())
 
 
 def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = False,
-                   precision: str = "tf32") -> float:
+                   precision: str = "tf32", mask: Mask | None = None) -> float:
     """Largest acceptable `relative_error` of a float32 call at a TF32 `precision`, a bound
     that follows from the rounding alone (it holds for any inputs, and is loose).
 
@@ -147,8 +170,9 @@ def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = F
     Relative to max|ref|, over float32's own.
     """
     v, ref = (np.asarray(x, dtype=np.float64) for x in (v, ref))
-    shift = tf32_score_shift(q, k, scale=scale, causal=causal, precision=precision)
-    ratio = float(np.abs(v).max()) / float(np.abs(ref).max())
+    shift = tf32_score_shift(q, k, scale=scale, causal=causal, precision=precision, mask=mask)
+    ref_max = float(np.abs(ref).max())  # (absolute where ref is all zeros, as relative_error)
+    ratio = float(np.abs(v).max()) / (ref_max if ref_max > 0 else 1.0)
     return tolerance("float32", 0, v, ref) + (math.expm1(2 * shift)
                                               + PRODUCT_LOSS[precision]) * ratio
 
@@ -179,7 +203,7 @@ class GradTolerances:
 
 
 def grad_tolerances(q, k, v, do, refs, dtype, roundings: int, *, scale: float | None = None,
-                    causal: bool = False) -> GradTolerances:
+                    causal: bool = False, mask: Mask | None = None) -> GradTolerances:
     """`grad_tolerance`, grown where dQ or dK is small against the terms it sums.
 
     The backward reads O as stored in `dtype`, so delta_r = sum_x dO_rx O_rx is off by up to
@@ -197,10 +221,10 @@ def grad_tolerances(q, k, v, do, refs, dtype, roundings: int, *, scale: float | 
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
-    visible = np.tril(np.ones((n_q, n_k), dtype=bool)) if causal else np.ones((n_q, n_k), bool)
+    visible = visible_pairs(n_q, n_k, causal, mask)
     scores = np.where(visible, scale * np.einsum("...qd,...kd->...qk", q, k), -np.inf)
-    p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
+    _, p, row_sum = _softmax_parts(scores)
+    p /= np.where(row_sum > 0, row_sum, 1.0)
     o_size = np.einsum("...qk,...kd->...qd", p, np.abs(v))
     delta_error = 2 * u * (np.abs(do) * o_size).sum(axis=-1)
     weighted = p * delta_error[..., None]

@@ -36,6 +36,7 @@ import torch
 from .api import make_problem
 from .api_grad import GradCall, prepare_grad
 from .core.ledger import Ledger
+from .core.mask import check_window
 from .core.schedule import Problem, get_schedule
 from .device.arrays import numpy_to_torch_dtype
 
@@ -99,23 +100,24 @@ def decode_options(text: str) -> dict | None:
     return dict(pair.split("=") for pair in text.split(",")) if text else None
 
 
-def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, count) -> GradCall:
+def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
+          count) -> GradCall:
     """The prepared call of these arguments, counted or not (`prepare_grad` keeps it)."""
     if count and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("counting(): a CUDA graph is being captured; its replays run no "
                            "Python, so their passes could not be counted: count without CUDA "
                            "graphs (mode='reduce-overhead')")
     return prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
-                        decode_options(options), count, False)
+                        decode_options(options), count, False, tuple(window))
 
 
 @torch.library.custom_op("loop_orders::attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, options: str,
-             causal: bool, block_q: int, block_k: int,
-             scale: float | None) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+             causal: bool, block_q: int, block_k: int, scale: float | None,
+             window: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The forward pass: O, lse, and the schedule's workspace its backward reads."""
     collected = _collecting
-    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale,
+    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
                  collected is not None)
     saved = call.forward(q, k, v)
     _record(call, "forward", saved.counts, collected)
@@ -124,7 +126,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, o
 
 
 @_forward.register_fake
-def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale):
+def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale, window):
     # The sizes as ints: a workspace's shape may depend on them beyond arithmetic (split_kv's
     # splits="auto"), so a dynamic-shape trace specialises on them, as the kernels do.
     (*lead, n_q, d), n_k, dv = map(int, q.shape), int(k.shape[-2]), int(v.shape[-1])
@@ -133,7 +135,7 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale)
     p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv,
                      batch=batch, heads=heads, block_q=block_q, block_k=block_k, causal=causal,
                      save_lse=True, dtype=str(q.dtype).removeprefix("torch."),
-                     options=decode_options(options))
+                     options=decode_options(options), window=tuple(window))
     kept = sched.allocate_workspace(
         p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype)))
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
@@ -143,11 +145,11 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale)
 @torch.library.custom_op("loop_orders::attention_backward", mutates_args=())
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor], schedule: str,
-              options: str, causal: bool, block_q: int, block_k: int,
-              scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
+              window: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The schedule's backward loop order: dq, dk, dv from the forward's outputs."""
     collected = _collecting
-    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale,
+    call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
                  collected is not None)
     dq, dk, dv, ledger = call.backward(call.resume(out, lse, kept), q, k, v, do)
     _record(call, "backward", ledger, collected)
@@ -178,13 +180,16 @@ _forward.register_autograd(_gradients, setup_context=_setup_context)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
               causal: bool = False, block_q: int = 64, block_k: int = 64,
-              options: dict | None = None, scale: float | None = None) -> torch.Tensor:
+              options: dict | None = None, scale: float | None = None,
+              window: tuple = (-1, -1)) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
-    {"dq": "separate"}). Arguments are checked as `loop_orders.attention_grad` checks them.
+    {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
+    `loop_orders.attention`. Arguments are checked as `loop_orders.attention_grad` checks them.
     Non-contiguous inputs are copied contiguous first (torch's copy, outside the ledgers)."""
     out, _, _ = _forward(q.contiguous(), k.contiguous(), v.contiguous(), schedule,
-                         encode_options(options), causal, block_q, block_k, scale)
+                         encode_options(options), causal, block_q, block_k, scale,
+                         list(check_window(window)))
     return out
 
 

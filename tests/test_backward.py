@@ -65,12 +65,14 @@ def test_gradients_and_counts(schedule, options, case, rng):
 def problems(draw, schedule, options):
     n = draw(st.integers(1, 60))
     causal = draw(st.booleans())
-    n_k = n if causal else draw(st.integers(1, 60))
+    n_k = draw(st.one_of(st.just(n), st.integers(1, 60)))  # bottom-right causal when apart
+    side = st.one_of(st.just(-1), st.integers(0, 70))  # a window side, -1: unbounded
     return lo.make_problem(
         schedule, n_q=n, n_k=n_k, d=draw(st.integers(1, 9)), dv=draw(st.integers(1, 9)),
         block_q=draw(st.integers(1, 70)), block_k=draw(st.integers(1, 70)),
         batch=draw(st.integers(1, 2)), heads=draw(st.integers(1, 2)), causal=causal,
-        save_lse=True, options=options)
+        save_lse=True, options=options,
+        window=draw(st.one_of(st.just((-1, -1)), st.tuples(side, side))))
 
 
 @pytest.mark.parametrize("schedule, options", VARIANTS, ids=IDS)

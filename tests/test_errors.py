@@ -43,11 +43,11 @@ def test_options_given_to_a_schedule_without_any(qkv, no_launch):
         lo.attention(*qkv, schedule=plain.name, options={"x": 2})
 
 
-def test_causal_needs_square(rng):
-    q, _, _ = random_qkv(rng, 1, 1, 4, 4, 4)
-    _, k, v = random_qkv(rng, 1, 1, 6, 4, 4)
-    with pytest.raises(ValueError, match="causal: needs as many queries as keys"):
-        lo.attention(q, k, v, causal=True)
+@pytest.mark.parametrize("window", [(-2, 0), (1,), (0, 1.5), "ab", (True, 0), None])
+def test_bad_window_refused(window, rng):
+    q, k, v = random_qkv(rng, 1, 1, 4, 4, 4)
+    with pytest.raises(ValueError, match=r"window: got .* allowed \(left, right\)"):
+        lo.attention(q, k, v, window=window)
 
 
 @pytest.mark.parametrize("schedule", [s.name for s in lo.all_schedules() if s.uses_micro_kernel])

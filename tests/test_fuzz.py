@@ -1,6 +1,8 @@
 """Property-based fuzz: random shapes, tilings and options, every registered schedule.
 
-For each drawn case, every schedule's output matches the float64 reference within the usual
+For each drawn case (n_q and n_k apart or not, causal or not, a sliding window or none),
+every schedule's output matches the float64 reference (under the problem's own mask) within
+the usual
 tolerance (TF32's bound at precision "tf32", 3xTF32's at "tf32x3") and its measured counters
 equal its model exactly. The shapes stay tiny so the Numba CUDA simulator can run them; CI
 runs a fixed, derandomised set of examples. A larger, random run (see README "Tests"):
@@ -45,8 +47,10 @@ MAX_N, MAX_D, MAX_BLOCK = 24, 9, 16
 def cases(draw):
     causal = draw(st.booleans())
     n = draw(st.integers(1, MAX_N))
-    n_k = n if causal else draw(st.one_of(st.just(n), st.integers(1, MAX_N)))
+    n_k = draw(st.one_of(st.just(n), st.integers(1, MAX_N)))
+    side = st.one_of(st.just(-1), st.integers(0, MAX_N))  # -1: unbounded
     return {
+        "window": draw(st.one_of(st.just((-1, -1)), st.tuples(side, side))),
         "batch": draw(st.integers(1, 2)),
         "heads": draw(st.integers(1, 2)),
         "n": n,
@@ -79,7 +83,7 @@ def test_every_schedule_matches_reference_and_model(case):
     rng = np.random.default_rng(c["seed"])
     q, _, _ = random_qkv(rng, c["batch"], c["heads"], c["n"], c["d"], c["dv"], c["dtype"])
     _, k, v = random_qkv(rng, c["batch"], c["heads"], c["n_k"], c["d"], c["dv"], c["dtype"])
-    ref, ref_lse = lo.attention_reference(q, k, v, causal=c["causal"])
+    mask = None  # the problems' mask (every schedule's the same)
     for name in lo.schedule_names():
         sched = lo.get_schedule(name)
         precision = c["precision"] if sched.TENSOR_CORES else "ieee"
@@ -87,18 +91,22 @@ def test_every_schedule_matches_reference_and_model(case):
                             batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
                             block_k=c["block_k"], causal=c["causal"],
                             save_lse=c["save_lse"], dtype=c["dtype"], options=c["options"][name],
-                            precision=precision)
+                            precision=precision, window=c["window"])
+        if mask is None:
+            mask = p.mask
+            ref, ref_lse = lo.attention_reference(q, k, v, mask=mask)
         try:
             lo.api.check_launch(sched, p, count=True)
         except ValueError:
             continue  # refused up front, with a message: allowed (not a wrong number)
         res = lo.attention(q, k, v, schedule=name, block_q=c["block_q"],
                            block_k=c["block_k"], causal=c["causal"], save_lse=c["save_lse"],
-                           options=c["options"][name], count=True, precision=precision)
+                           options=c["options"][name], count=True, precision=precision,
+                           window=c["window"])
         assert res.out.shape == ref.shape and res.out.dtype == np.dtype(c["dtype"]), name
         assert np.isfinite(res.out).all(), name
         if precision != "ieee":
-            tol = tf32_tolerance(q, k, v, ref, causal=c["causal"], precision=precision)
+            tol = tf32_tolerance(q, k, v, ref, mask=mask, precision=precision)
             # over all pairs, masked or not
             lse_tol = tf32_score_shift(q, k, precision=precision) + 1e-5
         else:
@@ -140,7 +148,7 @@ def test_every_backward_matches_reference_and_model(case):
     q, _, _ = random_qkv(rng, c["batch"], c["heads"], c["n"], c["d"], c["dv"], c["dtype"])
     _, k, v = random_qkv(rng, c["batch"], c["heads"], c["n_k"], c["d"], c["dv"], c["dtype"])
     do = rng.standard_normal(q.shape[:-1] + (c["dv"],)).astype(c["dtype"])
-    refs = attention_grad_reference(q, k, v, do, causal=c["causal"])
+    refs = None  # under the problems' mask (every schedule's the same)
     for variant in grad_variants():
         name, options = variant.schedule, variant.options
         bwd = get_backward(name)
@@ -148,7 +156,9 @@ def test_every_backward_matches_reference_and_model(case):
         p = lo.make_problem(name, n_q=c["n"], n_k=c["n_k"], d=c["d"], dv=c["dv"],
                             batch=c["batch"], heads=c["heads"], block_q=c["block_q"],
                             block_k=c["block_k"], causal=c["causal"], save_lse=True,
-                            dtype=c["dtype"], options=options)
+                            dtype=c["dtype"], options=options, window=c["window"])
+        if refs is None:
+            refs = attention_grad_reference(q, k, v, do, mask=p.mask)
         try:
             lo.api.check_launch(sched, p, count=True)
             lo.api_grad.check_backward(sched, bwd, p, True, True)
@@ -156,9 +166,9 @@ def test_every_backward_matches_reference_and_model(case):
             continue  # refused up front, with a message: allowed (not a wrong number)
         g = lo.attention_grad(q, k, v, do, schedule=name, block_q=c["block_q"],
                               block_k=c["block_k"], causal=c["causal"], options=options,
-                              count=True)
+                              count=True, window=c["window"])
         tol = grad_tolerances(q, k, v, do, refs, c["dtype"], bwd.output_roundings(g.problem),
-                              causal=c["causal"])
+                              mask=p.mask)
         for got, ref, bound in zip((g.dq, g.dk, g.dv), refs, (tol.dq, tol.dk, tol.dv),
                                    strict=True):
             assert relative_error(got, ref) <= bound, (name, options)

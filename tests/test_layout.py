@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from loop_orders.core.mask import NO_MASK
 from loop_orders.device.runtime import cuda
 from loop_orders.microkernel import tuning
 from loop_orders.microkernel.cuda_cores import (
@@ -246,7 +247,7 @@ def test_a_threads_rows_come_in_groups_and_the_threads_cover_every_row_once(rm, 
     """row(tr, a): groups of 4 consecutive rows where RM allows (2, else 1), the groups G TR
     rows apart; over the CTA every tile row is one thread's, once."""
     block_q, block_k = 40, 16
-    mk = make_micro_kernel(block_q, block_k, 8, 8, rm, kn, False, False, Unroll.by(2))
+    mk = make_micro_kernel(block_q, block_k, 8, 8, rm, kn, NO_MASK, False, Unroll.by(2))
     tr_count, _ = Layout(rm, kn).grid(block_q, block_k)
     row = mk.row_of
 
@@ -328,9 +329,9 @@ def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_c
     assert not Layout(8, 8, 2).copies_rows(63, 64) and not Layout(8, 8, 1).copies_rows(64, 64)
     for name in ("kv_outer", "split_kv"):
         assert lo.get_schedule(name).layout(p).stages == 1
-    mk = make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, Unroll.by(1), 2)
+    mk = make_micro_kernel(32, 16, 8, 8, 4, 4, NO_MASK, False, Unroll.by(1), 2)
     assert mk.STAGGERED and mk.weigh is not None and mk.fold is not None
-    assert not make_micro_kernel(32, 16, 8, 8, 4, 4, False, False, Unroll.by(1)).STAGGERED
+    assert not make_micro_kernel(32, 16, 8, 8, 4, 4, NO_MASK, False, Unroll.by(1)).STAGGERED
     monkeypatch.setattr(tuning, "CURRENT", tuning.Tuning(kv_stages=1))
     assert q_outer.layout(p) == Layout(8, 8, 1)
 

@@ -19,12 +19,14 @@ def options_of(draw, sched):
 def problems(draw, sched):
     n = draw(st.integers(1, 80))
     causal = draw(st.booleans())
-    n_k = n if causal else draw(st.integers(1, 80))
+    n_k = draw(st.one_of(st.just(n), st.integers(1, 80)))  # bottom-right causal when apart
+    side = st.one_of(st.just(-1), st.integers(0, 90))  # a window side, -1: unbounded
     return lo.make_problem(
         sched, n_q=n, n_k=n_k, d=draw(st.integers(1, 9)), dv=draw(st.integers(1, 9)),
         block_q=draw(st.integers(1, 90)), block_k=draw(st.integers(1, 90)),
         batch=draw(st.integers(1, 3)), heads=draw(st.integers(1, 3)), causal=causal,
-        save_lse=draw(st.booleans()), options=options_of(draw, sched))
+        save_lse=draw(st.booleans()), options=options_of(draw, sched),
+        window=draw(st.one_of(st.just((-1, -1)), st.tuples(side, side))))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from .ledger import TENSORS, Ledger, declare_tensor
+from .mask import Mask, kv_block_range, mask_of, q_block_range
 
 # Limits of the kernels as written (compile-time local arrays, 1024 threads per CTA).
 MAX_HEAD_DIM = 256
@@ -104,6 +105,12 @@ class Problem:
     dtype: str = "float32"
     options: tuple = ()
     precision: str = "ieee"  # "tf32", "tf32x3": float32 inputs on TF32 tensor cores
+    window: tuple = (-1, -1)  # (left, right) keys around a row's diagonal; -1: unbounded
+
+    @property
+    def mask(self) -> Mask:
+        """The mask the kernels compile (`core.mask`): the window, causal bounding its right."""
+        return mask_of(self.causal, self.window)
 
     @property
     def bh(self) -> int:
@@ -144,31 +151,51 @@ class Problem:
         starts = np.arange(self.tc, dtype=np.int64) * self.block_k
         return np.minimum(self.block_k, self.n_k - starts)
 
+    def kv_block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per query block i, the K/V blocks [first_i, end_i) it visits (`mask.kv_block_range`:
+        all Tc without a mask; the blocks holding keys some row of block i sees)."""
+        m = self.mask
+        pairs = [kv_block_range(i * self.block_q, int(r), self.n_q, self.n_k, self.block_k,
+                                m.left, m.right) for i, r in enumerate(self.query_block_rows())]
+        first, end = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+        return first, end
+
+    def q_block_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per K/V block j, the query blocks [first_j, end_j) that visit it
+        (`mask.q_block_range`)."""
+        m = self.mask
+        pairs = [q_block_range(j * self.block_k, int(c), self.n_q, self.n_k, self.block_q,
+                               m.left, m.right) for j, c in enumerate(self.key_block_rows())]
+        first, end = np.array(pairs, dtype=np.int64).reshape(-1, 2).T
+        return first, end
+
     def visible_kv_blocks(self) -> np.ndarray:
-        """Per query block i, how many K/V blocks it visits (a prefix j < c_i).
+        """Per query block i, how many K/V blocks it visits (end_i - first_i)."""
+        first, end = self.kv_block_ranges()
+        return end - first
 
-        Causal skips block j when its first key j*Bc comes after block i's last query.
-        """
-        if not self.causal:
-            return np.full(self.tr, self.tc, dtype=np.int64)
-        last_query = np.minimum((np.arange(self.tr, dtype=np.int64) + 1) * self.block_q,
-                                self.n_q) - 1
-        return np.minimum(self.tc, last_query // self.block_k + 1)
+    def visited_keys(self) -> np.ndarray:
+        """Per query block i, the keys of the K/V blocks it visits (the last may be a tail)."""
+        first, end = self.kv_block_ranges()
+        return np.minimum(end * self.block_k, self.n_k) - np.minimum(first * self.block_k,
+                                                                       self.n_k)
 
-    def first_visible_q_block(self) -> np.ndarray:
-        """Per K/V block j, the first query block that visits it (a suffix i >= i0_j)."""
-        if not self.causal:
-            return np.zeros(self.tc, dtype=np.int64)
-        return np.arange(self.tc, dtype=np.int64) * self.block_k // self.block_q
+    def visiting_rows(self) -> np.ndarray:
+        """Per K/V block j, the query rows of the blocks that visit it."""
+        first, end = self.q_block_ranges()
+        return np.minimum(end * self.block_q, self.n_q) - np.minimum(first * self.block_q,
+                                                                       self.n_q)
 
     def visited_pairs(self) -> int:
-        """Number of (i, j) block pairs the causal rule visits (Tr Tc without a mask)."""
+        """Number of (i, j) block pairs the mask visits (Tr Tc without a mask)."""
         return int(self.visible_kv_blocks().sum())
 
     def describe(self) -> str:
         text = (f"B={self.batch} H={self.heads} N_q={self.n_q} N_k={self.n_k} d={self.d} "
                 f"dv={self.dv} block_q={self.block_q} block_k={self.block_k} "
                 f"causal={self.causal} dtype={self.dtype}")
+        if self.window != (-1, -1):
+            text += f" window={self.window}"
         if self.precision != "ieee":
             text += f" precision={self.precision}"
         return text + "".join(f" {k}={v}" for k, v in self.options)
@@ -439,5 +466,6 @@ def rows(start: int, block: int, n: int) -> range:
 
 
 def sees(p: Problem, query_rows: range, key_rows: range) -> bool:
-    """Does any query in `query_rows` see any key in `key_rows`? (for walks)"""
-    return not p.causal or key_rows[0] <= query_rows[-1]
+    """Does any query in `query_rows` see any key in `key_rows`? Row by row, from the mask's
+    rule (`Mask.sees`; for walks, independent of the block ranges the models use)."""
+    return p.mask.sees(query_rows, key_rows, p.n_q, p.n_k)

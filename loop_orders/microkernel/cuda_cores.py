@@ -40,9 +40,10 @@ multiply and exp is exp2, one MUFU.EX2 instruction: `intrinsics.exp2`):
         m' = max(m, max_c s_c);  if m' > m: l, acc *= 2^(m - m')   (skipped otherwise)
     else m' = m  (a stale max: weights up to 2^MAX_SLACK, no reduction, no rescale)
     l += sum_c 2^(s_c - m');  acc += sum_c 2^(s_c - m') V_c
-Keys after the query (causal) or past N_k get score -inf and weight 0, and are never
-multiplied into acc (on a diagonal or tail tile P V_j goes key by key up to the last key
-any of the thread's rows sees, each row multiplying in only the keys it sees), so a NaN in
+Keys outside a row's span [lo_r, hi_r) (the mask, `core.mask`: after the diagonal when
+causal, outside a window) or past N_k get score -inf and weight 0, and are never multiplied
+into acc (on a masked or tail tile P V_j goes key by key from the first key any of the
+thread's rows sees to the last, each row multiplying in only the keys it sees), so a NaN in
 a masked row of K or V cannot reach the output.
 
 Shared memory is one dynamic buffer (`SharedLayout`): Q_i, K_j, V_j, P_ij^T and the row
@@ -67,6 +68,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 from numba import float32, int32, uint32, uint64
 
+from ..core.mask import NO_MASK, Mask
 from ..core.schedule import Kernel, Problem, Schedule
 from ..device.intrinsics import cp_async_wait_all, exp2
 from ..device.runtime import (
@@ -87,14 +89,16 @@ from .tensor_cores import (
     warp_exchanges_per_tile,
 )
 from .tiles import (
-    LN2,
     LOG2E,
     counter_slots,
     make_clear,
+    make_lse_of,
+    make_reciprocal,
     make_row_copier,
     make_scores,
     make_tile_loader,
     make_tile_storer,
+    make_visible,
     unrolled,
 )
 
@@ -301,10 +305,11 @@ def make_shared_operands(t: Tiling) -> SharedOperands:
 
 
 @cache
-def make_fold(t: Tiling, UNROLL: Unroll):
+def make_fold(t: Tiling, UNROLL: Unroll, MASK: Mask = NO_MASK):
     """fold(buf, acc, vis): the second half of online_update, acc_i += P_ij V_j (UNROLL.keys
-    keys a trip of a full tile's loop)."""
+    keys a trip of a full tile's loop); vis as `make_weigh` fills it."""
     RM, XN, BC = t.RM, t.XN, t.BC
+    LEFT = MASK.left >= 0  # rows may see a span that starts after the tile's first key
     coords = make_indexing(t).coords
     ops = make_shared_operands(t)
     p_key, v_key = ops.p_key, ops.v_key
@@ -340,21 +345,25 @@ def make_fold(t: Tiling, UNROLL: Unroll):
 
     @inlined
     def accumulate_row_seen(a, key, acc, pp, vv, vis):
-        """accumulate_row where row a sees the key: a key the row does not see is never
-        multiplied in."""
-        if key < uint32(vis[a]):
+        """accumulate_row where row a sees the key (vis[a] its span's end, vis[RM + a] its
+        first key): a key the row does not see is never multiplied in."""
+        if LEFT:
+            if uint32(vis[RM + a]) <= key < uint32(vis[a]):
+                accumulate_row(a, acc, pp, vv)
+        elif key < uint32(vis[a]):
             accumulate_row(a, acc, pp, vv)
 
     accumulate_rows_seen = unrolled(accumulate_row_seen, RM, 5, RM)
 
     @inlined
     def accumulate_seen(buf, acc, tr, tc, vis):
-        """acc += P_ij V_j, each row over the keys it sees (a tail tile or the causal
-        diagonal), key by key up to the last row's (which sees the most)."""
+        """acc += P_ij V_j, each row over the keys it sees (a tail tile or a masked tile),
+        key by key from the first row's first key to the last row's end (spans never move
+        back as rows go on)."""
         pp = cuda.local.array(RM, float32)
         vv = cuda.local.array(XN, float32)
         n_seen = uint32(vis[RM - 1])
-        key = uint32(0)
+        key = uint32(vis[RM]) if LEFT else uint32(0)
         while key < n_seen:
             p_key(key, buf, tr, pp)
             v_key(key, buf, tc, vv)
@@ -366,9 +375,10 @@ def make_fold(t: Tiling, UNROLL: Unroll):
         """The second half of online_update: acc_i += P_ij V_j, each row over the keys it
         sees (vis, from weigh)."""
         tr, tc = coords()
-        if vis[0] == BC:
+        # the first row's end is the rows' smallest, the last row's first key their largest
+        if vis[0] == BC and (not LEFT or vis[2 * RM - 1] == 0):
             accumulate_full(buf, acc, tr, tc)
-        else:  # a tail tile or the causal diagonal
+        else:  # a tail tile or a masked tile
             accumulate_seen(buf, acc, tr, tc, vis)
 
     return fold
@@ -439,41 +449,41 @@ def make_row_stats(t: Tiling) -> RowStats:
 
 
 @cache
-def make_weigh(t: Tiling, CAUSAL: bool, UNROLL: Unroll, PEEL: bool):
-    """weigh(buf, n_keys, key0, row0, m, l, acc, vis): the first half of online_update
+def make_weigh(t: Tiling, MASK: Mask, UNROLL: Unroll, PEEL: bool):
+    """weigh(buf, n_keys, key0, diag0, m, l, acc, vis): the first half of online_update
     (`MicroKernel.weigh`); S_ij UNROLL.chunks chunks of dims a trip, PEEL as
-    `make_micro_kernel`'s."""
+    `make_micro_kernel`'s; the keys a row sees from `tiles.make_visible` (MASK)."""
     RM, KN, TC, BC, NS, EXACT, SHUFFLE = t.RM, t.KN, t.TC, t.BC, t.NS, t.EXACT, t.SHUFFLE
     K, P, PS, P_IN_K = t.sm.k, t.sm.p, t.sm.ps, t.lay.p_in_k
     ix, ops, st = make_indexing(t), make_shared_operands(t), make_row_stats(t)
     coords, red_at, row_of = ix.coords, ix.red_at, ix.row_of
     rescale, reduce_rows, shuffle_max = st.rescale, st.reduce_rows, st.shuffle_max
     scores = make_scores(RM, KN, t.DX4, UNROLL.chunks, PEEL, ops.q_chunk, ops.k_chunk)
+    visible = make_visible(MASK)
+    LEFT = MASK.left >= 0  # rows may see a span that starts after the tile's first key
 
     @inlined
-    def visible(row, key0, n_keys):
-        """How many of the tile's keys a row sees: all, or (causal) those up to the row."""
-        if CAUSAL:
-            return max(0, min(n_keys, row - key0 + 1))
-        return n_keys
-
-    @inlined
-    def weigh(buf, n_keys, key0, row0, m, l, acc, vis):  # noqa: E741
+    def weigh(buf, n_keys, key0, diag0, m, l, acc, vis):  # noqa: E741
         """The first half of online_update: S_ij, the row maxima, l_i and acc_i rescaled, and
-        P_ij into shared memory; vis[a] = the keys row a sees. P_ij is complete for all rows
-        after the caller's barrier."""
+        P_ij into shared memory; row a sees the tile's keys [vis[RM + a], vis[a]) (diag0: the
+        diagonal key of the block's first row, row0 + N_k - N_q). P_ij is complete for all
+        rows after the caller's barrier."""
         tr, tc = coords()
         s = cuda.local.array(NS, float32)  # the thread's scores, then weights
         row_max = cuda.local.array(RM, float32)
         scores(s, buf, uint64(K), tr, tc)
         for a in range(RM):
-            vis[a] = visible(row0 + int(row_of(tr, a)), key0, n_keys)
-        full = vis[0] == BC  # row 0 sees the fewest keys: every row sees all of them
+            first, end = visible(diag0 + int(row_of(tr, a)), key0, n_keys)
+            vis[a] = end
+            vis[RM + a] = first
+        # the first row's end is the rows' smallest, the last row's first key their largest
+        full = vis[0] == BC and (not LEFT or vis[2 * RM - 1] == 0)
         if not (EXACT and full):
             for a in range(RM):
                 for b in range(KN):
                     # a masked key gets -inf: weight 0 (its score may be garbage or NaN)
-                    if int(tc) + b * TC >= vis[a]:
+                    key = int(tc) + b * TC
+                    if key >= vis[a] or (LEFT and key < vis[RM + a]):
                         s[a * KN + b] = NEG_INF
         moved = False  # a score of the thread's rows above its running max by > MAX_SLACK
         for a in range(RM):
@@ -526,9 +536,10 @@ class OStage(NamedTuple):
 
 
 @cache
-def make_o_stage(t: Tiling) -> OStage:
+def make_o_stage(t: Tiling, MASKED: bool = False) -> OStage:
     """O_i into and out of its stage (kv_outer's, else the Q_i tile), kv_outer's l_i, m_i
-    rows, and lse_i to HBM."""
+    rows, and lse_i to HBM (MASKED: -inf for a row that saw no key, `tiles.make_lse_of`)."""
+    lse_of = make_lse_of(MASKED)
     RM, XH, XN, DV, ROWS = t.RM, t.XH, t.XN, t.DV, t.ROWS
     O, STATS = t.sm.o, t.sm.stats  # noqa: E741
     OUT = O if t.RELOAD else t.sm.q  # where O_i is staged on its way out
@@ -577,7 +588,7 @@ def make_o_stage(t: Tiling) -> OStage:
                 local = int(row_of(tr, a))  # rows past Br belong to the next block
                 if local < n_rows:
                     # lse_i: the row statistic the backward pass needs, written once
-                    lse[bh, row0 + local] = (m[a] + math.log2(l_row[a])) * float32(LN2)
+                    lse[bh, row0 + local] = lse_of(m[a], l_row[a])
                     moved += 1
         return moved
 
@@ -661,13 +672,13 @@ def make_tile_io(t: Tiling) -> TileIO:
 
 @cache
 def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,
-                      CAUSAL: bool, RELOAD: bool, UNROLL: Unroll,
+                      MASK: Mask, RELOAD: bool, UNROLL: Unroll,
                       STAGES: int = 1, PEEL: bool = False,
                       TRANSPOSE_Q: bool = False, P_IN_K: bool = False) -> MicroKernel:
     """The micro-kernel's device functions for these compile-time sizes (`MicroKernel`),
     composed of its parts over the build's `Tiling`: `make_indexing`, `make_weigh` (S_ij, the
     row statistics, P_ij), `make_fold` (P_ij V_j), `make_row_stats`, `make_o_stage` and
-    `make_tile_io`.
+    `make_tile_io`. MASK: which keys each row sees (`core.mask`).
     UNROLL is the steps per trip of the hot loops (`Unroll`): more take fewer instructions
     of loop control and more registers, which the caller's loop nest decides.
     STAGES 2: staggered K/V loads (`Layout`), by cp.async where the rows allow.
@@ -682,18 +693,20 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,
     """
     lay = Layout(RM, KN, STAGES, P_IN_K)
     t = tiling(BR, BC, D, DV, lay, RELOAD, TRANSPOSE_Q)
-    ix, st, ost, io = make_indexing(t), make_row_stats(t), make_o_stage(t), make_tile_io(t)
-    weigh, fold = make_weigh(t, CAUSAL, UNROLL, PEEL), make_fold(t, UNROLL)
+    ix, st, io = make_indexing(t), make_row_stats(t), make_tile_io(t)
+    ost = make_o_stage(t, MASK.bounded)
+    weigh, fold = make_weigh(t, MASK, UNROLL, PEEL), make_fold(t, UNROLL, MASK)
     clear = make_clear(t.sm.size, t.NT)
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
-        vis = cuda.local.array(RM, int32)  # keys each row sees
-        weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+    def online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage):  # noqa: E741
+        vis = cuda.local.array(2 * RM, int32)  # the span of keys each row sees
+        weigh(buf, n_keys, key0, diag0, m, l, acc, vis)
         cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
         fold(buf, acc, vis)
 
-    return MicroKernel(clear, online_update, st.row_sums, ost.give_o, st.reciprocal,
+    return MicroKernel(clear, online_update, st.row_sums, ost.give_o,
+                       make_reciprocal(RM, MASK.bounded),
                        ost.take_o, ost.keep_stats, ix.coords, io.load_q, io.load_k, io.load_v,
                        io.wait_loads, io.load_o, io.store_o, ost.store_lse, t.NT, RM,
                        t.XN * RM, t.ROWS, t.sm.stats, 1, lay.staggered, weigh, fold,
@@ -711,14 +724,14 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
     return None if p.precision == "ieee" else p.precision
 
 
-def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, CAUSAL: bool,
+def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, MASK: Mask,
                  RELOAD: bool, UNROLL: Unroll, PEEL: bool = False,
                  TRANSPOSE_Q: bool = False) -> MicroKernel:
     """The micro-kernel MK names: a `Layout` (CUDA cores, `make_micro_kernel`) or a
     `tensor_cores.TensorCores` (16-bit inputs on mma.sync, `make_tc_micro_kernel`)."""
     if isinstance(MK, TensorCores):
-        return make_tc_micro_kernel(BR, BC, D, DV, MK, CAUSAL, RELOAD)
-    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, CAUSAL, RELOAD, UNROLL, MK.stages,
+        return make_tc_micro_kernel(BR, BC, D, DV, MK, MASK, RELOAD)
+    return make_micro_kernel(BR, BC, D, DV, MK.rm, MK.kn, MASK, RELOAD, UNROLL, MK.stages,
                              PEEL, TRANSPOSE_Q, MK.p_in_k)
 
 
@@ -764,8 +777,9 @@ class MicroKernelSchedule(Schedule):
     TC_KV_STAGES: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
-    def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
-        """The compiled kernel for these compile-time constants (MK: `micro_kernel`)."""
+    def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
+        """The compiled kernel for these compile-time constants (MK: `micro_kernel`; MASK:
+        `core.mask.Mask`)."""
 
     def layout(self, p: Problem):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
@@ -793,7 +807,8 @@ class MicroKernelSchedule(Schedule):
         if forced.forces_own_kernel():
             tiles = (p.block_q, p.block_k, p.d, p.dv)
             raise ValueError(f"LOOP_ORDERS_LAYOUT={forced.layout}: {self.name} has no warp-"
-                             f"specialised kernel for block_q, block_k, d, dv = {tiles}")
+                             f"specialised kernel for block_q, block_k, d, dv = {tiles} "
+                             f"under {p.mask}")
         return None
 
     def threads(self, p: Problem) -> int:
@@ -858,7 +873,7 @@ class MicroKernelSchedule(Schedule):
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic
         buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
         lay = lay or self.layout(p)
-        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay, p.causal, p.save_lse, count)
+        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay, p.mask, p.save_lse, count)
         shared = self.dynamic_shared_bytes(p, lay) + (8 * counter_slots(True) if count else 0)
         return Kernel(fn.py_func.__name__, fn, shared, dynamic_shared_limit())
 

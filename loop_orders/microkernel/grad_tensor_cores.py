@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from numba import float32, uint32, uint64
 
+from ..core.mask import NO_MASK, UNBOUNDED, Mask
 from ..device.intrinsics import (
     cp_async_wait_all,
     exp2,
@@ -54,6 +55,17 @@ from ..device.intrinsics import (
 from ..device.runtime import cuda
 from .tensor_cores import WARP_ROWS, TensorCores, _tile_type, _up, make_tc_tile_loader
 from .tiles import LOG2E, make_clear
+
+
+def tc_backward_spec(p) -> TensorCores | None:
+    """The tensor-core build a backward runs for Problem p: 16-bit inputs with no mask or a
+    square causal one (the tile steps test key <= query; other masks take the CUDA-core
+    backward), else None."""
+    if p.dtype not in ("float16", "bfloat16"):
+        return None
+    square_causal = p.mask == Mask(UNBOUNDED, 0) and p.n_q == p.n_k
+    return TensorCores(p.dtype) if p.mask == NO_MASK or square_causal else None
+
 
 # The extra roundings to 16 bits on tensor cores that a gradient sees: P (dV's operand) and
 # dS (dK's and dQ's)

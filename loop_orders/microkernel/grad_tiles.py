@@ -16,7 +16,8 @@ The two score-like products (S, dP) use the forward micro-kernel's register bloc
 along the head dim. P_ij and dS_ij then go to shared memory, and the three accumulating
 products read them there: each thread owns a block of its output, rows tm + a TM and 4-wide
 column chunks tn + h TN (`AccLayout`), one scalar of the first operand and one 16-byte chunk
-of the second per step. Masked entries (causal, keys past N_k, rows past N_q) get P = dS = 0,
+of the second per step. Masked entries (outside a row's span of keys, `core.mask`; keys past
+N_k, rows past N_q) get P = dS = 0,
 and tail rows of the tiles are zeroed on load, so padding never reaches a gradient.
 
 Shared memory is one dynamic buffer (`GradSharedLayout`): K_j, V_j, Q_i, dO_i, P_ij, dS_ij,
@@ -34,10 +35,11 @@ from numba import float32, uint32, uint64
 
 from ..core.backward_schedule import BackwardSchedule
 from ..core.ledger import slot
+from ..core.mask import Mask
 from ..core.schedule import Problem
 from ..device.intrinsics import exp2
 from ..device.runtime import MAX_THREADS_PER_BLOCK, cuda, inlined
-from .tiles import LOG2E, make_clear, make_tile_storer
+from .tiles import LOG2E, make_clear, make_tile_storer, make_visible
 
 # Scores per thread in the score-like products (RM KN), for the layout policy.
 SCORES_PER_THREAD = 16
@@ -195,7 +197,7 @@ class GradTile(NamedTuple):
 
 
 @cache
-def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
+def make_grad_tile(BR: int, BC: int, D: int, DV: int, MASK: Mask,
                    WITH_O: bool, WITH_DQ: bool) -> GradTile:
     """Device functions over one backward CTA's shared buffer `buf`; every thread of the CTA
     calls each of them (the caller puts the barriers between):
@@ -207,8 +209,10 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
                                         s = Q_i K_j^T / dp = dO_i V_j^T for the thread's
                                         RM x KN entries (registers)
     put_scores(buf, dp)                 dense: dp into the P tile, to be stored
-    probs(buf, s, dp, row0, key0, n_rows, n_keys, scale_log2)
-                                        P_ij and dS_ij into shared memory (masked: 0),
+    probs(buf, s, dp, diag0, key0, n_rows, n_keys, scale_log2)
+                                        P_ij and dS_ij into shared memory (masked: 0, the
+                                        keys a row sees from `tiles.make_visible`; diag0 =
+                                        row0 + N_k - N_q, the first row's diagonal key),
                                         from the stats rows (base, inv, D)
     acc_dv(buf, acc) / acc_dk(buf, acc) acc += P^T dO_i / dS^T Q_i (Bc x dv / Bc x d)
     acc_dq(buf, acc)                    acc += dS K_j (Br x d)
@@ -225,7 +229,7 @@ def make_grad_tile(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
     coords()                            (tr, tc) of this thread in the score layout
     """
     sm = grad_shared_layout(BR, BC, D, DV, WITH_O, WITH_DQ)
-    sc = make_score_fns(BR, BC, D, DV, CAUSAL, WITH_O, WITH_DQ)
+    sc = make_score_fns(BR, BC, D, DV, MASK, WITH_O, WITH_DQ)
     ac = make_acc_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
     rw = make_row_fns(BR, BC, D, DV, WITH_O, WITH_DQ)
     clear = make_clear(sm.size, grad_layout(BR, BC).threads)
@@ -277,7 +281,7 @@ class ScoreFns(NamedTuple):
 
 
 @cache
-def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
+def make_score_fns(BR: int, BC: int, D: int, DV: int, MASK: Mask,
                    WITH_O: bool, WITH_DQ: bool) -> ScoreFns:
     """coords, scores, grad_scores, probs and put_scores of `make_grad_tile`."""
     RM, KN, TR, TC = grad_layout(BR, BC)
@@ -287,6 +291,7 @@ def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
     BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
     DX4, DVX4 = -(-D // 4), -(-DV // 4)
     coords, dot_chunks = make_dot_chunks(BR, BC)
+    visible = make_visible(MASK)
 
     @cuda.jit(device=True)
     def scores(buf, s):
@@ -299,18 +304,19 @@ def make_score_fns(BR: int, BC: int, D: int, DV: int, CAUSAL: bool,
         dot_chunks(dp, buf, DO, OS, V, OS, DVX4, tr, tc)
 
     @cuda.jit(device=True)
-    def probs(buf, s, dp, row0, key0, n_rows, n_keys, scale_log2):
+    def probs(buf, s, dp, diag0, key0, n_rows, n_keys, scale_log2):
         tr, tc = coords()
         for a in range(RM):
             r = int(tr) + a * TR
             base = buf[BASE + r]
             inv = buf[INV + r]
             delta = buf[DELTA + r]
+            first, end = visible(diag0 + r, key0, n_keys)  # the keys row r sees
             for b in range(KN):
                 c = int(tc) + b * TC
                 p = float32(0.0)
                 ds = float32(0.0)
-                if r < n_rows and c < n_keys and (not CAUSAL or key0 + c <= row0 + r):
+                if r < n_rows and first <= c < end:
                     p = exp2(s[a * KN + b] * scale_log2 - base) * inv
                     ds = p * (dp[a * KN + b] - delta)
                 # P_ij, dS_ij: stay on chip, in shared memory for the accumulating products

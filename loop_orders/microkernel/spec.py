@@ -99,9 +99,11 @@ class MicroKernel(NamedTuple):
     every thread of the CTA.
 
     clear(buf)                        zero the buffer (once per CTA, before any tile lands)
-    online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage)
+    online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage)
                                       fold K_j, V_j (keys key0 .. key0 + n_keys) into the
-                                      thread's rows; here Q_i is in shared memory
+                                      thread's rows, each over the keys it sees
+                                      (`core.mask`; diag0 = row0 + N_k - N_q, the block's
+                                      first row's diagonal key); here Q_i is in shared memory
                                       pre-scaled by scale log2(e) (load_q), so scale_log2
                                       goes unused (the tensor-core one scales S);
                                       `stage` too (one K/V buffer here)
@@ -110,7 +112,8 @@ class MicroKernel(NamedTuple):
                                       stage, else the Q_i tile, which is done with by then):
                                       normalised when factor = 1 / l_row, as the caller
                                       chooses (`reciprocal`)
-    reciprocal(x, out)                out[a] = 1 / x[a] for the thread's rows
+    reciprocal(x, out)                out[a] = 1 / x[a] for the thread's rows (under a
+                                      mask 0 where x[a] = 0: a row that saw no key)
     take_o(buf, acc, l, l_row, m)     kv_outer: acc = O_i l_i from the O_i stage, m and l
                                       from the stats rows (l as part tc = 0's partial)
     keep_stats(buf, l_row, m)         kv_outer: l_i, m_i of the thread's rows to the stats
@@ -138,9 +141,10 @@ class MicroKernel(NamedTuple):
     STAGGERED                         (CUDA cores, one K/V buffer) online_update is also
                                       given in halves, so that a loop nest can load V_j
                                       under the first and K_j+1 under the second:
-    weigh(buf, n_keys, key0, row0, m, l, acc, vis)
+    weigh(buf, n_keys, key0, diag0, m, l, acc, vis)
                                       S_ij, the row statistics and P_ij into shared memory
-                                      (vis: a local array of RM, the keys each row sees);
+                                      (vis: a local int32 array of 2 RM, the span of keys
+                                      row a sees: [vis[RM + a], vis[a]));
                                       then the caller's barrier, then
     fold(buf, acc, vis)               acc += P_ij V_j
     """

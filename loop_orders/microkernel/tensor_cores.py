@@ -23,7 +23,8 @@ tiles come first in the dynamic buffer; the float32 O_i stage (O_i leaves, and f
 comes back, through it with the same row copies as the CUDA-core path) takes their place
 after the last tile, or for kv_outer lies after them, with kv_outer's l_i, m_i rows.
 
-Masked keys (past N_k, past Bc, or after the query when causal) get weight exactly 0, and V_j's
+Masked keys (past N_k, past Bc, or outside the row's span under a mask, `core.mask`) get
+weight exactly 0, and V_j's
 rows past the tile are zero, so 0 x V adds nothing; a NaN or inf in a *visible-but-masked* V row
 would still reach the output through 0 x NaN, unlike the CUDA-core path, which skips masked
 keys (float16 inputs only carry what float16 holds; the NaN tests run in float32).
@@ -54,6 +55,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32, uint16, uint32, uint64
 
+from ..core.mask import Mask
 from ..device.intrinsics import (
     cp_async_wait_all,
     exp2,
@@ -69,7 +71,15 @@ from ..device.intrinsics import (
 )
 from ..device.runtime import SIMULATOR, cuda, data_pointer, inlined
 from .spec import DATA_REGISTERS, MicroKernel
-from .tiles import LN2, make_row_copier, make_tile_loader, make_tile_storer, unrolled
+from .tiles import (
+    make_lse_of,
+    make_reciprocal,
+    make_row_copier,
+    make_tile_loader,
+    make_tile_storer,
+    make_visible,
+    unrolled,
+)
 
 NEG_INF = float32(-math.inf)
 WARP_ROWS = 16  # query rows of one warp: the m of m16n8k16
@@ -623,8 +633,9 @@ class TcScaling(NamedTuple):
 
 
 @cache
-def make_tc_scaling(NKT: int) -> TcScaling:
-    """The scaling of a thread's NKT n-tiles of scores, row half by row half."""
+def make_tc_scaling(NKT: int, LEFT: bool = False) -> TcScaling:
+    """The scaling of a thread's NKT n-tiles of scores, row half by row half. LEFT: a row's
+    span of keys may start after the tile's first key (a mask bounded on the left)."""
 
     @cuda.jit(device=True, inline="always")
     def row_max4(x):
@@ -644,14 +655,16 @@ def make_tc_scaling(NKT: int) -> TcScaling:
         return part
 
     @cuda.jit(device=True, inline="always")
-    def scale_row_masked(s, a, scale_log2, vis, t2):
-        """scale_row, with -inf (weight 0) for the keys from `vis` on in the tile (past N_k,
-        padding, or after the query when causal; their scores may be garbage)."""
+    def scale_row_masked(s, a, scale_log2, first, end, t2):
+        """scale_row, with -inf (weight 0) for the keys outside [first, end) in the tile
+        (past N_k, padding, or outside the row's span under a mask; their scores may be
+        garbage)."""
         part = NEG_INF
         for n in range(NKT):
             for c in range(2):
                 x = s[4 * n + 2 * a + c] * scale_log2
-                if int(uint32(8 * n + c) + t2) >= vis:
+                col = int(uint32(8 * n + c) + t2)
+                if col >= end or (LEFT and col < first):
                     x = NEG_INF
                 s[4 * n + 2 * a + c] = x
                 part = max(part, x)
@@ -662,9 +675,10 @@ def make_tc_scaling(NKT: int) -> TcScaling:
 
 @cache
 def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
-                          CAUSAL: bool, RELOAD: bool):
-    """online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage): K_j, V_j
-    folded into the warp's rows (`cuda_cores.MicroKernel.online_update`)."""
+                          MASK: Mask, RELOAD: bool):
+    """online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage): K_j, V_j
+    folded into the warp's rows (`cuda_cores.MicroKernel.online_update`; diag0 the diagonal
+    key of the block's first row, the keys a row sees from `tiles.make_visible`)."""
     KP = _up(BC, 16)  # keys of a tile, padded
     NKT = KP // 8  # 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
@@ -675,31 +689,35 @@ def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     ops = make_tc_operands(BR, BC, D, DV, SPEC, RELOAD)
     tiles, coords, local_row = ops.tiles, ops.coords, ops.local_row
     scores, accumulate = ops.scores, ops.accumulate
-    sc = make_tc_scaling(NKT)
+    sc = make_tc_scaling(NKT, MASK.left >= 0)
     row_max4, scale_row, scale_row_masked = sc.row_max4, sc.scale_row, sc.scale_row_masked
+    visible = make_visible(MASK)
+    BOUNDED = MASK.bounded
 
     @cuda.jit(device=True, inline="always")
-    def visible(row, key0, n_keys):
-        if CAUSAL:
-            return max(0, min(n_keys, row - key0 + 1))
-        return n_keys
+    def whole_tile(n_keys, key0, diag):
+        """Whether the warp's 16 rows (the first's diagonal key diag) all see every key of
+        the tile (no tail or padding keys, none outside a row's span): most tiles, most of
+        the instructions, then need no per-key test."""
+        if not BOUNDED:
+            return n_keys == KP
+        return (n_keys == KP and visible(diag, key0, n_keys)[1] == KP
+                and visible(diag + WARP_ROWS - 1, key0, n_keys)[0] == 0)
 
     @cuda.jit(device=True)
-    def online_update(buf, n_keys, key0, row0, m, l, acc, scale_log2, stage):  # noqa: E741
+    def online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage):  # noqa: E741
         tile = tiles()
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
         s = cuda.local.array(NS, float32)
         scores(tile, s, w, lane, uint64(K) + uint64(stage) * uint64(K_STAGE))
-        # a tile whose every key the warp's 16 rows all see (no tail or padding keys, wholly
-        # below the diagonal) needs no per-key test: most tiles, most of the instructions
-        whole = n_keys == KP and (not CAUSAL or key0 + KP <= row0 + int(w) * WARP_ROWS + 1)
+        whole = whole_tile(n_keys, key0, diag0 + int(w) * WARP_ROWS)
         for a in range(2):
             if whole:
                 part = scale_row(s, a, scale_log2)
             else:
-                vis = visible(row0 + int(local_row(w, lane, a)), key0, n_keys)
-                part = scale_row_masked(s, a, scale_log2, vis, t2)
+                first, end = visible(diag0 + int(local_row(w, lane, a)), key0, n_keys)
+                part = scale_row_masked(s, a, scale_log2, first, end, t2)
             new_max = max(m[a], row_max4(part))
             shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
             alpha = exp2(m[a] - shift)
@@ -784,14 +802,15 @@ class TcRowStats(NamedTuple):
     `cuda_cores.MicroKernel` fields of the same names."""
 
     row_sums: object
-    reciprocal: object
     store_lse: object
 
 
 @cache
 def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
-                      RELOAD: bool) -> TcRowStats:
-    """The full l_i of a thread's two rows, their reciprocals, and lse_i to HBM."""
+                      RELOAD: bool, MASKED: bool = False) -> TcRowStats:
+    """The full l_i of a thread's two rows, and lse_i to HBM (their reciprocals:
+    `tiles.make_reciprocal`; MASKED: lse -inf for a row that saw no key, `tiles.make_lse_of`)."""
+    lse_of = make_lse_of(MASKED)
     base = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD)
     coords, local_row = base.coords, base.local_row
 
@@ -802,11 +821,6 @@ def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
             l_row[a] = x + shfl_xor(x, 2)
 
     @cuda.jit(device=True, inline="always")
-    def reciprocal(x, out):
-        for a in range(2):
-            out[a] = float32(1.0) / x[a]
-
-    @cuda.jit(device=True, inline="always")
     def store_lse(lse, bh, row0, n_rows, m, l_row):
         w, lane = coords()
         moved = 0
@@ -815,16 +829,16 @@ def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                 r = int(local_row(w, lane, a))
                 if r < n_rows:
                     # lse_i: the row statistic the backward pass needs, written once
-                    lse[bh, row0 + r] = (m[a] + math.log2(l_row[a])) * float32(LN2)
+                    lse[bh, row0 + r] = lse_of(m[a], l_row[a])
                     moved += 1
         return moved
 
-    return TcRowStats(row_sums, reciprocal, store_lse)
+    return TcRowStats(row_sums, store_lse)
 
 
 @cache
 def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
-                         CAUSAL: bool, RELOAD: bool):
+                         MASK: Mask, RELOAD: bool):
     """The tensor-core micro-kernel's device functions (`cuda_cores.MicroKernel`); `stage`
     arguments pick the K/V buffer (0 .. SPEC.stages - 1). Its parts: `make_tc_operands`,
     `make_tc_tile_io`, `make_tc_online_update`, `make_tc_o_stage` and `make_tc_row_stats`."""
@@ -832,9 +846,10 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     NACC = 4 * (_up(DV, 16) // 8)  # a thread's accumulators (4 per 8-dim n-tile of O)
     sizes = (BR, BC, D, DV, SPEC, RELOAD)
     ops, io = make_tc_operands(*sizes), make_tc_tile_io(*sizes)
-    ost, st = make_tc_o_stage(*sizes), make_tc_row_stats(*sizes)
-    online_update = make_tc_online_update(BR, BC, D, DV, SPEC, CAUSAL, RELOAD)
-    return MicroKernel(ops.clear, online_update, st.row_sums, ost.give_o, st.reciprocal,
+    ost, st = make_tc_o_stage(*sizes), make_tc_row_stats(*sizes, MASK.bounded)
+    online_update = make_tc_online_update(BR, BC, D, DV, SPEC, MASK, RELOAD)
+    return MicroKernel(ops.clear, online_update, st.row_sums, ost.give_o,
+                       make_reciprocal(2, MASK.bounded),
                        ost.take_o, ost.keep_stats, ops.coords, io.load_q, io.load_k, io.load_v,
                        ops.wait_loads, io.load_o, io.store_o, st.store_lse, 32 * W, 2, NACC,
                        W * WARP_ROWS, tc_shared_layout(*sizes[:4], RELOAD, SPEC).stats,

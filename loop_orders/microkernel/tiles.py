@@ -22,6 +22,7 @@ from typing import NamedTuple
 from numba import float32, int64, uint32, uint64
 
 from ..core.ledger import n_slots
+from ..core.mask import Mask, key_span, kv_block_range, q_block_range
 from ..device.intrinsics import cp_async16, cp_async_commit, narrow, widen
 from ..device.runtime import cuda, inlined
 
@@ -276,8 +277,8 @@ def make_clear(SIZE: int, THREADS: int):
 
 def block_grid(n_blocks: int, n_bh: int, causal: bool) -> tuple:
     """The grid of one CTA per (block, batch x head) that `make_block_of` reads: (blocks, B H),
-    or under a causal mask, where blocks differ in work, one dimension of blocks x B H CTAs
-    ordered heaviest first over every (batch, head).
+    or under a mask (`causal`: any `core.mask.Mask.bounded`), where blocks differ in work, one
+    dimension of blocks x B H CTAs ordered heaviest first over every (batch, head).
 
     The GPU starts CTAs in grid order. On a (blocks, B H) grid each head's long blocks start
     after the previous head's short ones, the last head's long blocks near the end, and the SMs
@@ -309,20 +310,98 @@ def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
     return block_of
 
 
-@cache
-def make_kv_blocks(BC: int, CAUSAL: bool):
-    """Device function kv_blocks(row0, n_rows, n_k) -> c_i: the K/V blocks of BC keys that
-    the query block of rows row0 .. row0 + n_rows - 1 visits: all ceil(N_k / BC), or (causal)
-    those up to the block's last row."""
+# The mask's one rule (`core.mask`) and the block ranges that follow from it, as device
+# functions: the same Python functions the host calls, jitted.
+key_span_device = cuda.jit(device=True, inline="always")(key_span)
+kv_block_range_device = cuda.jit(device=True, inline="always")(kv_block_range)
+q_block_range_device = cuda.jit(device=True, inline="always")(q_block_range)
 
-    @cuda.jit(device=True, inline="always")
-    def kv_blocks(row0, n_rows, n_k):
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        return c_i
+
+@cache
+def make_visible(MASK: Mask):
+    """Device function visible(diag, key0, n_keys) -> (first, end): the keys of the tile
+    key0 .. key0 + n_keys - 1 (counted from key0) that a query row sees, where diag is the
+    row's diagonal key, row + N_k - N_q (`core.mask.key_span`; empty when end <= first).
+    Without a mask: (0, n_keys)."""
+    LEFT, RIGHT = MASK
+    if not MASK.bounded:
+        @cuda.jit(device=True, inline="always")
+        def visible(diag, key0, n_keys):
+            return 0, n_keys
+    else:
+        @cuda.jit(device=True, inline="always")
+        def visible(diag, key0, n_keys):
+            return key_span_device(diag, key0, n_keys, LEFT, RIGHT)
+
+    return visible
+
+
+@cache
+def make_kv_blocks(BC: int, MASK: Mask):
+    """Device function kv_blocks(row0, n_rows, n_q, n_k) -> (first, end): the K/V blocks of
+    BC keys that the query block of rows row0 .. row0 + n_rows - 1 visits: all
+    ceil(N_k / BC), or under a mask those holding a key some row sees
+    (`core.mask.kv_block_range`)."""
+    LEFT, RIGHT = MASK
+    if not MASK.bounded:
+        @cuda.jit(device=True, inline="always")
+        def kv_blocks(row0, n_rows, n_q, n_k):
+            return 0, (n_k + BC - 1) // BC
+    else:
+        @cuda.jit(device=True, inline="always")
+        def kv_blocks(row0, n_rows, n_q, n_k):
+            return kv_block_range_device(row0, n_rows, n_q, n_k, BC, LEFT, RIGHT)
 
     return kv_blocks
+
+
+@cache
+def make_q_blocks(BR: int, MASK: Mask):
+    """Device function q_blocks(key0, n_keys, n_q, n_k) -> (first, end): the query blocks of
+    BR rows that visit the K/V block of keys key0 .. key0 + n_keys - 1: all ceil(N_q / BR),
+    or under a mask those with a row that sees one of its keys (`core.mask.q_block_range`)."""
+    LEFT, RIGHT = MASK
+    if not MASK.bounded:
+        @cuda.jit(device=True, inline="always")
+        def q_blocks(key0, n_keys, n_q, n_k):
+            return 0, (n_q + BR - 1) // BR
+    else:
+        @cuda.jit(device=True, inline="always")
+        def q_blocks(key0, n_keys, n_q, n_k):
+            return q_block_range_device(key0, n_keys, n_q, n_k, BR, LEFT, RIGHT)
+
+    return q_blocks
+
+
+@cache
+def make_lse_of(MASKED: bool):
+    """lse_of(m, l) -> lse = (m + log2 l) ln 2, from a row's running max m (log2 units) and
+    sum l; MASKED: -inf where l = 0, a row that saw no key (log2 0 is -inf on a GPU but an
+    error on the simulator)."""
+
+    @cuda.jit(device=True, inline="always")
+    def lse_of(m, l):  # noqa: E741
+        if MASKED and l == float32(0.0):
+            return float32(-math.inf)
+        return (m + math.log2(l)) * float32(LN2)
+
+    return lse_of
+
+
+@cache
+def make_reciprocal(RM: int, MASKED: bool):
+    """reciprocal(x, out): out[a] = 1 / x[a] for a thread's RM row sums; MASKED: 0 where
+    x[a] = 0, a row that has seen no key (so its O_i stays 0 rather than 0 / 0)."""
+
+    @cuda.jit(device=True, inline="always")
+    def reciprocal(x, out):
+        for a in range(RM):
+            if MASKED:
+                out[a] = float32(0.0) if x[a] == float32(0.0) else float32(1.0) / x[a]
+            else:
+                out[a] = float32(1.0) / x[a]
+
+    return reciprocal
 
 
 @cuda.jit(device=True)

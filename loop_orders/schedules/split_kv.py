@@ -2,7 +2,7 @@
 S contiguous ranges, one CTA each; a second kernel combines the partial results exactly.
 
     kernel 1, per (batch, head), query block i, split s in parallel:  # one CTA each
-        j0, j1 = s P, min((s + 1) P, c_i)          # P = ceil(Tc / S) K/V blocks per split
+        j0, j1 = [s P, (s + 1) P) cut to [first_i, end_i)   # P = ceil(Tc / S) blocks a split
         if j0 >= j1: done                          # (i, s) not visited: i sees none of them
         load Q_i                                   # once per visited (i, s)
         m_is, l_is, acc_is = -inf, 0, 0
@@ -16,15 +16,18 @@ S contiguous ranges, one CTA each; a second kernel combines the partial results 
         load O_is of every visited split s; O_i = sum_s exp(lse_is - lse_i) O_is
         write O_i;  write lse_i                    # lse only with save_lse
 
-Traffic (elements, per batch x head). A query block of r_i rows that sees c_i K/V blocks
-visits S_i = min(S, ceil(c_i / P)) splits. Q: sum_i S_i r_i d read. K, V: as q_outer, every
-visible block once per query block, sum_i min(c_i Bc, N_k) (d + dv). o_part: sum_i S_i r_i dv
-written and read back; lse_part: sum_i S_i r_i each way. O: N_q dv written; lse: N_q with
-save_lse. So split_kv moves (S_i - 1) r_i d more Q than q_outer plus the partials' round trip,
-and buys B H Tr S CTAs instead of B H Tr: at decode (N_q = 1) q_outer has one CTA per head.
+Traffic (elements, per batch x head). A query block of r_i rows that sees the K/V blocks
+first_i .. end_i - 1 (all Tc without a mask) visits the S_i splits that hold one of them,
+floor(first_i / P) .. ceil(end_i / P) - 1. Q: sum_i S_i r_i d read. K, V: as q_outer, every
+visible block once per query block, sum_i (the keys of its blocks) (d + dv). o_part:
+sum_i S_i r_i dv written and read back; lse_part: sum_i S_i r_i each way. O: N_q dv written;
+lse: N_q with save_lse. So split_kv moves (S_i - 1) r_i d more Q than q_outer plus the
+partials' round trip, and buys B H Tr S CTAs instead of B H Tr: at decode (N_q = 1) q_outer
+has one CTA per head.
 
-A row that sees no key of a visited split (causal) gets O_is = 0 and lse_is = -inf there, so
-its weight in the combine is exp(-inf) = 0. The weights are exp(lse_is - max) over their sum,
+A row that sees no key of a visited split (a mask) gets O_is = 0 and lse_is = -inf there, so
+its weight in the combine is exp(-inf) = 0; a row that sees no key at all gets O_i = 0 and
+lse_i = -inf. The weights are exp(lse_is - max) over their sum,
 so they sum to 1 in float32 too and O_i stays a convex combination of V's rows. lse_is is a
 float32 (as in FlashAttention-2's split kernels), so the weights carry a relative error of
 about |score| 2^-23: the order of the scores' own rounding, but where |score| reaches ~10^7
@@ -83,17 +86,18 @@ FILLED, WITHIN = 0.8, 0.85
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
     RM, KN = layout.rm, layout.kn
-    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, CAUSAL, False, UNROLL)
+    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, MASK, False, UNROLL)
+    MASKED = MASK.bounded
     NT, NACC = mk.NT, mk.NACC
     # Numba compiles closure variables as constants: take the device functions by name
     online_update, row_sums = mk.online_update, mk.row_sums
     give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     flush_counts = counts_flusher()
-    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
+    kv_blocks = make_kv_blocks(BC, MASK)  # [first_i, end_i)
     # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
     load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
     store_O_is = mk.store_o
@@ -110,9 +114,11 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
         n_k = k.shape[1]
         row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)
         n_rows = min(BR, n_q - row0)
-        c_i = kv_blocks(row0, n_rows, n_k)
+        first, end = kv_blocks(row0, n_rows, n_q, n_k)
         j0 = s * per
-        j1 = min(j0 + per, c_i)
+        j1 = min(j0 + per, end)
+        if MASKED:
+            j0 = max(j0, first)
         if j0 >= j1:
             return  # split s holds no K/V block that query block i sees (the whole CTA)
         part = s * cuda.gridDim.z + bh  # (split, head) row of o_part and lse_part
@@ -140,7 +146,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
             cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, 0)
+            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+            online_update(buf, bc, key0, row0 + n_k - n_q, m_i, l_i, acc, scale_log2, 0)
 
         row_sums(buf, l_i, l_row)
         for a in range(RM):  # normalised; a row that saw no key of the split keeps O_is = 0
@@ -170,9 +177,10 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
 
 
 @kernel_factory
-def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):
+def make_combine_kernel(BR, BC, NT, MASK, SAVE_LSE, COUNT):
     flush_counts = counts_flusher()
-    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
+    kv_blocks = make_kv_blocks(BC, MASK)  # [first_i, end_i)
+    MASKED = MASK.bounded
     NCNT = counter_slots(COUNT)
     O_W, LSE_W = slot("o", "write"), slot("lse", "write")
     OP_R, LP_R = slot("o_part", "read"), slot("lse_part", "read")
@@ -187,8 +195,12 @@ def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):
         dv = o.shape[2]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
-        c_i = kv_blocks(row0, n_rows, n_k)
-        n_vis = min(n_splits, (c_i + per - 1) // per)  # the splits kernel 1 visited
+        first, end = kv_blocks(row0, n_rows, n_q, n_k)
+        s0, s1 = 0, min(n_splits, (end + per - 1) // per)  # the splits kernel 1 visited
+        if MASKED:
+            s0 = first // per
+            if end <= first:
+                s1 = s0
         # w[s BR + r]: split s's weight for row r, then lse_i of the block's rows from
         # w[n_splits BR] on
         w = cuda.shared.array(0, SHARED_F32)
@@ -197,7 +209,7 @@ def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):
             zero_counts(cnt)
         for r in range(t, n_rows, NT):
             top = float32(-math.inf)
-            for s in range(n_vis):
+            for s in range(s0, s1):
                 # lse_is: read back from HBM once per visited split
                 x = lse_part[s * heads + bh, row0 + r]
                 w[s * BR + r] = x
@@ -205,19 +217,25 @@ def make_combine_kernel(BR, BC, NT, CAUSAL, SAVE_LSE, COUNT):
                 if COUNT:
                     cnt[LP_R] += 1
             total = float32(0.0)
-            for s in range(n_vis):
+            if MASKED and top == float32(-math.inf):
+                top = float32(0.0)  # the row saw no key: every weight exp(-inf) = 0
+            for s in range(s0, s1):
                 e = math.exp(w[s * BR + r] - top)  # exp(-inf) = 0; NaN stays NaN
                 w[s * BR + r] = e
                 total += e
-            w[n_splits * BR + r] = top + math.log(total)  # lse_i
-            for s in range(n_vis):  # exp(lse_is - lse_i), summing to 1 in float32 too
+            if MASKED and total == float32(0.0):
+                w[n_splits * BR + r] = float32(-math.inf)  # lse_i of a row that saw no key
+                total = float32(math.inf)  # and its weights 0 / inf = 0
+            else:
+                w[n_splits * BR + r] = top + math.log(total)  # lse_i
+            for s in range(s0, s1):  # exp(lse_is - lse_i), summing to 1 in float32 too
                 w[s * BR + r] = w[s * BR + r] / total
         cuda.syncthreads()  # every row's weights and lse_i are in shared memory
         for e in range(t, n_rows * dv, NT):
             r = e // dv
             x = e % dv
             out = float32(0.0)
-            for s in range(n_vis):
+            for s in range(s0, s1):
                 # O_is: read back from HBM once per visited split (0 where the row saw no
                 # key of the split, with weight 0)
                 out += w[s * BR + r] * o_part[s * heads + bh, row0 + r, x]
@@ -258,7 +276,7 @@ class SplitKV(MicroKernelSchedule):
     BACKWARD = "q_outer"  # O and lse are q_outer's, so is the gradient
     LOOP_NEST = """
         for (b, h, i, s) in parallel:         # one CTA per query block and split
-            j0, j1 = s * P, min((s + 1) * P, c_i)   # P = ceil(Tc / S)
+            j0, j1 = max(s * P, first_i), min((s + 1) * P, end_i)   # P = ceil(Tc / S)
             if j0 >= j1: continue             # the split holds nothing block i sees
             load Q_i                          # HBM -> shared, once per (i, s)
             m, l, acc = -inf, 0, 0
@@ -311,10 +329,10 @@ class SplitKV(MicroKernelSchedule):
     def model(self, p: Problem) -> Ledger:
         n_splits = self.splits(p)
         per = ceil_div(p.tc, n_splits)
-        blocks = p.visible_kv_blocks()
-        visited = np.minimum(n_splits, -(-blocks // per))
+        first, end = p.kv_block_ranges()
+        visited = np.where(end > first, np.minimum(n_splits, -(-end // per)) - first // per, 0)
         query_rows = p.query_block_rows()
-        keys_read = int(np.minimum(blocks * p.block_k, p.n_k).sum())
+        keys_read = int(p.visited_keys().sum())
         partial_rows = int((visited * query_rows).sum())
         per_head = {
             "q": {"read": partial_rows * p.d},
@@ -372,7 +390,7 @@ class SplitKV(MicroKernelSchedule):
         return 4 * (self.splits(p) + 1) * p.block_q
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
-        fn = make_combine_kernel(p.block_q, p.block_k, COMBINE_THREADS, p.causal, p.save_lse,
+        fn = make_combine_kernel(p.block_q, p.block_k, COMBINE_THREADS, p.mask, p.save_lse,
                                  count)
         counters = 8 * counter_slots(True) if count else 0
         combine = Kernel(fn.py_func.__name__, fn, self.combine_shared_bytes(p) + counters,

@@ -31,6 +31,7 @@ import numpy as np
 from numba import float32, int64
 
 from ...core.ledger import Ledger, slot
+from ...core.mask import NO_MASK
 from ...core.schedule import Kernel, Problem, register, rows
 from ...device.runtime import (
     SHARED_ALIGN,
@@ -70,7 +71,7 @@ def _tile(BR, BC, D, DV):
     """Layout, shared plan and device functions every dense backward kernel shares."""
     lay = grad_layout(BR, BC)
     return lay, grad_shared_layout(BR, BC, D, DV, False, False), make_grad_tile(
-        BR, BC, D, DV, False, False, False)
+        BR, BC, D, DV, NO_MASK, False, False)  # dense's P (0 where masked) holds the mask
 
 
 @kernel_factory

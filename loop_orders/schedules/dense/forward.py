@@ -8,7 +8,8 @@
 
 Traffic (elements, per batch x head): Q read once (N_q d); every query block reads all of K
 and V (Tr N_k d, Tr N_k dv); S and P are each written once and read once (N_q N_k each way);
-O written once. A causal mask does not reduce it: masked scores are still written as -inf.
+O written once. A mask (causal, a window) does not reduce it: masked scores are still
+written as -inf. A row that sees no key gets P = 0, O = 0 and lse = -inf.
 This is Theta(N d + N^2) for fixed tiles, the baseline of Theorem 2.
 
 Kernel 2 keeps one row of S in shared memory so that S is read exactly once; that bounds N_k
@@ -32,6 +33,7 @@ import numpy as np
 from numba import float32, int64, uint32, uint64
 
 from ...core.ledger import Ledger, slot
+from ...core.mask import NO_MASK
 from ...core.schedule import Kernel, Problem, Schedule, ceil_div, register, rows
 from ...device.intrinsics import narrow, widen
 from ...device.runtime import (
@@ -58,6 +60,7 @@ from ...microkernel.tiles import (
     counts_flusher,
     make_tile_loader,
     make_tile_storer,
+    make_visible,
     zero_counts,
 )
 
@@ -126,8 +129,10 @@ def make_row_io(BR: int, W: int, SC: int):
 
 
 @kernel_factory
-def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):
+def make_scores_kernel(BR, BC, D, MASK, COUNT):
     NCNT = counter_slots(COUNT)
+    visible = make_visible(MASK)  # the keys of a K/V block a row sees
+    MASKED = MASK.bounded  # (the unmasked build tests no key)
     flush_counts = counts_flusher()
     load_K_j = make_tile_loader(BC, D, BR)
     SW = score_chunk(BC)
@@ -165,11 +170,12 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):
             if COUNT:
                 cnt[K_R] += moved
             cuda.syncthreads()  # K_j is in shared memory for all rows
+            first, end = visible(row + n_k - n_q, key0, bc)  # row + N_k - N_q: its diagonal
             for c0 in range(0, bc, SW):
                 width = min(SW, bc - c0)
                 for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
                     score = float32(-math.inf)  # masked scores are written too
-                    if not CAUSAL or key0 + c0 + c <= row:
+                    if not MASKED or first <= c0 + c < end:
                         dot = float32(0.0)
                         for x in range(D):
                             dot += Q_i[x] * K_j[c0 + c, x]
@@ -188,7 +194,9 @@ def make_scores_kernel(BR, BC, D, CAUSAL, COUNT):
 
 
 @kernel_factory
-def make_softmax_kernel(T, SAVE_LSE, COUNT):
+def make_softmax_kernel(T, SAVE_LSE, COUNT, MASKED=False):
+    """Kernel 2 with T threads a row; MASKED: a row may see no key (all its scores -inf),
+    and then gets P = 0 and lse = -inf."""
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
 
@@ -220,6 +228,8 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):
             stat[0] = row_max
         cuda.syncthreads()  # stat[0] holds the row max; partial[] may be reused
         row_max = stat[0]
+        if MASKED and row_max == float32(-math.inf):
+            row_max = float32(0.0)  # a row that sees no key: exp(-inf - 0) = 0
         row_sum = float32(0.0)
         for c in range(t, n_k, T):
             s_row[c] = math.exp(s_row[c] - row_max)
@@ -231,14 +241,18 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):
                 row_sum += partial[u]
             stat[1] = row_sum
         cuda.syncthreads()  # stat[1] holds the row sum
-        inv_sum = float32(1.0) / stat[1]
+        empty = MASKED and stat[1] == float32(0.0)  # the row sees no key: P = 0
+        inv_sum = float32(0.0) if empty else float32(1.0) / stat[1]
         for c in range(t, n_k, T):
             # P_r: the second quadratic intermediate, written to HBM
             p_hbm[bh, row, c] = s_row[c] * inv_sum
             if COUNT:
                 cnt[P_W] += 1
         if SAVE_LSE and t == 0:
-            lse[bh, row] = row_max + math.log(stat[1])
+            lse_r = float32(-math.inf)  # a row that sees no key (log 0: the simulator raises)
+            if not MASKED or stat[1] != float32(0.0):
+                lse_r = row_max + math.log(stat[1])
+            lse[bh, row] = lse_r
             if COUNT:
                 cnt[LSE_W] += 1
         if COUNT:
@@ -248,8 +262,10 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT):
 
 
 @kernel_factory
-def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):
+def make_pv_kernel(BR, BC, DV, MASK, COUNT):
     NCNT = counter_slots(COUNT)
+    visible = make_visible(MASK)  # the keys of a K/V block a row sees
+    MASKED = MASK.bounded  # (the unmasked build tests no key)
     flush_counts = counts_flusher()
     load_V_j = make_tile_loader(BC, DV, BR)
     SW = score_chunk(BC)
@@ -292,8 +308,9 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):
                 if COUNT:
                     cnt[P_R] += moved
                 cuda.syncthreads()  # V_j and this chunk of P_ij are in shared memory
+                first, end = visible(row + n_k - n_q, key0, bc)  # its diagonal: row + N_k - N_q
                 for c in range(width if t < n_rows else 0):  # rows past N_q store nothing
-                    if not CAUSAL or key0 + c0 + c <= row:
+                    if not MASKED or first <= c0 + c < end:
                         # a masked key (P = 0) never touches V: 0 * NaN would be NaN
                         p = P_ij[t, c]
                         for x in range(DV):
@@ -309,8 +326,9 @@ def make_pv_kernel(BR, BC, DV, CAUSAL, COUNT):
 
 
 @kernel_factory
-def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):
+def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT):
     """Kernel 1 on tensor cores (SPEC: `tensor_cores.TensorCores`)."""
+    visible = make_visible(MASK)  # the keys of a K/V block a row sees
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, D, 0, SPEC)
@@ -354,12 +372,13 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, CAUSAL, COUNT):
             ops.scores(tile, s, w, lane, uint64(K))
             for a in range(2):
                 r = int(ops.local_row(w, lane, a))
+                first, end = visible(row0 + r + n_k - n_q, key0, bc)  # its diagonal key
                 for n in range(NKT):
                     for c in range(2):
                         col = int(uint32(8 * n + c) + t2)
                         if r < n_rows and col < bc:
                             x = s[4 * n + 2 * a + c] * scale
-                            if CAUSAL and key0 + col > row0 + r:
+                            if not first <= col < end:
                                 x = NEG_INF  # masked scores are written too
                             # S_ij: the quadratic intermediate, written to HBM from the
                             # accumulator fragment (a warp's lanes fill whole sectors)
@@ -378,7 +397,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     ops = make_tc_operands(BR, BC, 0, DV, SPEC)
-    mk = make_tc_micro_kernel(BR, BC, 0, DV, SPEC, False, False)
+    mk = make_tc_micro_kernel(BR, BC, 0, DV, SPEC, NO_MASK, False)
     V = tc_shared_layout(BR, BC, 0, DV, False, SPEC).v
     NKT = -(-BC // 16) * 2
     NS = 4 * NKT
@@ -566,17 +585,19 @@ class Dense(Schedule):
         lay = self.layout(p)
         if lay is None:
             chunk = p.block_q * (score_chunk(p.block_k) + 1)
-            fns = [(make_scores_kernel(p.block_q, p.block_k, p.d, p.causal, count),
+            fns = [(make_scores_kernel(p.block_q, p.block_k, p.d, p.mask, count),
                     4 * (p.block_k * p.d + chunk), SHARED_BYTES_LIMIT),
-                   (make_pv_kernel(p.block_q, p.block_k, p.dv, p.causal, count),
+                   (make_pv_kernel(p.block_q, p.block_k, p.dv, p.mask, count),
                     4 * (p.block_k * p.dv + chunk), SHARED_BYTES_LIMIT)]
         else:
             scores_bytes, pv_bytes = self.tc_shared_bytes(p)
-            fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.causal, count),
+            fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.mask, count),
                     scores_bytes, dynamic_shared_limit()),
                    (make_tc_pv_kernel(p.block_q, p.block_k, p.dv, lay, count),
                     pv_bytes, dynamic_shared_limit())]
-        fns.insert(1, (make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count),
+        # (a third argument only under a mask: the unmasked kernel keeps its key)
+        masked = (True,) if p.mask.bounded else ()
+        fns.insert(1, (make_softmax_kernel(softmax_threads(p.n_k), p.save_lse, count, *masked),
                        softmax_shared_bytes(p.n_k), SHARED_BYTES_LIMIT))
         return [Kernel(fn.py_func.__name__, fn, b + counters, limit) for fn, b, limit in fns]
 

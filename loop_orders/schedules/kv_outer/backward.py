@@ -6,7 +6,7 @@ K/V blocks are the outer loop, so dQ_i is read, updated and written back in HBM 
         write dQ = 0, dK = 0, dV = 0                          # Algorithm 4 line 4, in HBM
         for j in 0 .. Tc - 1:
             load K_j, V_j;  dK_j, dV_j = 0                    # on chip (lines 6-7)
-            for i in i0_j .. Tr - 1:                          # the query blocks that see j
+            for i in first_j .. end_j - 1:                    # the query blocks that see j
                 load Q_i, O_i, dO_i, dQ_i, l_i, m_i           # line 8
                 P = exp(tau Q_i K_j^T - m_i) / l_i            # lines 9-13, m_i in log2 units
                 dV_j += P^T dO_i;  dP = dO_i V_j^T;  D_i = rowsum(dO_i o O_i)
@@ -17,8 +17,9 @@ K/V blocks are the outer loop, so dQ_i is read, updated and written back in HBM 
 
 Traffic (elements, per batch x head; R = sum over K/V blocks j of the query rows that see
 block j, Tc N_q without a mask): initialisation writes dQ N_q d, dK N_k d, dV N_k dv; K, V are
-read once (N_k (d + dv)); every visited (j, i) reads Q R d, O R dv, dO R dv, dQ R d, l R, m R
-and writes dQ R d; dK, dV are written once more at the end of each j (N_k (d + dv)). With
+read once per K/V block some query sees (N_k (d + dv) without a window; the others are
+skipped); every visited (j, i) reads Q R d, O R dv, dO R dv, dQ R d, l R, m R and writes dQ
+R d; dK, dV are written once more at the end of each j not skipped (N_k (d + dv)). With
 Bc = M / (4d) this is Theta(N^2 d^2 / M) (Theorem 5). dQ is stored in the input dtype after
 every visit, so with float16 inputs it is rounded Tc times (`output_roundings`).
 """
@@ -43,8 +44,7 @@ from ...device.runtime import (
     kernel_options,
     launch,
 )
-from ...microkernel.cuda_cores import TENSOR_CORE_DTYPES
-from ...microkernel.grad_tensor_cores import TC_ROUNDINGS
+from ...microkernel.grad_tensor_cores import TC_ROUNDINGS, tc_backward_spec
 from ...microkernel.grad_tiles import (
     GradTileBackward,
     acc_layout,
@@ -55,7 +55,13 @@ from ...microkernel.grad_tiles import (
     make_row_fns,
 )
 from ...microkernel.tensor_cores import TensorCores, check_aligned
-from ...microkernel.tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ...microkernel.tiles import (
+    counter_slots,
+    counts_flusher,
+    make_q_blocks,
+    make_tile_loader,
+    make_tile_storer,
+)
 from ...microkernel.tiles import zero_counts as zero
 from . import backward_tensor_cores as tc
 
@@ -129,12 +135,14 @@ def _make_visit_loads(BR, BC, D, DV, COUNT):
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
+def make_kernel(BR, BC, D, DV, MASK, COUNT):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn  # scores per thread
     sm = grad_shared_layout(BR, BC, D, DV, True, True)
-    gt = make_grad_tile(BR, BC, D, DV, CAUSAL, True, True)
+    gt = make_grad_tile(BR, BC, D, DV, MASK, True, True)
+    q_blocks = make_q_blocks(BR, MASK)  # [first_j, end_j): the query blocks that see j
+    MASKED = MASK.bounded
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
@@ -157,7 +165,6 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
         bh = cuda.blockIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
-        T_r = (n_q + BR - 1) // BR
         T_c = (n_k + BC - 1) // BC
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)
         s = cuda.local.array(NS, float32)
@@ -175,6 +182,9 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
         for j in range(T_c):
             key0 = j * BC
             bc = min(BC, n_k - key0)
+            i0, i1 = q_blocks(key0, bc, n_q, n_k)  # other query blocks see no key of block j
+            if MASKED and i0 >= i1:
+                continue  # no query sees block j: its dK_j = dV_j = 0 are in HBM already
             for e in range(ACC_K):
                 dk_j[e] = float32(0.0)
             for e in range(ACC_V):
@@ -188,8 +198,7 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
-            i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
-            for i in range(i0, T_r):
+            for i in range(i0, i1):
                 row0 = i * BR
                 n_rows = min(BR, n_q - row0)
                 cuda.syncthreads()  # every thread is done with the last step's tiles
@@ -199,7 +208,8 @@ def make_kernel(BR, BC, D, DV, CAUSAL, COUNT):
                 scores(buf, s)
                 grad_scores(buf, dp)
                 cuda.syncthreads()  # D_i is in the stats rows
-                probs(buf, s, dp, row0, key0, n_rows, bc, scale_log2)
+                # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+                probs(buf, s, dp, row0 + n_k - n_q, key0, n_rows, bc, scale_log2)
                 cuda.syncthreads()  # P_ij and dS_ij are complete in shared memory
                 acc_dv(buf, dv_j)
                 acc_dk(buf, dk_j)
@@ -230,9 +240,10 @@ class KVOuterBackward(GradTileBackward):
         for (b, h) in parallel:               # one CTA per head
             write dQ = 0, dK = 0, dV = 0      # HBM initialisation (Algorithm 4, line 4)
             for j in range(Tc):               # serial inside the CTA
+                if no query sees block j: skip it   # (a mask; dK_j = dV_j = 0 already)
                 load K_j, V_j                 # HBM -> shared, once
                 dK_j, dV_j = 0
-                for i in range(i0_j, Tr):
+                for i in range(first_j, end_j):   # the query blocks that see block j
                     load Q_i, O_i, dO_i, dQ_i, l_i, m_i   # HBM -> shared, per (j, i)
                     P = exp(tau Q_i K_j^T - m_i) / l_i
                     dS = P o (dO_i V_j^T - rowsum(dO_i o O_i))
@@ -246,18 +257,20 @@ class KVOuterBackward(GradTileBackward):
         return "l and m (the forward's workspace)"
 
     def model(self, p: Problem) -> Ledger:
-        r = int((p.n_q - p.first_visible_q_block() * p.block_q).sum())
+        r = int(p.visiting_rows().sum())
+        first, end = p.q_block_ranges()
+        keys = int(p.key_block_rows()[end > first].sum())  # the K/V blocks some query sees
         per_head = {
             "q": {"read": r * p.d},
-            "k": {"read": p.n_k * p.d},
-            "v": {"read": p.n_k * p.dv},
+            "k": {"read": keys * p.d},
+            "v": {"read": keys * p.dv},
             "o": {"read": r * p.dv},
             "do": {"read": r * p.dv},
             "l": {"read": r},
             "m": {"read": r},
             "dq": {"read": r * p.d, "write": (p.n_q + r) * p.d},
-            "dk": {"write": 2 * p.n_k * p.d},
-            "dv": {"write": 2 * p.n_k * p.dv},
+            "dk": {"write": (p.n_k + keys) * p.d},
+            "dv": {"write": (p.n_k + keys) * p.dv},
         }
         return self.ledger(per_head, p.bh)
 
@@ -268,6 +281,8 @@ class KVOuterBackward(GradTileBackward):
         c["dv", "write"] += p.n_k * p.dv
         for j in range(0, p.n_k, p.block_k):
             keys = rows(j, p.block_k, p.n_k)
+            if not sees(p, range(p.n_q), keys):
+                continue  # no query sees block j
             c["k", "read"] += len(keys) * p.d
             c["v", "read"] += len(keys) * p.dv
             for i in range(0, p.n_q, p.block_q):
@@ -298,8 +313,8 @@ class KVOuterBackward(GradTileBackward):
 
     @staticmethod
     def tensor_cores(p: Problem) -> TensorCores | None:
-        """The tensor-core build p's kernel runs (16-bit inputs), or None (CUDA cores)."""
-        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+        """The tensor-core build p's kernel runs, or None (CUDA cores)."""
+        return tc_backward_spec(p)
 
     def threads(self, p: Problem) -> int:
         if self.tensor_cores(p) is not None:
@@ -313,10 +328,11 @@ class KVOuterBackward(GradTileBackward):
         return grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, True, True).bytes
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
-        sizes = (p.block_q, p.block_k, p.d, p.dv, p.causal)
         spec = self.tensor_cores(p)
-        fn = make_kernel(*sizes, count) if spec is None else tc.make_tc_kernel(*sizes, spec,
-                                                                              count)
+        if spec is None:
+            fn = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask, count)
+        else:
+            fn = tc.make_tc_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask.bounded, spec, count)
         counters = 8 * counter_slots(True) if count else 0
         return [Kernel(fn.py_func.__name__, fn, self.shared_bytes(p) + counters,
                        dynamic_shared_limit())]

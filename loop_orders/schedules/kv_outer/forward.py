@@ -3,17 +3,20 @@
     for each (batch, head):                                  # one CTA
         write O = 0, l = 0, m = -inf                         # Algorithm 1 line 2, in HBM
         for j in 0 .. Tc - 1:                                # serial: CTAs would race on O
+            if no query sees block j: skip it                # (a mask)
             load K_j, V_j                                    # once per j
-            for i in i0_j .. Tr - 1:                         # i0_j = 0, or the diagonal when causal
+            for i in first_j .. end_j - 1:                   # all Tr, or those the mask shows j
                 load Q_i, O_i, l_i, m_i
                 online-softmax update with S_ij = Q_i K_j^T
                 write O_i (normalised), l_i, m_i             # back to HBM every time
                 write lse_i = m_i + log l_i                  # only with save_lse, on i's last j
+        (with save_lse, a query block no K/V block shows writes lse_i = -inf at the start)
 
-Traffic (elements, per batch x head): K, V read once (N_k (d + dv)); initialisation writes
-N_q (dv + 2). Every visited (j, i) reads Q_i, O_i, l_i, m_i and writes O_i, l_i, m_i, so with
-R = sum_j (rows of the query blocks j visits) = Tc N_q without a mask, Q reads are R d, O reads
-R dv and writes R dv, l and m R each way. With Bc = M/(4d) this is Theta(N^2 d^2 / M).
+Traffic (elements, per batch x head): K, V read once per K/V block some query sees (N_k
+(d + dv) without a window); initialisation writes N_q (dv + 2). Every visited (j, i) reads Q_i,
+O_i, l_i, m_i and writes O_i, l_i, m_i, so with R = sum_j (rows of the query blocks j visits) =
+Tc N_q without a mask, Q reads are R d, O reads R dv and writes R dv, l and m R each way. With
+Bc = M/(4d) this is Theta(N^2 d^2 / M).
 
 HBM holds m_i in the kernel's log2 units (log2(e) times the max scaled score), so the exp2
 update never converts it and a reloaded m_i is bit-identical to the stored one.
@@ -31,7 +34,14 @@ from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
 from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
-from ...microkernel.tiles import LN2, counter_slots, counts_flusher, zero_counts
+from ...microkernel.tiles import (
+    counter_slots,
+    counts_flusher,
+    make_kv_blocks,
+    make_lse_of,
+    make_q_blocks,
+    zero_counts,
+)
 
 # Chunks per trip of the micro-kernel's hot loops: 1. This loop nest keeps more values live
 # across the update than q_outer's (the i loop inside the j loop, the l, m and O pointers),
@@ -44,9 +54,29 @@ UNROLL = Unroll.by(1)
     slot("m", "write"), slot("lse", "write"))
 
 
+def _make_load_stats(NT, ROWS, STATS, COUNT):
+    """load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt): l_i, m_i of the block's rows
+    into the stats rows, thread t taking row t, counted."""
+
+    @cuda.jit(device=True, inline="always")
+    def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
+        for r in range(cuda.threadIdx.x, n_rows, NT):
+            # l_i, m_i: reloaded from HBM for every K/V block
+            buf[STATS + r] = l_hbm[bh, row0 + r]
+            buf[STATS + ROWS + r] = m_hbm[bh, row0 + r]
+            if COUNT:
+                cnt[L_R] += 1
+                cnt[M_R] += 1
+
+    return load_stats
+
+
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, True, UNROLL)
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
+    mk = micro_kernel(BR, BC, D, DV, MK, MASK, True, UNROLL)
+    MASKED = MASK.bounded
+    lse_of = make_lse_of(MASKED)  # -inf for a row that saw no key
+    kv_blocks, q_blocks = make_kv_blocks(BC, MASK), make_q_blocks(BR, MASK)
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC
     ROWS, STATS = mk.ROWS, mk.STATS
     # Numba compiles closure variables as constants: take the device functions by name
@@ -57,17 +87,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
     flush_counts = counts_flusher()
     NCNT = counter_slots(COUNT)
 
-    @cuda.jit(device=True, inline="always")
-    def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
-        """l_i, m_i of the block's rows into the stats rows, thread t taking row t."""
-        for r in range(cuda.threadIdx.x, n_rows, NT):
-            # l_i, m_i: reloaded from HBM for every K/V block
-            buf[STATS + r] = l_hbm[bh, row0 + r]
-            buf[STATS + ROWS + r] = m_hbm[bh, row0 + r]
-            if COUNT:
-                cnt[L_R] += 1
-                cnt[M_R] += 1
-
+    load_stats = _make_load_stats(NT, ROWS, STATS, COUNT)
     @cuda.jit(device=True, inline="always")
     def store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows, last, cnt):
         """l_i, m_i of the block's rows back to HBM from the stats rows; lse_i once final."""
@@ -82,7 +102,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
                 cnt[M_W] += 1
             if last:
                 # lse_i: the statistic the backward pass needs, once i is final
-                lse[bh, row0 + r] = (m_r + math.log2(l_r)) * float32(LN2)
+                lse[bh, row0 + r] = lse_of(m_r, l_r)
                 if COUNT:
                     cnt[LSE_W] += 1
 
@@ -114,11 +134,19 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
             moved = store_O_i(buf, o, bh, i * BR, n_rows)
             if COUNT:
                 cnt[O_W] += moved
-            store_stats(buf, l_hbm, m_hbm, lse, bh, i * BR, n_rows, False, cnt)
+            # masked, a query block no K/V block shows is final now: lse_i = -inf
+            unseen = False
+            if MASKED:
+                j0, j1 = kv_blocks(i * BR, n_rows, n_q, n_k)
+                unseen = j0 >= j1
+            store_stats(buf, l_hbm, m_hbm, lse, bh, i * BR, n_rows, SAVE_LSE and unseen, cnt)
 
         for j in range(T_c):
             key0 = j * BC
             bc = min(BC, n_k - key0)
+            i0, i1 = q_blocks(key0, bc, n_q, n_k)  # the query blocks that see block j
+            if MASKED and i0 >= i1:
+                continue  # no query sees a key of block j: K_j, V_j are not loaded
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
             moved_k = load_K_j(buf, k, bh, key0, bc, 0)
@@ -126,8 +154,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
-            i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
-            for i in range(i0, T_r):
+            for i in range(i0, i1):
                 row0 = i * BR
                 n_rows = min(BR, n_q - row0)
                 cuda.syncthreads()  # every thread is done with the last step's Q_i, O_i, l, m
@@ -142,7 +169,8 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
                 cuda.syncthreads()  # K_j, V_j, Q_i, O_i, l_i and m_i are in shared memory
                 take_o(buf, acc, l_i, l_row, m_i)
                 cuda.syncthreads()  # every thread has taken its O_i: P_ij may overwrite the stage
-                online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, 0)
+                # the first row's diagonal key (bottom-right aligned)
+                online_update(buf, bc, key0, row0 + n_k - n_q, m_i, l_i, acc, scale_log2, 0)
                 row_sums(buf, l_i, l_row)
                 reciprocal(l_row, inv_l)
                 give_o(buf, acc, inv_l)  # normalised, as Algorithm 1 stores O_i
@@ -152,9 +180,7 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
                 moved_o = store_O_i(buf, o, bh, row0, n_rows)
                 if COUNT:
                     cnt[O_W] += moved_o
-                last_j = T_c - 1
-                if CAUSAL:
-                    last_j = min(last_j, (row0 + n_rows - 1) // BC)
+                last_j = kv_blocks(row0, n_rows, n_q, n_k)[1] - 1  # i's last K/V block
                 store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows,
                             SAVE_LSE and j == last_j, cnt)
         if COUNT:
@@ -182,7 +208,7 @@ class KVOuter(MicroKernelSchedule):
             write O = 0, l = 0, m = -inf      # HBM initialisation (Algorithm 1, line 2)
             for j in range(Tc):               # serial inside the CTA
                 load K_j, V_j                 # HBM -> shared, once
-                for i in range(i0_j, Tr):     # i0_j = 0, or the diagonal block when causal
+                for i in range(first_j, end_j):   # all Tr, or the query blocks that see j
                     load Q_i, O_i, l_i, m_i   # HBM -> shared memory, per K/V block
                     S_ij = Q_i K_j^T * scale
                     m_new = max(m_i, rowmax(S_ij))
@@ -194,12 +220,15 @@ class KVOuter(MicroKernelSchedule):
     """
 
     def model(self, p: Problem) -> Ledger:
-        # Rows reloaded per K/V block j: all query rows from block i0_j on.
-        rows_visited = int((p.n_q - p.first_visible_q_block() * p.block_q).sum())
+        # Rows reloaded per K/V block j: the query rows of blocks first_j .. end_j - 1; K_j,
+        # V_j read where that range is not empty.
+        rows_visited = int(p.visiting_rows().sum())
+        first, end = p.q_block_ranges()
+        keys = int(p.key_block_rows()[end > first].sum())
         per_head = {
             "q": {"read": rows_visited * p.d},
-            "k": {"read": p.n_k * p.d},
-            "v": {"read": p.n_k * p.dv},
+            "k": {"read": keys * p.d},
+            "v": {"read": keys * p.dv},
             "o": {"read": rows_visited * p.dv, "write": (p.n_q + rows_visited) * p.dv},
             "l": {"read": rows_visited, "write": p.n_q + rows_visited},
             "m": {"read": rows_visited, "write": p.n_q + rows_visited},
@@ -214,6 +243,8 @@ class KVOuter(MicroKernelSchedule):
         c["m", "write"] += p.n_q
         for j in range(0, p.n_k, p.block_k):
             keys = rows(j, p.block_k, p.n_k)
+            if not sees(p, range(p.n_q), keys):
+                continue  # no query sees block j
             c["k", "read"] += len(keys) * p.d
             c["v", "read"] += len(keys) * p.dv
             for i in range(0, p.n_q, p.block_q):

@@ -7,7 +7,7 @@ dq="atomic", the default) or by a second, Q-outer kernel (dq="separate", determi
     K/V-outer, per (batch, head), K/V block j in parallel:        # one CTA each
         load K_j, V_j                                             # once
         dK_j, dV_j = 0                                            # registers
-        for i in i0_j .. Tr - 1:                                  # the query blocks j is seen by
+        for i in first_j .. end_j - 1:                            # the query blocks j is seen by
             load Q_i, dO_i, lse_i, delta_i
             S = Q_i K_j^T;  P = exp(tau S - lse_i);  dP = dO_i V_j^T;  dS = P o (dP - delta_i)
             dV_j += P^T dO_i;  dK_j += tau dS^T Q_i
@@ -16,7 +16,8 @@ dq="atomic", the default) or by a second, Q-outer kernel (dq="separate", determi
     atomic, convert, per row block:  load dq_acc;  write dQ (input dtype)
     separate, Q-outer, per (batch, head), query block i in parallel:
         load Q_i, dO_i, lse_i, delta_i                            # once
-        for j < c_i:  load K_j, V_j;  dQ_i += tau dS K_j          # S, P, dP, dS recomputed
+        for j in first_i .. end_i - 1:                            # the K/V blocks i sees
+            load K_j, V_j;  dQ_i += tau dS K_j                    # S, P, dP, dS recomputed
         write dQ_i
 
 Traffic (elements, per batch x head; R = sum over K/V blocks j of the query rows that see
@@ -24,8 +25,9 @@ block j, Tc N_q without a mask): preprocess O and dO N_q dv read each, delta N_q
 dq_acc N_q d written with atomic). K/V-outer: K, V N_k (d + dv) read; Q R d, dO R dv, lse R,
 delta R read; dK, dV N_k (d + dv) written; atomic: dq_acc R d read and R d written (an atomic
 add counts one of each). Convert: dq_acc N_q d read, dQ N_q d written. Separate: Q N_q d, dO
-N_q dv, lse N_q, delta N_q read once; K, V read sum_i min(c_i Bc, N_k) (d + dv), as the
-forward; dQ N_q d written. With Bc = M / (4d) this is Theta(N^2 d^2 / M) (Theorem 5).
+N_q dv, lse N_q, delta N_q read once; K, V read sum_i (the keys of the blocks i sees)
+(d + dv), as the forward; dQ N_q d written. With Bc = M / (4d) this is Theta(N^2 d^2 / M)
+(Theorem 5).
 """
 
 from __future__ import annotations
@@ -52,8 +54,7 @@ from ...device.runtime import (
     launch,
 )
 from ...microkernel import tuning
-from ...microkernel.cuda_cores import TENSOR_CORE_DTYPES
-from ...microkernel.grad_tensor_cores import TC_ROUNDINGS
+from ...microkernel.grad_tensor_cores import TC_ROUNDINGS, tc_backward_spec
 from ...microkernel.grad_tiles import (
     GradTileBackward,
     acc_layout,
@@ -68,6 +69,8 @@ from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
     make_block_of,
+    make_kv_blocks,
+    make_q_blocks,
     make_tile_loader,
     make_tile_storer,
 )
@@ -131,15 +134,16 @@ def make_preprocess_kernel(ZERO_DQ, COUNT):
 
 
 @kernel_factory
-def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
+def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn
     sm = grad_shared_layout(BR, BC, D, DV, False, False)
-    gt = make_grad_tile(BR, BC, D, DV, CAUSAL, False, False)
+    gt = make_grad_tile(BR, BC, D, DV, MASK, False, False)
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dv, acc_dk, acc_dq = gt.probs, gt.acc_dv, gt.acc_dk, gt.acc_dq
+    q_blocks = make_q_blocks(BR, MASK)  # [first_j, end_j): the query blocks that see j
     atomic_dq, lse_stats = gt.atomic_dq, gt.lse_stats
     write_dkdv = make_dkdv_epilogue(BR, BC, D, DV, False, False, COUNT)
     ACC_K, ACC_V = acc_layout(BC, D, NT).size, acc_layout(BC, DV, NT).size
@@ -150,7 +154,7 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
     load_dO_i = make_tile_loader(BR, DV, NT, (sm.do, sm.os))
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=False)
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=False)
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
     LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")
@@ -158,7 +162,7 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
-        # causal: the K/V blocks the most query blocks see start first (`block_grid`)
+        # masked: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
         n_q = q.shape[1]
         n_k = k.shape[1]
@@ -185,8 +189,8 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
         if COUNT:
             cnt[K_R] += moved_k
             cnt[V_R] += moved_v
-        i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
-        for i in range(i0, (n_q + BR - 1) // BR):
+        i0, i1 = q_blocks(key0, bc, n_q, n_k)  # other query blocks see no key of block j
+        for i in range(i0, i1):
             row0 = i * BR
             n_rows = min(BR, n_q - row0)
             cuda.syncthreads()  # every thread is done with the last Q_i, dO_i, P, dS, stats
@@ -204,7 +208,8 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
             cuda.syncthreads()  # Q_i, dO_i and the row statistics are in shared memory
             scores(buf, s)
             grad_scores(buf, dp)
-            probs(buf, s, dp, row0, key0, n_rows, bc, scale_log2)
+            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+            probs(buf, s, dp, row0 + n_k - n_q, key0, n_rows, bc, scale_log2)
             cuda.syncthreads()  # P_ij and dS_ij are complete in shared memory
             acc_dv(buf, dv_j)
             acc_dk(buf, dk_j)
@@ -225,12 +230,13 @@ def make_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, COUNT):
 
 
 @kernel_factory
-def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):
+def make_q_kernel(BR, BC, D, DV, MASK, COUNT):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn
     sm = grad_shared_layout(BR, BC, D, DV, False, False)
-    gt = make_grad_tile(BR, BC, D, DV, CAUSAL, False, False)
+    gt = make_grad_tile(BR, BC, D, DV, MASK, False, False)
+    kv_blocks = make_kv_blocks(BC, MASK)  # [first_i, end_i): the K/V blocks i sees
     clear, zero_outside, scores, grad_scores = gt.clear, gt.zero_outside, gt.scores, \
         gt.grad_scores
     probs, acc_dq, stage_dq, lse_stats = gt.probs, gt.acc_dq, gt.stage_dq, gt.lse_stats
@@ -242,18 +248,19 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):
     store_dQ_i = make_tile_storer(BR, D, NT, (sm.q, sm.qs))
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
     LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
-        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
+        n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
-        n_rows = min(BR, q.shape[1] - row0)
+        n_rows = min(BR, n_q - row0)
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)
         s = cuda.local.array(NS, float32)
         dp = cuda.local.array(NS, float32)
@@ -274,10 +281,8 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):
             cnt[DO_R] += moved_do
             cnt[LSE_R] += rows_in
             cnt[DELTA_R] += rows_in
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        for j in range(c_i):
+        j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)  # other K/V blocks are all masked
+        for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j, dS
@@ -292,7 +297,8 @@ def make_q_kernel(BR, BC, D, DV, CAUSAL, COUNT):
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i, stats) are in shared memory
             scores(buf, s)
             grad_scores(buf, dp)
-            probs(buf, s, dp, row0, key0, n_rows, bc, scale_log2)
+            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+            probs(buf, s, dp, row0 + n_k - n_q, key0, n_rows, bc, scale_log2)
             cuda.syncthreads()  # dS_ij is complete in shared memory
             acc_dq(buf, dq_i)
         cuda.syncthreads()  # every thread is done with Q_i: its tile stages dQ_i
@@ -361,7 +367,7 @@ class QOuterBackward(GradTileBackward):
         for (b, h, j) in parallel:            # one CTA per K/V block
             load K_j, V_j                     # HBM -> shared, once
             dK_j, dV_j = 0
-            for i in range(i0_j, Tr):         # the query blocks that see block j
+            for i in range(first_j, end_j):   # the query blocks that see block j
                 load Q_i, dO_i, lse_i, delta_i   # HBM -> shared, per (j, i)
                 P = exp(tau Q_i K_j^T - lse_i); dS = P o (dO_i V_j^T - delta_i)
                 dV_j += P^T dO_i; dK_j += tau dS^T Q_i
@@ -370,7 +376,7 @@ class QOuterBackward(GradTileBackward):
         atomic:   dQ = dq_acc                 # convert kernel
         separate: for (b, h, i) in parallel:  # one CTA per query block
                       load Q_i, dO_i, lse_i, delta_i   # once
-                      for j in range(c_i): load K_j, V_j; dQ_i += tau dS K_j
+                      for j in range(first_i, end_i): load K_j, V_j; dQ_i += tau dS K_j
                       write dQ_i
     """
 
@@ -387,8 +393,8 @@ class QOuterBackward(GradTileBackward):
 
     def model(self, p: Problem) -> Ledger:
         atomic = p.option("dq") == "atomic"
-        rows_per_j = int((p.n_q - p.first_visible_q_block() * p.block_q).sum())
-        keys_read = int(np.minimum(p.visible_kv_blocks() * p.block_k, p.n_k).sum())
+        rows_per_j = int(p.visiting_rows().sum())
+        keys_read = int(p.visited_keys().sum())
         per_head = {
             "q": {"read": rows_per_j * p.d + (0 if atomic else p.n_q * p.d)},
             "k": {"read": p.n_k * p.d + (0 if atomic else keys_read * p.d)},
@@ -460,8 +466,8 @@ class QOuterBackward(GradTileBackward):
 
     @staticmethod
     def tensor_cores(p: Problem) -> TensorCores | None:
-        """The tensor-core build p's main kernels run (16-bit inputs), or None (CUDA cores)."""
-        return TensorCores(p.dtype) if p.dtype in TENSOR_CORE_DTYPES else None
+        """The tensor-core build p's main kernels run, or None (CUDA cores)."""
+        return tc_backward_spec(p)
 
     def threads(self, p: Problem) -> int:
         if self.tensor_cores(p) is not None:
@@ -476,8 +482,8 @@ class QOuterBackward(GradTileBackward):
         """The K/V-outer kernel and (separate) the Q-outer dQ kernel: on tensor cores for
         16-bit inputs, else on CUDA cores."""
         separate = p.option("dq") == "separate"
-        sizes = (p.block_q, p.block_k, p.d, p.dv, p.causal)
         spec = self.tensor_cores(p)
+        sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask if spec is None else p.mask.bounded)
         if spec is not None:
             stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
             return MainKernels(
@@ -516,11 +522,11 @@ class QOuterBackward(GradTileBackward):
         tau, tau_log2 = np.float32(scale), np.float32(scale * math.log2(math.e))
         launch(pre, (ceil_div(p.n_q, PRE_ROWS), p.bh), PRE_ROWS * PRE_LANES, 0, o, do, delta,
                dq_acc, counts)
-        launch(main, block_grid(p.tc, p.bh, p.causal), threads, shared, q, k, v, do, lse, delta,
-               dq_acc, dk, dv, counts, tau, tau_log2)
+        launch(main, block_grid(p.tc, p.bh, p.mask.bounded), threads, shared, q, k, v, do, lse,
+               delta, dq_acc, dk, dv, counts, tau, tau_log2)
         if p.option("dq") == "atomic":
             launch(last, (ceil_div(p.n_q * p.d, CONVERT_THREADS), p.bh), CONVERT_THREADS, 0,
                    dq_acc, dq, counts)
         else:
-            launch(last, block_grid(p.tr, p.bh, p.causal), q_threads, mk.dq_shared, q, k, v,
-                   do, lse, delta, dq, counts, tau, tau_log2)
+            launch(last, block_grid(p.tr, p.bh, p.mask.bounded), q_threads, mk.dq_shared, q,
+                   k, v, do, lse, delta, dq, counts, tau, tau_log2)

@@ -3,7 +3,7 @@
     for each (batch, head), query block i in parallel       # one CTA each
         load Q_i                                             # once
         m_i = -inf, l_i = 0, acc_i = 0                       # registers
-        for j in 0 .. c_i - 1:                               # c_i = Tc, or fewer when causal
+        for j in first_i .. end_i - 1:                       # all Tc, or those the mask shows
             load K_j, V_j                                    # every query block reloads them
             online-softmax update of (m_i, l_i, acc_i) with S_ij = Q_i K_j^T
         write O_i = acc_i / l_i                              # once
@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import Counter
 from typing import NamedTuple
 
-import numpy as np
 from numba import float32, int32, int64
 
 from ...core.ledger import Ledger, slot
@@ -43,7 +42,7 @@ from ...microkernel.tiles import (
     make_kv_blocks,
     make_online_start,
 )
-from .warp_specialised import Specialised, make_specialised_kernel
+from .warp_specialised import SQUARE_MASKS, Specialised, make_specialised_kernel
 
 # Compile-time choices per head dim, each measured (results/tuning_history/q_outer.md):
 # hot-loop steps per trip (else Unroll.by(2): 2 chunks of S_ij's dims, 8 keys of P_ij V_j),
@@ -112,7 +111,7 @@ def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
 
 
 def _make_fold_tiles(BC, mk, loads: CountedLoads):
-    """fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt): the K/V
+    """fold_tiles(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt): the K/V
     loop of q_outer's kernel over the micro-kernel mk, staggered (`stream_kv_staggered`) where
     mk.STAGGERED, else `stream_kv`."""
     RM, STAGES = mk.RM, mk.STAGES
@@ -121,14 +120,14 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
     @cuda.jit(device=True, inline="always")
-    def stream_kv(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
-        """Fold K_j, V_j for j < c_i into (m_i, l_i, acc), in one K/V buffer or (STAGES 2)
-        two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
-        if STAGES > 1 and c_i > 0:
-            # K_0, V_0 ahead of the loop: each later pair lands under the previous one's
+    def stream_kv(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt):
+        """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc), in one K/V buffer or
+        (STAGES 2) two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
+        if STAGES > 1 and j0 < j1:
+            # K_j0, V_j0 ahead of the loop: each later pair lands under the previous one's
             # arithmetic
-            load_KV_j(buf, k, v, bh, 0, n_k, 0, cnt)
-        for j in range(c_i):
+            load_KV_j(buf, k, v, bh, j0 * BC, n_k, 0, cnt)
+        for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             if STAGES == 1:
@@ -138,28 +137,30 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
             # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
             # thread is also done with the other buffer (K_j-1, V_j-1)
             cuda.syncthreads()
-            if STAGES > 1 and j + 1 < c_i:
-                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j + 1) % STAGES, cnt)  # other buffer
-            online_update(buf, bc, key0, row0, m_i, l_i, acc, scale_log2, j % STAGES)
+            if STAGES > 1 and j + 1 < j1:
+                # the other buffer
+                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j - j0 + 1) % STAGES, cnt)
+            online_update(buf, bc, key0, diag0, m_i, l_i, acc, scale_log2, (j - j0) % STAGES)
 
     @cuda.jit(device=True, inline="always")
-    def stream_kv_staggered(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt):
-        """Fold K_j, V_j for j < c_i into (m_i, l_i, acc) in one K and one V buffer, their
-        loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is (K_0 from
-        the kernel, before Q_i)."""
-        vis = cuda.local.array(RM, int32)  # keys each row of the thread sees
-        for j in range(c_i):
+    def stream_kv_staggered(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
+                            cnt):
+        """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) in one K and one V buffer,
+        their loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is
+        (K_j0 from the kernel, before Q_i)."""
+        vis = cuda.local.array(2 * RM, int32)  # the span of keys each row of the thread sees
+        for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             wait_loads()
             # K_j (and Q_i) are in shared memory; every thread is done with V_j-1 and P_ij-1
             cuda.syncthreads()
             load_V_j_counted(buf, v, bh, key0, n_k, 0, cnt)  # lands under S_ij
-            weigh(buf, bc, key0, row0, m_i, l_i, acc, vis)
+            weigh(buf, bc, key0, diag0, m_i, l_i, acc, vis)
             wait_loads()
             # P_ij and V_j are in shared memory; every thread is done with K_j
             cuda.syncthreads()
-            if j + 1 < c_i:
+            if j + 1 < j1:
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
@@ -167,11 +168,11 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`)
-        return make_specialised_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT,
+        return make_specialised_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
-    mk = micro_kernel(BR, BC, D, DV, MK, CAUSAL, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
+    mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
                       transposes_q(D))
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
     STAGGERED = mk.STAGGERED  # staggered K/V loads
@@ -183,18 +184,19 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
     load_K_j_counted, load_Q_i_counted = loads.k, loads.q
     fold_tiles = _make_fold_tiles(BC, mk, loads)
     flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    kv_blocks = make_kv_blocks(BC, CAUSAL)  # c_i
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
     NCNT = counter_slots(COUNT)
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
-        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
+        diag0 = row0 + n_k - n_q  # the first row's diagonal key (bottom-right aligned)
 
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
         acc = cuda.local.array(NACC, float32)
@@ -205,17 +207,17 @@ def make_kernel(BR, BC, D, DV, MK, CAUSAL, SAVE_LSE, COUNT):
         cnt = cuda.local.array(NCNT, int64)
         start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
         if STAGGERED:
-            # K_0 is copied while Q_i loads (results/tuning_history/q_outer.md)
-            c_i = kv_blocks(row0, n_rows, n_k)
-            if c_i > 0:
-                load_K_j_counted(buf, k, bh, 0, n_k, 0, cnt)
+            # K_j0 is copied while Q_i loads (results/tuning_history/q_outer.md)
+            j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
+            if j0 < j1:
+                load_K_j_counted(buf, k, bh, j0 * BC, n_k, 0, cnt)
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
         else:
             # Q_i first (K_0 and V_0 ahead of it lost on tensor cores:
             # results/tuning_history/q_outer.md); stream_kv copies them
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
-            c_i = kv_blocks(row0, n_rows, n_k)
-        fold_tiles(buf, k, v, bh, n_k, c_i, row0, m_i, l_i, acc, scale_log2, cnt)
+            j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
+        fold_tiles(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt)
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
@@ -269,7 +271,7 @@ class QOuter(MicroKernelSchedule):
         for (b, h, i) in parallel:            # one CTA per query block
             load Q_i                          # HBM -> shared memory, once
             m_i, l_i, acc_i = -inf, 0, 0
-            for j in range(c_i):              # c_i = Tc, or up to the diagonal when causal
+            for j in range(first_i, end_i):   # all Tc, or the blocks the mask shows i
                 load K_j, V_j                 # HBM -> shared, per query block
                 S_ij = Q_i K_j^T * scale
                 m_new = max(m_i, rowmax(S_ij))
@@ -282,7 +284,7 @@ class QOuter(MicroKernelSchedule):
     """
 
     def model(self, p: Problem) -> Ledger:
-        keys_read = int(np.minimum(p.visible_kv_blocks() * p.block_k, p.n_k).sum())
+        keys_read = int(p.visited_keys().sum())
         per_head = {
             "q": {"read": p.n_q * p.d},
             "k": {"read": keys_read * p.d},
@@ -319,11 +321,14 @@ class QOuter(MicroKernelSchedule):
         other LOOP_ORDERS_LAYOUT names a thread tile of the shared micro-kernel."""
         forced = tuning.current()
         tiles = (p.block_q, p.block_k, p.d, p.dv)
+        # its roles implement no mask or causal with N_q = N_k (`SQUARE_MASKS`)
+        square = p.mask in SQUARE_MASKS and (p.n_q == p.n_k or not p.mask.bounded)
         if forced.forces_own_kernel():
-            if not Specialised.fits(*tiles):
+            if not Specialised.fits(*tiles) or not square:
                 return super().specialised(p, stages)  # refused, with the reason
             chosen = Specialised.parse(forced.layout, p.dv)
-        elif not forced.layout and stages > 1 and (*tiles, p.causal) in self.SPECIALISED:
+        elif (not forced.layout and stages > 1 and square
+              and (*tiles, p.causal) in self.SPECIALISED):
             largest_n, steps = self.PERSISTENT.get((*tiles, p.causal), (0, ()))
             if p.n_q <= largest_n:
                 chosen = Specialised(p.dv, *steps, persistent=True)
@@ -342,5 +347,5 @@ class QOuter(MicroKernelSchedule):
         return big, min(big, d)
 
     def launch(self, p, q, k, v, out, lse, counts, *, scale, count, workspace=None):
-        self.launch_kernel(p, block_grid(p.tr, p.bh, p.causal), count, scale, q, k, v, out,
+        self.launch_kernel(p, block_grid(p.tr, p.bh, p.mask.bounded), count, scale, q, k, v, out,
                            lse, counts)

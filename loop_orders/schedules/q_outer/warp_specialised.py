@@ -74,6 +74,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
+from ...core.mask import NO_MASK, mask_of
 from ...device.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -103,7 +104,6 @@ from ...microkernel.tiles import (
     counts_flusher,
     make_block_of,
     make_clear,
-    make_kv_blocks,
     make_row_copier,
     make_scores,
     make_tile_loader,
@@ -280,6 +280,28 @@ def make_barriers(NS: int, NP: int) -> Barriers:
     l_sync, l_arrive = named_barrier(L_READY, NS + NP)
     return Barriers(full_sync, full_arrive, empty_sync, empty_arrive, s_sync, pv_sync, l_sync,
                     l_arrive)
+
+
+# The masks this kernel's roles implement: none, and causal with N_q = N_k (query row r sees
+# keys c <= r; `visible` below); q_outer's `specialised` gives every other problem the
+# micro-kernel, whose mask is `core.mask`'s.
+SQUARE_MASKS = (NO_MASK, mask_of(True))
+
+
+@cache
+def make_kv_prefix(BC: int, CAUSAL: bool):
+    """kv_blocks(row0, n_rows, n_k) -> c_i: the K/V blocks j < c_i the query block of rows
+    row0 .. row0 + n_rows - 1 visits under this kernel's masks (`SQUARE_MASKS`): all, or
+    (causal, N_q = N_k) those up to its last row; `tiles.make_kv_blocks` for any mask."""
+
+    @cuda.jit(device=True, inline="always")
+    def kv_blocks(row0, n_rows, n_k):
+        c_i = (n_k + BC - 1) // BC
+        if CAUSAL:
+            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
+        return c_i
+
+    return kv_blocks
 
 
 @cache
@@ -782,7 +804,7 @@ def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
     EVEN = SP.even
     flush_counts = counts_flusher()
     block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
-    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    kv_blocks = make_kv_prefix(BC, CAUSAL)
     clear_q, load_q_tile, load_k, load_v_half = roles.copies
     s_role, pv_role = roles.s_role, roles.pv_role
 
@@ -876,7 +898,7 @@ def make_item_roles(BR, BC, D, SP, CAUSAL, COUNT, slots, roles) -> ItemRoles:
     Q_R = slots[0]
     HK = BC // 2  # keys of a V half
     EVEN = SP.even
-    kv_blocks = make_kv_blocks(BC, CAUSAL)
+    kv_blocks = make_kv_prefix(BC, CAUSAL)
     publish = make_items(BR, CAUSAL).publish
     clear_q, load_q_tile, load_k, load_v_half = roles.copies
     s_sync, pv_sync = roles.bars.s_sync, roles.bars.pv_sync
@@ -963,11 +985,16 @@ def make_persistent_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
 
 
 @cache
-def make_specialised_kernel(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots):
+def make_specialised_kernel(BR, BC, D, DV, SP, MASK, SAVE_LSE, COUNT, slots):
     """The kernel q_outer(q, k, v, o, lse, counts, scale_log2) for these compile-time sizes
     (`Specialised.fits`) and SP's unrolling, a CTA per query block; where SP.persistent,
     q_outer(q, k, v, o, lse, counts, tickets, scale_log2) on `persistent_grid`'s grid with
-    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's."""
+    `tickets()`. `slots`: the counter slots (q, k, v, o, lse), as q_outer's. MASK: no mask,
+    or causal with N_q = N_k (`SQUARE_MASKS`; q_outer runs any other on the micro-kernel)."""
+    if MASK not in SQUARE_MASKS:
+        raise ValueError(f"the warp-specialised kernel has no mask {MASK}: it runs "
+                         f"{SQUARE_MASKS} with as many queries as keys")
+    CAUSAL = MASK.bounded
     roles = make_roles(BR, BC, D, DV, SP, CAUSAL, SAVE_LSE, COUNT, slots)
     make = make_persistent_kernel if SP.persistent else make_block_kernel
     return make(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles)
