@@ -27,14 +27,14 @@ FA_CASES = [  # (n, d, dtype, causal, dq)
     (1023, 128, "float16", True, "kv_outer"),
 ]
 TIME_SHAPE = (4, 16, 4096)  # B, H, N
-TIME_CASES = [  # (d, dtype, causal, dq, block_q, block_k)
-    (64, "float16", False, "atomic", 64, 64), (64, "float16", True, "atomic", 64, 64),
-    (128, "float16", False, "atomic", 64, 64), (128, "float16", True, "atomic", 64, 64),
-    (64, "bfloat16", False, "atomic", 64, 64), (128, "bfloat16", True, "atomic", 64, 64),
-    (64, "float16", False, "separate", 64, 64), (64, "float16", False, "atomic", 128, 64),
-    (64, "float16", False, "atomic", 64, 128), (128, "float16", False, "atomic", 64, 32),
-    (64, "float16", False, "kv_outer", 64, 64), (64, "float16", False, "atomic1", 64, 64),
-    (128, "float16", False, "atomic1", 64, 64),
+TIME_CASES = [  # (d, dtype, causal, dq, block_q, block_k); dq "atomic1": one Q_i buffer
+    (64, "float16", False, "atomic", 64, 64), (64, "float16", False, "atomic1", 64, 64),
+    (64, "float16", False, "separate", 64, 64), (64, "float16", False, "atomic", 64, 128),
+    (64, "float16", False, "separate", 64, 128), (64, "float16", True, "atomic", 64, 64),
+    (64, "float16", True, "separate", 64, 128), (128, "float16", False, "atomic", 64, 64),
+    (128, "float16", False, "separate", 64, 64), (128, "float16", True, "atomic", 64, 64),
+    (128, "float16", True, "separate", 64, 64), (64, "bfloat16", False, "separate", 64, 128),
+    (128, "bfloat16", True, "atomic", 64, 64), (64, "float16", False, "kv_outer", 64, 64),
 ]
 
 

@@ -342,7 +342,8 @@ class TcGradSteps(NamedTuple):
     """The tile steps of the tensor-core backward (`make_tc_grad_steps`)."""
 
     kv_step: object  # kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2,
-    #                           stage): Q_i, dO_i, stats from buffer `stage`
+    #                           stage, keep_ds): Q_i, dO_i, stats from buffer `stage`; dS^T
+    #                           into shared memory where keep_ds (a dQ product follows)
     dq_partial: object  # dq_partial(buf, acc, m): acc = dS K_j for Q_i's rows 16 m ..
     q_step: object  # q_step(buf, dq_i, row0, key0, n_rows, n_keys, scale_log2)
     row_dot: object  # row_dot(buf, n_rows): D_i = rowsum(dO_i o O_i) into the stats rows
@@ -381,7 +382,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
         return row < n_rows and key < n_keys and (not CAUSAL or key0 + key <= row0 + row)
 
     @cuda.jit(device=True, inline="always")
-    def kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2, stage):
+    def kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2, stage, keep_ds):
         tile = tiles()
         q_at = uint64(sm.q) + uint64(stage) * uint64(Q_STAGE)
         do_at = uint64(sm.do) + uint64(stage) * uint64(DO_STAGE)
@@ -412,6 +413,8 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
                     dp[e] = p * (dp[e] - delta)
         acc_dv(tile, dv_j, s, do_at, lane)
         acc_dk(tile, dk_j, dp, q_at, lane)
+        if not keep_ds:  # no dQ product follows in this kernel
+            return
         for n in range(QT):
             for c in range(2):
                 for a in range(2):

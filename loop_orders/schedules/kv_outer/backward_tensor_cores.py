@@ -181,7 +181,7 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
                 cuda.syncthreads()  # Q_i, O_i, dO_i, l_i, m_i are in shared memory
                 row_dot(buf, n_rows)  # D_i = rowsum(dO_i o O_i)
                 cuda.syncthreads()  # D_i is in the stats rows
-                kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, 0)
+                kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, 0, True)
                 cuda.syncthreads()  # dS^T is complete in shared memory
                 for m in range(int(w), RT, W):
                     dq_partial(buf, dq_i, m)

@@ -44,6 +44,7 @@ from ...core.schedule import Kernel, Option, Problem, ceil_div, choice_option, r
 from ...device.intrinsics import narrow, widen
 from ...device.runtime import (
     SHARED_ALIGN,
+    SHARED_BYTES_PER_SM,
     SHARED_F32,
     SIMULATOR,
     cuda,
@@ -78,7 +79,10 @@ from ...microkernel.tiles import zero_counts as zero
 from . import backward_tensor_cores as tc
 
 PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
-TC_Q_STAGES = 2  # tensor cores: Q_i, dO_i buffers of the K/V-outer kernel (the next lands early)
+# Tensor cores: Q_i, dO_i buffers of the K/V-outer kernel (a second lets the next block land
+# early), where two CTAs' buffers still fit an SM (their registers allow two; one CTA an SM
+# loses more than the early loads win: results/backward_tensor_cores.gpu.json, "atomic1")
+TC_Q_STAGES = 2
 CONVERT_THREADS = 256
 
 
@@ -486,6 +490,8 @@ class QOuterBackward(GradTileBackward):
         sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask if spec is None else p.mask.bounded)
         if spec is not None:
             stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
+            if 2 * tc.tc_shared_bytes(*sizes[:4], stages) > SHARED_BYTES_PER_SM:
+                stages = 1
             return MainKernels(
                 tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count),
                 tc.tc_kv_threads(p.block_k),

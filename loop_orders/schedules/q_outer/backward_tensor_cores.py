@@ -153,7 +153,7 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT):
             if STAGES == 2 and i + 1 < T_r:  # the next block lands under this one's products
                 load_block(q, do, lse, delta, bh, row0 + BR, min(BR, n_q - row0 - BR),
                            1 - stage, buf, cnt)
-            kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, stage)
+            kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, stage, ATOMIC)
             if ATOMIC:
                 cuda.syncthreads()  # dS^T is complete in shared memory
                 for m in range(int(w), RT, W):
