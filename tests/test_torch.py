@@ -138,7 +138,8 @@ def test_the_op_passes_torch_library_opcheck(schedule, options):
     """torch's own checks of a custom op: schema, fake (shape) kernel of every output (the
     workspace too) against the real one, autograd registration, a dynamic-shape trace."""
     q, k, v = leaves((1, 2, 6, 4))
-    torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None))
+    torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None,
+                                          [-1, -1]))
     assert lot.decode_options(lot.encode_options({"splits": 2, "dq": "separate"})) == {
         "dq": "separate", "splits": "2"}
 

@@ -297,7 +297,12 @@ def torch_to_numpy_dtype(dtype):
 
 @functools.cache
 def _numpy_to_torch() -> dict:
-    return {v: k for k, v in _torch_dtypes().items()}
+    """NumPy dtype -> torch dtype of what the kernels allocate: the inputs' types and the
+    counters' and workspaces' integers."""
+    import torch
+
+    return {**{v: k for k, v in _torch_dtypes().items()},
+            np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def numpy_to_torch_dtype(dtype):

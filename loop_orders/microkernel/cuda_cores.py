@@ -697,10 +697,11 @@ def make_micro_kernel(BR: int, BC: int, D: int, DV: int, RM: int, KN: int,
     ost = make_o_stage(t, MASK.bounded)
     weigh, fold = make_weigh(t, MASK, UNROLL, PEEL), make_fold(t, UNROLL, MASK)
     clear = make_clear(t.sm.size, t.NT)
+    SPANS = 2 * RM  # (first, end) of the keys each row of the thread sees
 
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage):  # noqa: E741
-        vis = cuda.local.array(2 * RM, int32)  # the span of keys each row sees
+        vis = cuda.local.array(SPANS, int32)  # the span of keys each row sees
         weigh(buf, n_keys, key0, diag0, m, l, acc, vis)
         cuda.syncthreads()  # P_ij is complete (and any row maxima in shared memory are read)
         fold(buf, acc, vis)

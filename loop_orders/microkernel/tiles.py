@@ -16,6 +16,7 @@ CTA's totals to the global int64 counter array once per CTA. Kernels only touch 
 from __future__ import annotations
 
 import math
+import types
 from functools import cache
 from typing import NamedTuple
 
@@ -313,7 +314,17 @@ def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
 # The mask's one rule (`core.mask`) and the block ranges that follow from it, as device
 # functions: the same Python functions the host calls, jitted.
 key_span_device = cuda.jit(device=True, inline="always")(key_span)
-kv_block_range_device = cuda.jit(device=True, inline="always")(kv_block_range)
+
+
+def _calling_device_rule(fn):
+    """fn with its calls of `key_span` bound to the device function (a kernel can call
+    only device functions; the host keeps calling the plain one)."""
+    names = {**fn.__globals__, "key_span": key_span_device}
+    return types.FunctionType(fn.__code__, names, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+kv_block_range_device = cuda.jit(device=True, inline="always")(
+    _calling_device_rule(kv_block_range))
 q_block_range_device = cuda.jit(device=True, inline="always")(q_block_range)
 
 

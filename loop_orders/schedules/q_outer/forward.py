@@ -115,6 +115,7 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
     loop of q_outer's kernel over the micro-kernel mk, staggered (`stream_kv_staggered`) where
     mk.STAGGERED, else `stream_kv`."""
     RM, STAGES = mk.RM, mk.STAGES
+    SPANS = 2 * RM  # (first, end) of the keys each row of the thread sees
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
     online_update, wait_loads = mk.online_update, mk.wait_loads
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
@@ -148,7 +149,7 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
         """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) in one K and one V buffer,
         their loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is
         (K_j0 from the kernel, before Q_i)."""
-        vis = cuda.local.array(2 * RM, int32)  # the span of keys each row of the thread sees
+        vis = cuda.local.array(SPANS, int32)  # the span of keys each row of the thread sees
         for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
