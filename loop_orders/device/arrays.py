@@ -292,7 +292,14 @@ def _torch_host_bits(x):
 
 
 def torch_to_numpy_dtype(dtype):
-    return _torch_dtypes()[dtype]
+    """The NumPy dtype a kernel sees for a torch tensor: the inputs' types, and the integers
+    of the counters the kinds allocate (`_numpy_to_torch`)."""
+    return _torch_to_numpy()[dtype]
+
+
+@functools.cache
+def _torch_to_numpy() -> dict:
+    return {v: k for k, v in _numpy_to_torch().items()}
 
 
 @functools.cache
