@@ -93,7 +93,13 @@ def _check_barrier(ident: int, count: int) -> None:
 if SIMULATOR:
     from .arrays import bfloat16_bits
 
-    exp2 = math.exp2
+    def exp2(x):
+        """2^x as the GPU's instruction gives it: inf past float's range, where math.exp2
+        raises."""
+        try:
+            return math.exp2(x)
+        except OverflowError:
+            return math.inf
 
     _CREATING = threading.Lock()
 
