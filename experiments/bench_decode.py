@@ -185,15 +185,15 @@ def measure(provider: str, fn, shape: dict, budget: dict) -> dict:
 
 def warm(shapes: list[dict]) -> None:
     """Compile every kernel the sweep will launch, in parallel processes, into the disk
-    cache (experiments.gpu_common.warm_cache)."""
-    from experiments.gpu_common import warm_cache
+    cache (loop_orders.warm)."""
+    from loop_orders.warm import Job, warm_cache
 
     jobs = {}  # the kernels depend on the tiles, head dims and dtype, not on N or B H
     for shape in shapes:
         for name in SCHEDULES:
             for count in (False, True):
                 p = problem(name, shape)
-                jobs.setdefault((name, p.block_q, p.d, p.dtype, count), (name, p, count, False))
+                jobs.setdefault((name, p.block_q, p.d, p.dtype, count), Job(name, p, count))
     t0 = time.time()
     compiled = warm_cache(list(jobs.values()))
     print(f"bench_decode: {compiled} kernels compiled into the cache in "

@@ -26,6 +26,7 @@ from loop_orders.reference import (
     tolerance,
 )
 from loop_orders.results import atomic_write_text, provenance
+from loop_orders.warm import Job, warm_cache
 
 CHECK_ROWS = 128  # query rows per checked head
 # The pseudo-dtypes of the experiments' dtype lists and results, for the schedules with
@@ -158,57 +159,6 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
     return max(errs)
 
 
-def view(shape, dtype):
-    """A zero-pointer device array view: for recording and compiling launches, never run."""
-    from loop_orders.device.arrays import DeviceView, c_strides
-
-    dtype = np.dtype(dtype)
-    return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)
-
-
-def recorded_launches(sched, p, count: bool, backward: bool) -> list:
-    """The launches (kernel, grid, block, shared bytes, args) a forward (and backward) call
-    of p makes, recorded with `view` arrays instead of run."""
-    dt = p.kernel_dtype
-    q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh, p.n_k, p.d), dt)
-    v, o = view((p.bh, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
-    lse, counts = view((p.bh, p.n_q), np.float32), view((lo.core.ledger.n_slots(),), np.int64)
-    with runtime.recording_launches() as launches:
-        workspace = sched.allocate_workspace(p, view)
-        sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
-        if backward:
-            bwd = backward_of(sched)
-            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view(k.shape, dt),
-                       view(v.shape, dt), counts, scale=0.125, count=count,
-                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
-    return launches
-
-
-def _compile_worker(jobs: list) -> int:
-    """In a fresh process: compile each (schedule, problem, count, backward) into the disk
-    cache of compiled kernels (runtime._compile stores what it compiles)."""
-    done = 0
-    for name, p, count, backward in jobs:
-        for kernel, _, _, shared, args in recorded_launches(lo.get_schedule(name), p, count,
-                                                            backward):
-            runtime._compile(kernel, args, shared)
-            done += 1
-    return done
-
-
-def warm_cache(jobs: list, workers: int = 8) -> int:
-    """Compile the kernels of `jobs` [(schedule name, Problem, count, backward)] into the
-    disk cache in `workers` processes at once (the cache is safe for concurrent writers), so
-    that a benchmark's first launches load them instead of compiling one by one."""
-    import multiprocessing as mp
-
-    if not jobs:
-        return 0
-    chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
-    with mp.get_context("spawn").Pool(len(chunks)) as pool:
-        return sum(pool.map(_compile_worker, chunks))
-
-
 def warm(problems, counted=(False, True), workers: int = 12) -> None:
     """On a GPU, compile the kernels of [(schedule name, Problem, backward)] (each counted
     and not, as `counted` says) into the disk cache in parallel first; prints what it did."""
@@ -216,12 +166,10 @@ def warm(problems, counted=(False, True), workers: int = 12) -> None:
 
     if runtime.SIMULATOR:
         return
-    jobs = {}
-    for name, p, backward in problems:
-        for count in counted:
-            jobs.setdefault((name, p, count, backward), (name, p, count, backward))
+    jobs = [Job(name, p, count, backward) for name, p, backward in problems
+            for count in counted]
     t0 = time.time()
-    done = warm_cache(list(jobs.values()), workers)
+    done = warm_cache(jobs, workers)
     print(f"warm: {done} kernel builds for {len(jobs)} problems in {time.time() - t0:.0f} s",
           flush=True)
 

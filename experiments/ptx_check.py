@@ -34,9 +34,9 @@ dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capabili
 
 import loop_orders as lo  # noqa: E402
 from experiments.gpu_common import input_kind, runs  # noqa: E402
-from experiments.gpu_common import recorded_launches as recorded  # noqa: E402
 from loop_orders.core.schedule import grad_variants  # noqa: E402
 from loop_orders.device import runtime  # noqa: E402
+from loop_orders.warm import recorded_launches as recorded  # noqa: E402
 
 PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (4096, 64, 64, 128, 64, False, "float32"),

@@ -5,6 +5,7 @@
     loop-orders run --schedule q_outer --n 64 --d 16 [--causal] [--dtype D] [--precision P]
     loop-orders figures [--quick] [--results-dir DIR] [--figures-dir DIR]
     loop-orders cache [--clear]
+    loop-orders warm --schedules q_outer kv_outer --d 64 128 --dtypes float16 [--backward]
 
 `--option key=value` (repeatable) sets a schedule option (`loop-orders schedules` lists them).
 Bad input ends with one line on stderr and exit status 2, never a traceback.
@@ -90,6 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="where compiled kernels are kept; --clear empties it")
     p.add_argument("--clear", action="store_true", help="remove every compiled kernel")
+
+    p = sub.add_parser("warm", help="compile a sweep's kernels ahead, in parallel, into the "
+                                    "cache (every length of a shape uses the same kernels)")
+    p.add_argument("--schedules", nargs="+", default=["q_outer"], metavar="NAME")
+    p.add_argument("--d", type=int, nargs="+", default=[64], help="head dims of q and k")
+    p.add_argument("--dv", type=int, default=None, help="head dim of v (default: d)")
+    p.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(SUPPORTED_DTYPES))
+    p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--block-q", type=int, default=64, help="Br, query rows per block")
+    p.add_argument("--block-k", type=int, default=64, help="Bc, keys per block")
+    p.add_argument("--n", type=int, default=1024,
+                   help="a length the tiles fit (blocks are clamped to shorter ones)")
+    p.add_argument("--backward", action="store_true", help="the backward pass's kernels too")
+    p.add_argument("--counted", action="store_true", help="the counted builds too")
+    p.add_argument("--jobs", type=int, default=None, help="processes (default: CPUs, <= 16)")
     return parser
 
 
@@ -329,8 +345,27 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def cmd_warm(args) -> int:
+    import os
+
+    from .device import runtime
+    from .warm import sweep_jobs, warm
+
+    jobs = sweep_jobs(args.schedules, args.d, args.dtypes, n=args.n, dv=args.dv,
+                      causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],
+                      block_q=args.block_q, block_k=args.block_k,
+                      counted=(False, True) if args.counted else (False,),
+                      backward=args.backward)
+    if runtime.SIMULATOR:
+        print(f"{len(jobs)} calls checked; the simulator compiles nothing, so there is "
+              f"nothing to warm (GPU processes fill the cache)")
+        return 0
+    warm(jobs, workers=args.jobs or min(16, os.cpu_count() or 1))
+    return 0
+
+
 COMMANDS = {"schedules": cmd_schedules, "traffic": cmd_traffic, "run": cmd_run,
-            "cache": cmd_cache}
+            "cache": cmd_cache, "warm": cmd_warm}
 
 
 def main(argv=None) -> int:

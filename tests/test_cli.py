@@ -113,3 +113,26 @@ def test_cache_under_the_simulator_says_nothing_is_cached_there(capsys, monkeypa
     monkeypatch.setattr(runtime, "SIMULATOR", True)
     assert main(["cache"]) == 0
     assert "compiles nothing" in capsys.readouterr().out
+
+
+def test_warm_checks_a_sweep_and_refuses_bad_names(capsys):
+    """Under the simulator `warm` checks every call of the sweep (nothing compiles here); an
+    unknown schedule or an impossible tile is one line and exit status 2."""
+    assert main(["warm", "--schedules", "q_outer", "kv_outer", "--d", "64", "96",
+                 "--dtypes", "float16", "float32", "--backward"]) == 0
+    assert "16 calls checked" in capsys.readouterr().out
+    assert main(["warm", "--schedules", "nope"]) == 2
+    assert "unknown schedule 'nope'" in capsys.readouterr().err
+    assert main(["warm", "--d", "1000"]) == 2
+
+
+def test_warm_records_every_kernel_of_a_forward_and_backward_call():
+    """The launches `warm` compiles are a call's own: q_outer's backward adds its kernels
+    to the forward's, each with the arrays of the problem's shapes."""
+    from loop_orders.warm import recorded_launches, sweep_jobs
+
+    (job,) = sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+    forward = recorded_launches(lo.get_schedule("q_outer"), job.problem, False, False)
+    both = recorded_launches(lo.get_schedule("q_outer"), job.problem, False, True)
+    assert len(forward) == 1 and len(both) > len(forward)
+    assert all(kernel is not None and shared >= 0 for kernel, _, _, shared, _ in both)

@@ -271,6 +271,18 @@ def _compile(kernel, args, shared_bytes: int):
 _DYNAMIC_SHARED: dict = {}  # compiled function -> the dynamic shared bytes it is allowed
 
 
+def is_cached(kernel, args) -> bool:
+    """Whether the disk cache holds `kernel` compiled for these arguments (`loop_orders.warm`
+    compiles the rest ahead)."""
+    from . import kernel_cache
+
+    factory_key = _FACTORY_KEYS.get(kernel)
+    if factory_key is None:
+        return False
+    path = kernel_cache.entry_path(factory_key, tuple(_numba_type(a) for a in args))
+    return path is not None and path.exists()
+
+
 class _Launcher:
     """One compiled kernel's launch with its parameters kept in a ctypes block: a call only
     writes the arrays' data pointers and the scalars into it and calls cuLaunchKernel.

@@ -1,0 +1,121 @@
+"""Compile kernels ahead, many at once, into the disk cache of compiled kernels.
+
+A kernel is compiled for its compile-time constants (tiles, head dims, dtype, mask, counted or
+not) and its arguments' types, never for n or the batch: one compile serves every length.
+Compiling is single-threaded host work (Numba's typing and lowering, NVVM, ptxas), seconds a
+kernel, so a sweep's or a training script's first calls would compile one kernel after
+another. `warm` records the launches a call would make (`runtime.recording_launches`, with
+zero-pointer views for arrays: nothing runs), drops the kernels the disk cache already holds,
+and compiles the rest in worker processes at once (`device.kernel_cache` takes concurrent
+writers); later calls, in this process or any other, load them.
+
+    loop-orders warm --schedules q_outer kv_outer --d 64 128 --dtypes float16 --backward
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from .core.ledger import n_slots
+from .core.schedule import Problem, backward_of, get_schedule
+from .device import kernel_cache, runtime
+from .device.arrays import DeviceView, c_strides
+
+
+class Job(NamedTuple):
+    """One call to compile for: its schedule, its problem, counted or not, and whether its
+    backward pass is compiled too."""
+
+    schedule: str
+    problem: Problem
+    count: bool = False
+    backward: bool = False
+
+
+def view(shape, dtype) -> DeviceView:
+    """A zero-pointer device array view: for recording and compiling launches, never run."""
+    dtype = np.dtype(dtype)
+    return DeviceView(0, shape, c_strides(shape, dtype.itemsize), dtype)
+
+
+def recorded_launches(sched, p: Problem, count: bool, backward: bool) -> list:
+    """The launches (kernel, grid, block, shared bytes, args) a forward (and backward) call
+    of p makes, recorded with `view` arrays instead of run."""
+    dt = p.kernel_dtype
+    q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh, p.n_k, p.d), dt)
+    v, o = view((p.bh, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
+    lse, counts = view((p.bh, p.n_q), np.float32), view((n_slots(),), np.int64)
+    with runtime.recording_launches() as launches:
+        workspace = sched.allocate_workspace(p, view)
+        sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
+        if backward:
+            bwd = backward_of(sched)
+            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view(k.shape, dt),
+                       view(v.shape, dt), counts, scale=0.125, count=count,
+                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
+    return launches
+
+
+def _all_cached(job: Job) -> bool:
+    """Whether the disk cache holds every kernel build of the job already."""
+    if runtime.SIMULATOR:
+        return True
+    launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
+                                 job.backward)
+    return all(runtime.is_cached(kernel, args) for kernel, _, _, _, args in launches)
+
+
+def _compile_worker(jobs: list) -> int:
+    """In a fresh process: compile each job's kernels into the disk cache
+    (`runtime._compile` stores what it compiles); returns the builds compiled or loaded."""
+    done = 0
+    for job in jobs:
+        for kernel, _, _, shared, args in recorded_launches(get_schedule(job.schedule),
+                                                            job.problem, job.count,
+                                                            job.backward):
+            runtime._compile(kernel, args, shared)
+            done += 1
+    return done
+
+
+def warm_cache(jobs: list, workers: int = 8) -> int:
+    """Compile the kernels of `jobs` (`Job`s) into the disk cache in `workers` processes at
+    once; returns the kernel builds the workers went through. Nothing to do on the simulator
+    (it compiles nothing) or with the cache off."""
+    jobs = [job for job in dict.fromkeys(jobs) if not _all_cached(job)]
+    if runtime.SIMULATOR or kernel_cache.cache_dir() is None or not jobs:
+        return 0
+    chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
+    with mp.get_context("spawn").Pool(len(chunks)) as pool:
+        return sum(pool.map(_compile_worker, chunks))
+
+
+def sweep_jobs(schedules, ds, dtypes, *, n: int = 1024, causal=(False, True), dv=None,
+               block_q: int = 64, block_k: int = 64, counted=(False,),
+               backward: bool = False) -> list[Job]:
+    """The jobs of a sweep: every schedule x head dim x dtype x causal x counted, at length n
+    (any length the tiles fit gives the same kernels)."""
+    from .api import make_problem
+
+    jobs = []
+    for name, d, dtype, is_causal, count in itertools.product(schedules, ds, dtypes, causal,
+                                                               counted):
+        sched = get_schedule(name)
+        p = make_problem(sched, n_q=n, d=d, dv=dv, block_q=block_q, block_k=block_k,
+                         causal=is_causal, dtype=dtype)
+        jobs.append(Job(name, p, count, backward and bool(sched.BACKWARD)))
+    return jobs
+
+
+def warm(jobs: list, workers: int = 8, say=print) -> int:
+    """`warm_cache` with a line saying what it did; returns the builds gone through."""
+    t0 = time.time()
+    done = warm_cache(jobs, workers)
+    say(f"warm: {done} kernel builds for {len(set(jobs))} calls in {time.time() - t0:.1f} s "
+        f"({workers} processes) into {kernel_cache.cache_dir()}")
+    return done
