@@ -32,9 +32,11 @@ from .core.schedule import (
     Problem,
     Schedule,
     all_schedules,
+    backward_of,
     get_schedule,
 )
 from .device import arrays, runtime
+from .microkernel.group_sum import group_sum_traffic
 
 
 @dataclass
@@ -72,13 +74,17 @@ def _check_bool(name: str, value) -> bool:
 
 def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1, heads=1,
                  block_q, block_k, causal=False, save_lse=False, dtype="float32",
-                 options=None, precision="ieee", window=(-1, -1)) -> Problem:
+                 options=None, precision="ieee", window=(-1, -1), kv_heads=None,
+                 pack_gqa=False) -> Problem:
     """Validate sizes and options for `schedule` and return the Problem they describe.
     `causal` is bottom-right aligned (query i sees keys j <= i + n_k - n_q); `window` =
     (left, right) is FlashAttention's window_size (`core.mask`).
 
     Block sizes larger than the problem are clamped to it (block_q to n_q, block_k to n_k):
-    the traffic is the same, and the CTA is not sized for rows that do not exist."""
+    the traffic is the same, and the CTA is not sized for rows that do not exist.
+    `kv_heads` (default `heads`): K/V heads of grouped-query attention, dividing `heads`;
+    query head h reads K/V head h // (heads / kv_heads). `pack_gqa`: the packed loop order
+    (`pack_gqa`): the Problem returned is the packed one the kernels run."""
     sched = get_schedule(schedule) if isinstance(schedule, str) else schedule
     n_k = n_q if n_k is None else n_k
     dv = d if dv is None else dv
@@ -86,6 +92,10 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype: {dtype} is not supported; use one of {list(SUPPORTED_DTYPES)}")
     n_q, n_k = _check_int("n", n_q, 1), _check_int("n_k", n_k, 1)
+    group = _group(heads, kv_heads)
+    if _check_bool("pack_gqa", pack_gqa):
+        n_q, heads, causal = packed_rows(n_q, heads, group, causal, window)
+        group = 1
     p = Problem(
         n_q=n_q, n_k=n_k,
         d=_check_int("d", d, 1, MAX_HEAD_DIM), dv=_check_int("dv", dv, 1, MAX_HEAD_DIM),
@@ -95,8 +105,36 @@ def make_problem(schedule: Schedule | str, *, n_q, n_k=None, d, dv=None, batch=1
         causal=_check_bool("causal", causal), save_lse=_check_bool("save_lse", save_lse),
         dtype=dtype, options=sched.options_for(options),
         precision=_check_precision(sched, precision, dtype), window=check_window(window),
+        group=group,
     )
     return p
+
+
+def packed_rows(n_q, heads, group, causal, window) -> tuple[int, int, bool]:
+    """(n_q, heads, causal) of the packed loop order of grouped-query attention: the query
+    rows of a group's `group` heads are one block of rows against its one K/V head
+    (FlashAttention-3's PackGQA), so a (B, H_q, n_q, d) q is viewed, without a copy, as
+    (B, H_q / group, group n_q, d) and K/V are read once per group instead of once per query
+    head. A packed row no longer knows its query index, so no mask is taken, except causal
+    with one query row (decode), where the row sees every key anyway."""
+    if causal and n_q == 1:
+        causal = False  # query 0 of 1 sees keys j <= 0 + n_k - 1: all of them
+    if causal or tuple(window) != (-1, -1):
+        raise ValueError(f"pack_gqa: packing a group's query rows into one block takes no "
+                         f"causal mask or window (its rows lose their query index), unless "
+                         f"n_q = 1 with causal; got n_q={n_q}, causal={causal}, "
+                         f"window={tuple(window)}: use pack_gqa=False (per query head)")
+    return group * n_q, heads // group, causal
+
+def _group(heads, kv_heads) -> int:
+    """Query heads per K/V head, or a ValueError naming both counts."""
+    heads = _check_int("heads", heads, 1)
+    kv_heads = heads if kv_heads is None else _check_int("kv_heads", kv_heads, 1)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads: grouped-query attention needs the query heads to be a "
+                         f"multiple of the K/V heads, got {heads} query heads and {kv_heads} "
+                         f"K/V heads")
+    return heads // kv_heads
 
 
 def _check_precision(sched: Schedule, precision, dtype: str) -> str:
@@ -287,6 +325,7 @@ class Inputs:
     dv: int
     dtype: str
     q_shape: tuple
+    kv_heads: int
 
     @property
     def kind(self) -> arrays.Kind:
@@ -308,8 +347,11 @@ def check_inputs(q, k, v, **extra) -> Inputs:
         raise ValueError(f"q, k, v: must have the same number of dimensions, got shapes "
                          f"q{shapes['q']} k{shapes['k']} v{shapes['v']}")
     qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
-    if not (qs[:-2] == ks[:-2] == vs[:-2]):
-        raise ValueError(f"k, v: batch and heads must match q's, got q{qs} k{ks} v{vs}")
+    q_heads, kv_heads = (qs[1], ks[1]) if len(qs) == 4 else (1, 1)
+    if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[:-2] == vs[:-2] and q_heads % kv_heads == 0):
+        raise ValueError(f"k, v: batch must match q's, and K/V heads must equal q's heads or "
+                         f"divide them (grouped-query attention), got q{qs} k{ks} v{vs}: "
+                         f"{q_heads} query heads, {kv_heads} K/V heads")
     if ks[-1] != qs[-1]:
         raise ValueError(f"k: head dim d must equal q's ({qs[-1]}), got k{ks}")
     if vs[-2] != ks[-2]:
@@ -340,7 +382,7 @@ def check_inputs(q, k, v, **extra) -> Inputs:
             raise ValueError(f"{name}: device arrays must be C-contiguous; copy it first")
     batch, heads = qs[:2] if len(qs) == 4 else (1, 1)
     return Inputs(tuple(kinds.values()), batch, heads, qs[-2], ks[-2], qs[-1], vs[-1],
-                  dtypes["q"], qs)
+                  dtypes["q"], qs, kv_heads)
 
 
 class _Call:
@@ -370,9 +412,9 @@ class _Call:
         p, kind = self.p, self.inputs.kind
         if self.recheck:
             check_launch(self.sched, p, self.count, self.inputs.host)
-        qv, kv, vv = (kx.view_as(x, (p.bh, n, width)) for kx, x, n, width in
-                      zip(self.inputs.kinds, (q, k, v), (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv),
-                          strict=False))
+        qv, kv, vv = (kx.view_as(x, (heads, n, width)) for kx, x, heads, n, width in
+                      zip(self.inputs.kinds, (q, k, v), (p.bh, p.bh_kv, p.bh_kv),
+                          (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=False))
         stream = kind.stream(q)
         workspace, no_lse, no_counts = self.scratch(stream)
         out, out_k = kind.empty(q, self.out_shape, self.dtype, (p.bh, p.n_q, p.dv))
@@ -434,10 +476,16 @@ def clamped_blocks(p: Problem, block_q, block_k) -> dict:
 def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
               causal: bool = False, scale: float | None = None, save_lse: bool = False,
               count: bool = False, options: dict | None = None, timed: bool = False,
-              precision: str = "ieee", window: tuple = (-1, -1)) -> Result:
+              precision: str = "ieee", window: tuple = (-1, -1),
+              pack_gqa: bool = False) -> Result:
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
+    k and v may have fewer heads than q (grouped-query and multi-query attention): H_kv
+    dividing H_q, query head h reading K/V head h // (H_q / H_kv). Each query head then
+    reads its K/V head (K/V read H_q / H_kv times), or with `pack_gqa` the query rows of a
+    group's heads run as one block against it (K/V read once per group; no mask but causal
+    decode, `packed_rows`).
     float32, float16 or bfloat16 (torch tensors: NumPy has no bfloat16); accumulation is
     float32, 16-bit inputs run on tensor cores. Outputs are the same kind of array as q
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
@@ -462,11 +510,11 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
     key = call_key(schedule, (q, k, v), (block_q, block_k, causal, scale, save_lse, count,
-                                         timed, precision, window), options)
+                                         timed, precision, window, pack_gqa), options)
     call = _CALLS.get(key) if key is not None else None
     if call is None:
         call = _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count,
-                        options, timed, precision, window)
+                        options, timed, precision, window, pack_gqa)
         if key is not None:
             _CALLS[key] = call
             if len(_CALLS) > MAX_CALLS:
@@ -477,14 +525,14 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
 
 
 def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count, options,
-             timed, precision, window=(-1, -1)) -> _Call:
+             timed, precision, window=(-1, -1), pack_gqa=False) -> _Call:
     """Every check of `attention`, in the order the error messages promise."""
     sched = get_schedule(schedule)
     inp = check_inputs(q, k, v)
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
                      save_lse=save_lse, dtype=inp.dtype, options=options, precision=precision,
-                     window=window)
+                     window=window, kv_heads=inp.kv_heads, pack_gqa=pack_gqa)
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
@@ -496,16 +544,23 @@ def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch:
                     heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
                     save_lse: bool = False, n_k: int | None = None, options: dict | None = None,
                     backward: bool = False, dtype: str = "float32",
-                    precision: str = "ieee", window: tuple = (-1, -1)) -> Ledger:
+                    precision: str = "ieee", window: tuple = (-1, -1),
+                    kv_heads: int | None = None, pack_gqa: bool = False) -> Ledger:
     """The schedule's exact traffic model (elements moved through HBM) for these sizes:
     the forward pass, or with `backward` the backward pass alone. The elements do not depend
-    on dtype or precision (checked as a call's would be); bytes do (`Ledger.bytes`)."""
+    on dtype or precision (checked as a call's would be); bytes do (`Ledger.bytes`).
+    `kv_heads` and `pack_gqa` as for `attention` (grouped-query attention)."""
     sched = get_schedule(schedule)
     p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,
-                     options=options, dtype=dtype, precision=precision, window=window)
+                     options=options, dtype=dtype, precision=precision, window=window,
+                     kv_heads=kv_heads, pack_gqa=pack_gqa)
     if backward:
-        from .core.schedule import backward_of
-
-        return backward_of(sched).model(p)
+        return backward_traffic(backward_of(sched), p)
     return sched.model(p)
+
+
+def backward_traffic(bwd, p: Problem) -> Ledger:
+    """What the backward pass of p moves: its loop order's model, plus (grouped-query
+    attention per query head) the sums of dK and dV over each K/V head's query heads."""
+    return bwd.model(p) + group_sum_traffic(p)

@@ -35,6 +35,7 @@ from .core.backward_schedule import BackwardSchedule
 from .core.ledger import Ledger, n_slots
 from .core.schedule import Problem, Schedule, backward_of, get_schedule
 from .device import arrays, runtime
+from .microkernel.group_sum import launch_group_sums
 
 
 @dataclass
@@ -147,9 +148,9 @@ class GradCall:
 
     def _views(self, q, k, v):
         p = self.p
-        return tuple(kx.view(x).reshape(p.bh, n, width) for kx, x, n, width in
-                     zip(self.inputs.kinds, (q, k, v), (p.n_q, p.n_k, p.n_k),
-                         (p.d, p.d, p.dv), strict=False))
+        return tuple(kx.view(x).reshape(heads, n, width) for kx, x, heads, n, width in
+                     zip(self.inputs.kinds, (q, k, v), (p.bh, p.bh_kv, p.bh_kv),
+                         (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=False))
 
     def forward(self, q, k, v) -> Saved:
         p, kind = self.p, self.inputs.kind
@@ -177,18 +178,25 @@ class GradCall:
         p, kind = self.p, self.inputs.kind
         qv, kv, vv = self._views(q, k, v)
         dov = arrays.kind_of(do).view(do).reshape(p.bh, p.n_q, p.dv)
+        kv_lead = self.inputs.q_shape[:-3] + (self.inputs.kv_heads,) \
+            if len(self.inputs.q_shape) == 4 else ()
         grads = [kind.empty(q, shape, self.dtype) for shape in
-                 (self.inputs.q_shape, self.inputs.q_shape[:-2] + (p.n_k, p.d),
-                  self.inputs.q_shape[:-2] + (p.n_k, p.dv))]
-        dqv, dkv, dvv = (dev.reshape(p.bh, n, width) for (_, dev), n, width in
-                         zip(grads, (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=True))
+                 (self.inputs.q_shape, kv_lead + (p.n_k, p.d), kv_lead + (p.n_k, p.dv))]
+        dqv, dkv, dvv = (dev.reshape(heads, n, width) for (_, dev), heads, n, width in
+                         zip(grads, (p.bh, p.bh_kv, p.bh_kv), (p.n_q, p.n_k, p.n_k),
+                             (p.d, p.d, p.dv), strict=True))
+        # per query head under grouping: each head's dK, dV parts, summed below
+        parts = [kind.empty(q, (p.bh, p.n_k, width), self.dtype)[1] for width in (p.d, p.dv)] \
+            if p.group > 1 else [dkv, dvv]
         counts = self._counts(q)
         with runtime.on_stream(kind.stream(q)), runtime.launching():
             self.bwd.launch(p, qv, kv, vv, saved.out_dev.reshape(p.bh, p.n_q, p.dv), dov,
-                            saved.lse_dev.reshape(p.bh, p.n_q), dqv, dkv, dvv, counts,
+                            saved.lse_dev.reshape(p.bh, p.n_q), dqv, *parts, counts,
                             scale=self.scale, count=self.count,
                             forward_workspace=saved.workspace,
                             workspace=self.bwd.allocate_workspace(p, self._empty(q)))
+            if p.group > 1:
+                launch_group_sums(p, *parts, dkv, dvv, counts, self.count)
         dq, dk, dv = (kind.finish(user) for user, _ in grads)
         return dq, dk, dv, self._ledger(counts, self.bwd.ledger_tensors())
 
@@ -207,13 +215,13 @@ _CALLS: OrderedDict = OrderedDict()
 
 
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
-                 timed, window=(-1, -1)) -> GradCall:
+                 timed, window=(-1, -1), pack_gqa=False) -> GradCall:
     """Every check of `attention_grad`, in the order the error messages promise (a call
     key seen before skips them). `do` None: the caller gives the output's gradient later,
     of the output's shape and dtype (the torch op: autograd guarantees it)."""
     arrays_in = (q, k, v) if do is None else (q, k, v, do)
-    key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed, window),
-                   options)
+    key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed, window,
+                                         pack_gqa), options)
     if key is not None:
         call = _CALLS.get(key)
         if call is not None:
@@ -224,7 +232,8 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     inp = check_inputs(q, k, v, **({} if do is None else {"do": do}))
     p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
                      heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=True, dtype=inp.dtype, options=options, window=window)
+                     save_lse=True, dtype=inp.dtype, options=options, window=window,
+                     kv_heads=inp.kv_heads, pack_gqa=pack_gqa)
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count, timed = _check_bool("count", count), _check_bool("timed", timed)
     check_launch(sched, p, count, host_inputs=inp.host, simulator_budget=False)
@@ -241,7 +250,8 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
 def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
                    block_k: int = 64, causal: bool = False, scale: float | None = None,
                    options: dict | None = None, count: bool = False,
-                   timed: bool = False, window: tuple = (-1, -1)) -> GradResult:
+                   timed: bool = False, window: tuple = (-1, -1),
+                   pack_gqa: bool = False) -> GradResult:
     """Attention's forward pass in the loop order `schedule`, then the gradients of
     sum(O * do) with respect to q, k, v in its backward loop order (`backward_schedule_names`;
     options such as {"dq": "separate"} choose among a backward's variants).
@@ -250,7 +260,9 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
     array as q; `lse` is float32. With `count`, the counted kernels run and the ledgers of
     each pass are returned (the forward's includes what it saves for the backward).
     `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
+    With fewer K/V heads than query heads (grouped-query attention) dk and dv have k's and
+    v's heads; `pack_gqa` as for `attention`.
     """
     call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,
-                        count, timed, window)
+                        count, timed, window, pack_gqa)
     return call(q, k, v, do)

@@ -46,6 +46,11 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dv", type=int, default=None, help="head dim of v (default: d)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="K/V heads (grouped-query attention; default: --heads)")
+    parser.add_argument("--pack-gqa", action="store_true",
+                        help="grouped-query attention packed: a group's query rows as one "
+                             "block (K/V read once per group)")
     parser.add_argument("--block-q", type=int, default=64, help="Br, query rows per block")
     parser.add_argument("--block-k", type=int, default=64, help="Bc, keys per block")
     parser.add_argument("--causal", action="store_true",
@@ -152,9 +157,10 @@ def _random_array(args, rng, shape, device: bool = False):
 def _random_inputs(args, rng, device: bool = False):
     dv = args.d if args.dv is None else args.dv
     n_k = args.n if args.n_k is None else args.n_k
-    lead = (args.batch, args.heads)
-    return tuple(_random_array(args, rng, (*lead, n, width), device)
-                 for n, width in ((args.n, args.d), (n_k, args.d), (n_k, dv)))
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    return tuple(_random_array(args, rng, (args.batch, heads, n, width), device)
+                 for heads, n, width in ((args.heads, args.n, args.d), (kv_heads, n_k, args.d),
+                                         (kv_heads, n_k, dv)))
 
 
 def _host(x) -> np.ndarray:
@@ -178,7 +184,8 @@ def _problem(args):
                         batch=args.batch, heads=args.heads, block_q=args.block_q,
                         block_k=args.block_k, causal=args.causal, save_lse=args.save_lse,
                         dtype=args.dtype, options=_options(args), precision=args.precision,
-                        window=tuple(args.window))
+                        window=tuple(args.window), kv_heads=args.kv_heads,
+                        pack_gqa=args.pack_gqa)
 
 
 def _header(p, schedule: str, backward: bool = False) -> str:
@@ -215,9 +222,9 @@ def _measure(args, p):
     from .api import attention
 
     q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
-    kwargs = {"schedule": args.schedule, "block_q": p.block_q, "block_k": p.block_k,
-              "causal": p.causal, "window": p.window, "options": _options(args),
-              "count": True}
+    kwargs = {"schedule": args.schedule, "block_q": args.block_q, "block_k": args.block_k,
+              "causal": args.causal, "window": tuple(args.window), "options": _options(args),
+              "count": True, "pack_gqa": args.pack_gqa}
     if args.backward:
         from .api_grad import attention_grad
 
@@ -228,12 +235,13 @@ def _measure(args, p):
 
 
 def cmd_traffic(args) -> int:
+    from .api import backward_traffic
     from .core.schedule import backward_of, get_schedule
     from .device import runtime
 
     p = _problem(args)
     sched = get_schedule(args.schedule)
-    model = (backward_of(sched) if args.backward else sched).model(p)
+    model = backward_traffic(backward_of(sched), p) if args.backward else sched.model(p)
     measured = _measure(args, p) if args.measure else None
     if args.json:
         record = {"schedule": args.schedule, "n": p.n_q, "d": p.d, "dv": p.dv,
@@ -243,6 +251,8 @@ def cmd_traffic(args) -> int:
             record["window"] = list(p.window)
         if args.n_k is not None:
             record["n_k"] = p.n_k
+        if p.group > 1 or args.pack_gqa:
+            record["kv_heads"], record["pack_gqa"] = p.kv_heads, args.pack_gqa
         options = sched.resolved_options(p)
         if args.backward:
             own = backward_of(sched).OPTIONS
@@ -288,11 +298,13 @@ def cmd_run(args) -> int:
     times, res = [], None
     for _ in range(args.repeat):
         res = attention(dq, dk, dv, schedule=args.schedule, block_q=args.block_q,
-                        block_k=args.block_k, causal=p.causal, save_lse=p.save_lse,
+                        block_k=args.block_k, causal=args.causal, save_lse=p.save_lse,
                         options=_options(args), timed=True, precision=p.precision,
-                        window=p.window)
+                        window=tuple(args.window), pack_gqa=args.pack_gqa)
         times.append(res.ms)
     out = _host(res.out)
+    group = q.shape[1] // k.shape[1]  # grouped-query attention: K/V head h // group
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     ref, ref_lse = attention_reference(q, k, v, mask=p.mask)  # the problem's mask
     err = relative_error(out, ref)
     tc = p.precision != "ieee"  # float32 on TF32 tensor cores: their rounding's bound

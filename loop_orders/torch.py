@@ -100,7 +100,7 @@ def decode_options(text: str) -> dict | None:
     return dict(pair.split("=") for pair in text.split(",")) if text else None
 
 
-def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
+def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window, pack_gqa,
           count) -> GradCall:
     """The prepared call of these arguments, counted or not (`prepare_grad` keeps it)."""
     if count and q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -108,17 +108,18 @@ def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
                            "Python, so their passes could not be counted: count without CUDA "
                            "graphs (mode='reduce-overhead')")
     return prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
-                        decode_options(options), count, False, tuple(window))
+                        decode_options(options), count, False, tuple(window), pack_gqa)
 
 
 @torch.library.custom_op("loop_orders::attention", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, options: str,
              causal: bool, block_q: int, block_k: int, scale: float | None,
-             window: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+             window: list[int], pack_gqa: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The forward pass: O, lse, and the schedule's workspace its backward reads."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
-                 collected is not None)
+                 pack_gqa, collected is not None)
     saved = call.forward(q, k, v)
     _record(call, "forward", saved.counts, collected)
     kind = call.inputs.kind
@@ -126,7 +127,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, o
 
 
 @_forward.register_fake
-def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale, window):
+def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
+                    pack_gqa):
     # The sizes as ints: a workspace's shape may depend on them beyond arithmetic (split_kv's
     # splits="auto"), so a dynamic-shape trace specialises on them, as the kernels do.
     (*lead, n_q, d), n_k, dv = map(int, q.shape), int(k.shape[-2]), int(v.shape[-1])
@@ -135,7 +137,8 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
     p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv,
                      batch=batch, heads=heads, block_q=block_q, block_k=block_k, causal=causal,
                      save_lse=True, dtype=str(q.dtype).removeprefix("torch."),
-                     options=decode_options(options), window=tuple(window))
+                     options=decode_options(options), window=tuple(window),
+                     kv_heads=int(k.shape[-3]) if lead else None, pack_gqa=pack_gqa)
     kept = sched.allocate_workspace(
         p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype)))
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
@@ -146,11 +149,12 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor], schedule: str,
               options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
-              window: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              window: list[int], pack_gqa: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The schedule's backward loop order: dq, dk, dv from the forward's outputs."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
-                 collected is not None)
+                 pack_gqa, collected is not None)
     dq, dk, dv, ledger = call.backward(call.resume(out, lse, kept), q, k, v, do)
     _record(call, "backward", ledger, collected)
     return dq, dk, dv
@@ -181,15 +185,17 @@ _forward.register_autograd(_gradients, setup_context=_setup_context)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
               causal: bool = False, block_q: int = 64, block_k: int = 64,
               options: dict | None = None, scale: float | None = None,
-              window: tuple = (-1, -1)) -> torch.Tensor:
+              window: tuple = (-1, -1), pack_gqa: bool = False) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
     {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
-    `loop_orders.attention`. Arguments are checked as `loop_orders.attention_grad` checks them.
-    Non-contiguous inputs are copied contiguous first (torch's copy, outside the ledgers)."""
+    `loop_orders.attention`; k and v may have fewer heads than q (grouped-query attention,
+    per query head or with `pack_gqa` packed, as `loop_orders.attention`). Arguments are
+    checked as `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
+    contiguous first (torch's copy, outside the ledgers)."""
     out, _, _ = _forward(q.contiguous(), k.contiguous(), v.contiguous(), schedule,
                          encode_options(options), causal, block_q, block_k, scale,
-                         list(check_window(window)))
+                         list(check_window(window)), bool(pack_gqa))
     return out
 
 
@@ -201,19 +207,21 @@ def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p: got {dropout_p}; loop_orders has no dropout, only "
                          f"dropout_p=0.0 (e.g. model.eval(), or a model built without it)")
-    if enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
-        raise ValueError(f"enable_gqa: grouped-query attention ({query.shape[-3]} query heads "
-                         f"over {key.shape[-3]} key/value heads) is not supported; repeat K "
-                         f"and V over the groups first")
+    if not enable_gqa and query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
+        raise ValueError(f"enable_gqa: {query.shape[-3]} query heads over {key.shape[-3]} "
+                         f"key/value heads is grouped-query attention: pass enable_gqa=True "
+                         f"(as SDPA asks)")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 schedule="q_outer", block_q=64, block_k=64, **options):
+                                 schedule="q_outer", block_q=64, block_k=64, pack_gqa=False,
+                                 **options):
     """`torch.nn.functional.scaled_dot_product_attention`'s signature, computed in the loop
     order `schedule` with tiles `block_q` x `block_k` and the schedule's `options` (as
-    `attention`'s dict). Refused with a ValueError naming the argument: a mask tensor,
-    dropout_p != 0, enable_gqa with fewer key/value heads than query heads, is_causal with
+    `attention`'s dict); with enable_gqa, fewer key/value heads than query heads run per
+    query head, or packed with `pack_gqa`. Refused with a ValueError naming the argument: a
+    mask tensor, dropout_p != 0, fewer key/value heads without enable_gqa, is_causal with
     fewer or more keys than queries (SDPA aligns that mask top-left, FlashAttention
     bottom-right: we do not guess).
     Inputs of 3 or 5+ dimensions are folded to (batch, 1, n, d) and back."""
@@ -222,7 +230,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"is_causal: needs as many queries as keys, got {query.shape[-2]} "
                          f"and {key.shape[-2]}")
     args = dict(schedule=schedule, causal=is_causal, block_q=block_q, block_k=block_k,
-                options=options or None, scale=scale)
+                options=options or None, scale=scale, pack_gqa=pack_gqa)
     if query.dim() in (2, 4):
         return attention(query, key, value, **args)
     lead = query.shape[:-2]

@@ -139,7 +139,10 @@ def test_the_op_passes_torch_library_opcheck(schedule, options):
     workspace too) against the real one, autograd registration, a dynamic-shape trace."""
     q, k, v = leaves((1, 2, 6, 4))
     torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None,
-                                          [-1, -1]))
+                                          [-1, -1], False))
+    (gq,) = leaves((1, 4, 6, 4), n=1)  # grouped-query: 4 query heads over 2 K/V heads
+    torch.library.opcheck(lot._forward, (gq, k, v, schedule, options, False, 4, 4, None,
+                                          [-1, -1], True))
     assert lot.decode_options(lot.encode_options({"splits": 2, "dq": "separate"})) == {
         "dq": "separate", "splits": "2"}
 
@@ -281,13 +284,31 @@ def test_sdpa_signature_gives_torchs_sdpa(shape, kwargs):
     assert torch.allclose(k.grad.double(), ref[1].grad, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pack_gqa", [False, True])
+def test_sdpa_grouped_query_heads_give_torchs_sdpa(pack_gqa):
+    """enable_gqa with 4 query heads over 2 K/V heads, per query head and packed: output and
+    gradients (dk, dv summed over each K/V head's query heads) as torch's SDPA in float64."""
+    (q,) = leaves((1, 4, 8, 4), n=1)
+    k, v = leaves((1, 2, 8, 4), n=2, seed=5)
+    out = lot.scaled_dot_product_attention(q, k, v, enable_gqa=True, schedule="q_outer",
+                                           block_q=4, block_k=4, pack_gqa=pack_gqa)
+    out.sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expect = F.scaled_dot_product_attention(*ref, enable_gqa=True)
+    expect.sum().backward()
+    assert torch.allclose(out.double(), expect, atol=1e-6, rtol=1e-5)
+    for got, want in zip((q, k, v), ref, strict=True):
+        assert got.grad.shape == want.grad.shape
+        assert torch.allclose(got.grad.double(), want.grad, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"attn_mask": torch.ones(8, 8, dtype=torch.bool)}, "attn_mask"),
-    ({"dropout_p": 0.1}, "dropout_p"), ({"enable_gqa": True}, "enable_gqa"),
+    ({"dropout_p": 0.1}, "dropout_p"), ({"enable_gqa": False}, "enable_gqa"),
     ({"is_causal": True}, "is_causal")])
 def test_sdpa_refuses_what_the_kernels_do_not_implement(kwargs, name):
-    """A mask tensor, dropout, grouped-query heads, causal over n_q != n_k: a ValueError
-    naming the argument, before any pass runs."""
+    """A mask tensor, dropout, fewer key/value heads without enable_gqa (as SDPA refuses),
+    causal over n_q != n_k: a ValueError naming the argument, before any pass runs."""
     (q,) = leaves((1, 4, 8, 4), n=1)
     k, v = leaves((1, 2 if name == "enable_gqa" else 4, 6 if name == "is_causal" else 8, 4),
                   n=2)

@@ -106,6 +106,7 @@ class Problem:
     options: tuple = ()
     precision: str = "ieee"  # "tf32", "tf32x3": float32 inputs on TF32 tensor cores
     window: tuple = (-1, -1)  # (left, right) keys around a row's diagonal; -1: unbounded
+    group: int = 1  # query heads per K/V head (grouped-query attention: heads / kv_heads)
 
     @property
     def mask(self) -> Mask:
@@ -115,6 +116,16 @@ class Problem:
     @property
     def bh(self) -> int:
         return self.batch * self.heads
+
+    @property
+    def kv_heads(self) -> int:
+        """K/V heads: query head h reads K/V head h // group (SDPA's and FlashAttention's
+        grouping)."""
+        return self.heads // self.group
+
+    @property
+    def bh_kv(self) -> int:
+        return self.batch * self.kv_heads
 
     @property
     def tr(self) -> int:
@@ -196,6 +207,8 @@ class Problem:
                 f"causal={self.causal} dtype={self.dtype}")
         if self.window != (-1, -1):
             text += f" window={self.window}"
+        if self.group > 1:
+            text += f" H_kv={self.kv_heads}"
         if self.precision != "ieee":
             text += f" precision={self.precision}"
         return text + "".join(f" {k}={v}" for k, v in self.options)

@@ -778,9 +778,10 @@ class MicroKernelSchedule(Schedule):
     TC_KV_STAGES: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
-    def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
+    def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
         """The compiled kernel for these compile-time constants (MK: `micro_kernel`; MASK:
-        `core.mask.Mask`)."""
+        `core.mask.Mask`; GROUP: query heads per K/V head, query head bh reading K/V head
+        bh // GROUP)."""
 
     def layout(self, p: Problem):
         """The micro-kernel p runs: tensor cores for float16 and bfloat16 inputs, and for
@@ -874,7 +875,8 @@ class MicroKernelSchedule(Schedule):
         """The kernel running the micro-kernel for p, with its shared memory: the dynamic
         buffer and, counted, the CTA's counter totals (`tiles.flush_counts`)."""
         lay = lay or self.layout(p)
-        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay, p.mask, p.save_lse, count)
+        fn = self.make_kernel(p.block_q, p.block_k, p.d, p.dv, lay, p.mask, p.save_lse, count,
+                              p.group)
         shared = self.dynamic_shared_bytes(p, lay) + (8 * counter_slots(True) if count else 0)
         return Kernel(fn.py_func.__name__, fn, shared, dynamic_shared_limit())
 

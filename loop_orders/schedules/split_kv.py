@@ -86,7 +86,7 @@ FILLED, WITHIN = 0.8, 0.85
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
     RM, KN = layout.rm, layout.kn
     mk = make_micro_kernel(BR, BC, D, DV, RM, KN, MASK, False, UNROLL)
@@ -110,6 +110,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
         i = cuda.blockIdx.x
         s = cuda.blockIdx.y
         bh = cuda.blockIdx.z
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)
@@ -140,8 +141,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
             # K_j, V_j: the split's own blocks, each read once per query block
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0)
+            moved_k = load_K_j(buf, k, kv, key0, bc, 0)
+            moved_v = load_V_j(buf, v, kv, key0, bc, 0)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v

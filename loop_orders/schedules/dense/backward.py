@@ -75,7 +75,7 @@ def _tile(BR, BC, D, DV):
 
 
 @kernel_factory
-def make_dp_kernel(BR, BC, D, DV, COUNT):
+def make_dp_kernel(BR, BC, D, DV, COUNT, GROUP):
     lay, sm, gt = _tile(BR, BC, D, DV)
     NT, NS = lay.threads, lay.rm * lay.kn
     clear, grad_scores, put_scores = gt.clear, gt.grad_scores, gt.put_scores
@@ -90,6 +90,7 @@ def make_dp_kernel(BR, BC, D, DV, COUNT):
     def dense_bwd_dp(do, v, dp_hbm, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_k = v.shape[1]
         row0 = i * BR
         n_rows = min(BR, do.shape[1] - row0)
@@ -109,7 +110,7 @@ def make_dp_kernel(BR, BC, D, DV, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous V_j and dP_ij
             # V_j: every query block reads all of V
-            moved = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved = load_V_j(buf, v, kv, key0, bc, 0, DV)
             if COUNT:
                 cnt[V_R] += moved
             cuda.syncthreads()  # V_j (and dO_i) are in shared memory
@@ -235,7 +236,7 @@ def make_dkdv_kernel(BR, BC, D, DV, COUNT):
 
 
 @kernel_factory
-def make_dq_kernel(BR, BC, D, DV, COUNT):
+def make_dq_kernel(BR, BC, D, DV, COUNT, GROUP):
     lay, sm, gt = _tile(BR, BC, D, DV)
     NT = lay.threads
     clear, zero_outside, acc_dq, stage_dq = gt.clear, gt.zero_outside, gt.acc_dq, gt.stage_dq
@@ -251,6 +252,7 @@ def make_dq_kernel(BR, BC, D, DV, COUNT):
     def dense_bwd_dq(ds_hbm, k, dq, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, dq.shape[1] - row0)
@@ -268,7 +270,7 @@ def make_dq_kernel(BR, BC, D, DV, COUNT):
             cuda.syncthreads()  # every thread is done with the previous dS_ij and K_j
             # dS_ij: read back from HBM once per element; K_j: every query block reads all of K
             moved_ds = load_dS_ij(buf, ds_hbm, bh, row0, n_rows, key0, bc)
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
+            moved_k = load_K_j(buf, k, kv, key0, bc, 0, D)
             zero_outside(buf, sm.ds, sm.ps, n_rows, bc, BR, BC)  # a tail's stale entries
             zero_outside(buf, sm.k, sm.qs, bc, D, BC, D)
             if COUNT:
@@ -394,10 +396,10 @@ class DenseBackward(GradTileBackward):
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         counters = 8 * counter_slots(True) if count else 0
         tiles = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
-        fns = [make_dp_kernel(p.block_q, p.block_k, p.d, p.dv, count),
+        fns = [make_dp_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group),
                make_ds_kernel(ds_threads(p.n_k), count),
                make_dkdv_kernel(p.block_q, p.block_k, p.d, p.dv, count),
-               make_dq_kernel(p.block_q, p.block_k, p.d, p.dv, count)]
+               make_dq_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group)]
         shared = [tiles, ds_shared_bytes(p.n_k), tiles, tiles]
         return [Kernel(fn.py_func.__name__, fn, b + counters, dynamic_shared_limit())
                 for fn, b in zip(fns, shared, strict=True)]

@@ -129,7 +129,7 @@ def make_row_io(BR: int, W: int, SC: int):
 
 
 @kernel_factory
-def make_scores_kernel(BR, BC, D, MASK, COUNT):
+def make_scores_kernel(BR, BC, D, MASK, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     visible = make_visible(MASK)  # the keys of a K/V block a row sees
     MASKED = MASK.bounded  # (the unmasked build tests no key)
@@ -144,6 +144,7 @@ def make_scores_kernel(BR, BC, D, MASK, COUNT):
     def dense_scores(q, k, s_hbm, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         t = cuda.threadIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
@@ -166,7 +167,7 @@ def make_scores_kernel(BR, BC, D, MASK, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j and S_ij
             # K_j: every query block reads all of K
-            moved = load_K_j(K_j, k, bh, key0, bc, 0, D)
+            moved = load_K_j(K_j, k, kv, key0, bc, 0, D)
             if COUNT:
                 cnt[K_R] += moved
             cuda.syncthreads()  # K_j is in shared memory for all rows
@@ -262,7 +263,7 @@ def make_softmax_kernel(T, SAVE_LSE, COUNT, MASKED=False):
 
 
 @kernel_factory
-def make_pv_kernel(BR, BC, DV, MASK, COUNT):
+def make_pv_kernel(BR, BC, DV, MASK, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     visible = make_visible(MASK)  # the keys of a K/V block a row sees
     MASKED = MASK.bounded  # (the unmasked build tests no key)
@@ -277,6 +278,7 @@ def make_pv_kernel(BR, BC, DV, MASK, COUNT):
     def dense_pv(p_hbm, v, o, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         t = cuda.threadIdx.x
         n_q = p_hbm.shape[1]
         n_k = v.shape[1]
@@ -297,7 +299,7 @@ def make_pv_kernel(BR, BC, DV, MASK, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every row is done with the previous V_j
             # V_j: every query block reads all of V
-            moved = load_V_j(V_j, v, bh, key0, bc, 0, DV)
+            moved = load_V_j(V_j, v, kv, key0, bc, 0, DV)
             if COUNT:
                 cnt[V_R] += moved
             for c0 in range(0, bc, SW):
@@ -326,7 +328,7 @@ def make_pv_kernel(BR, BC, DV, MASK, COUNT):
 
 
 @kernel_factory
-def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT):
+def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT, GROUP):
     """Kernel 1 on tensor cores (SPEC: `tensor_cores.TensorCores`)."""
     visible = make_visible(MASK)  # the keys of a K/V block a row sees
     NCNT = counter_slots(COUNT)
@@ -341,6 +343,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT):
     def dense_scores_tc(q, k, s_hbm, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
@@ -364,7 +367,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every warp is done with the previous K_j
             # K_j: every query block reads all of K
-            moved = ops.load_k(k, bh, key0, bc, 0)
+            moved = ops.load_k(k, kv, key0, bc, 0)
             if COUNT:
                 cnt[K_R] += moved
             ops.wait_loads()
@@ -392,7 +395,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT):
 
 
 @kernel_factory
-def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
+def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT, GROUP):
     """Kernel 3 on tensor cores (SPEC: `tensor_cores.TensorCores`)."""
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
@@ -407,6 +410,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
     def dense_pv_tc(p_hbm, v, o, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = p_hbm.shape[1]
         n_k = v.shape[1]
         row0 = i * BR
@@ -431,7 +435,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # the padding is zero; every warp is done with the last V_j
             # V_j: every query block reads all of V
-            moved = ops.load_v(v, bh, key0, bc, 0)
+            moved = ops.load_v(v, kv, key0, bc, 0)
             if COUNT:
                 cnt[V_R] += moved
             for a in range(2):
@@ -585,15 +589,16 @@ class Dense(Schedule):
         lay = self.layout(p)
         if lay is None:
             chunk = p.block_q * (score_chunk(p.block_k) + 1)
-            fns = [(make_scores_kernel(p.block_q, p.block_k, p.d, p.mask, count),
+            fns = [(make_scores_kernel(p.block_q, p.block_k, p.d, p.mask, count, p.group),
                     4 * (p.block_k * p.d + chunk), SHARED_BYTES_LIMIT),
-                   (make_pv_kernel(p.block_q, p.block_k, p.dv, p.mask, count),
+                   (make_pv_kernel(p.block_q, p.block_k, p.dv, p.mask, count, p.group),
                     4 * (p.block_k * p.dv + chunk), SHARED_BYTES_LIMIT)]
         else:
             scores_bytes, pv_bytes = self.tc_shared_bytes(p)
-            fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.mask, count),
+            fns = [(make_tc_scores_kernel(p.block_q, p.block_k, p.d, lay, p.mask, count,
+                                          p.group),
                     scores_bytes, dynamic_shared_limit()),
-                   (make_tc_pv_kernel(p.block_q, p.block_k, p.dv, lay, count),
+                   (make_tc_pv_kernel(p.block_q, p.block_k, p.dv, lay, count, p.group),
                     pv_bytes, dynamic_shared_limit())]
         # (a third argument only under a mask: the unmasked kernel keeps its key)
         masked = (True,) if p.mask.bounded else ()

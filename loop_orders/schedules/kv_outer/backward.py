@@ -135,7 +135,7 @@ def _make_visit_loads(BR, BC, D, DV, COUNT):
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MASK, COUNT):
+def make_kernel(BR, BC, D, DV, MASK, COUNT, GROUP):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn  # scores per thread
@@ -163,6 +163,7 @@ def make_kernel(BR, BC, D, DV, MASK, COUNT):
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
         bh = cuda.blockIdx.x
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_c = (n_k + BC - 1) // BC
@@ -191,8 +192,8 @@ def make_kernel(BR, BC, D, DV, MASK, COUNT):
                 dv_j[e] = float32(0.0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j (dK, dV)
             # K_j, V_j: read from HBM once, stay in shared memory for all i (lines 5-6)
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, kv, key0, bc, 0, D)
+            moved_v = load_V_j(buf, v, kv, key0, bc, 0, DV)
             zero_outside(buf, sm.k, sm.qs, bc, D, BC, D)  # a tail's stale keys
             zero_outside(buf, sm.v, sm.os, bc, DV, BC, DV)
             if COUNT:
@@ -330,9 +331,10 @@ class KVOuterBackward(GradTileBackward):
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         spec = self.tensor_cores(p)
         if spec is None:
-            fn = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask, count)
+            fn = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask, count, p.group)
         else:
-            fn = tc.make_tc_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask.bounded, spec, count)
+            fn = tc.make_tc_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask.bounded, spec, count,
+                                   p.group)
         counters = 8 * counter_slots(True) if count else 0
         return [Kernel(fn.py_func.__name__, fn, self.shared_bytes(p) + counters,
                        dynamic_shared_limit())]

@@ -112,7 +112,7 @@ def _make_dq_update(D):
 
 
 @kernel_factory
-def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
+def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
     NT = tc_threads(BC)
     W = NT // 32
     RT = _up(BR, WARP_ROWS) // WARP_ROWS  # 16-row slices of Q_i (dQ_i's product)
@@ -137,6 +137,7 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd_tc(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
         bh = cuda.blockIdx.x
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)
@@ -158,8 +159,8 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
                 dv_j[e] = float32(0.0)
             cuda.syncthreads()  # every warp is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i (lines 5-6)
-            moved_k = load_k(k, bh, key0, bc)
-            moved_v = load_v(v, bh, key0, bc)
+            moved_k = load_k(k, kv, key0, bc)
+            moved_v = load_v(v, kv, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v

@@ -72,7 +72,7 @@ def _make_load_stats(NT, ROWS, STATS, COUNT):
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, True, UNROLL)
     MASKED = MASK.bounded
     lse_of = make_lse_of(MASKED)  # -inf for a row that saw no key
@@ -109,6 +109,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV, reload=True)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR
@@ -149,8 +150,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
                 continue  # no query sees a key of block j: K_j, V_j are not loaded
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j
             # K_j, V_j: read from HBM once, stay in shared memory for all i
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0)
+            moved_k = load_K_j(buf, k, kv, key0, bc, 0)
+            moved_v = load_V_j(buf, v, kv, key0, bc, 0)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v

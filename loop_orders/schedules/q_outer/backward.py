@@ -138,7 +138,7 @@ def make_preprocess_kernel(ZERO_DQ, COUNT):
 
 
 @kernel_factory
-def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT):
+def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT, GROUP):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn
@@ -168,6 +168,7 @@ def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT):
     def q_outer_bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
         # masked: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         key0 = j * BC
@@ -188,8 +189,8 @@ def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT):
         clear(buf)
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
         # K_j, V_j: read from HBM once, stay in shared memory for every query block
-        moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-        moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+        moved_k = load_K_j(buf, k, kv, key0, bc, 0, D)
+        moved_v = load_V_j(buf, v, kv, key0, bc, 0, DV)
         if COUNT:
             cnt[K_R] += moved_k
             cnt[V_R] += moved_v
@@ -234,7 +235,7 @@ def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT):
 
 
 @kernel_factory
-def make_q_kernel(BR, BC, D, DV, MASK, COUNT):
+def make_q_kernel(BR, BC, D, DV, MASK, COUNT, GROUP):
     lay = grad_layout(BR, BC)
     NT = lay.threads
     NS = lay.rm * lay.kn
@@ -261,6 +262,7 @@ def make_q_kernel(BR, BC, D, DV, MASK, COUNT):
     def q_outer_bwd_dq(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
         # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
@@ -291,8 +293,8 @@ def make_q_kernel(BR, BC, D, DV, MASK, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every thread is done with the previous K_j, V_j, dS
             # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_K_j(buf, k, bh, key0, bc, 0, D)
-            moved_v = load_V_j(buf, v, bh, key0, bc, 0, DV)
+            moved_k = load_K_j(buf, k, kv, key0, bc, 0, D)
+            moved_v = load_V_j(buf, v, kv, key0, bc, 0, DV)
             zero_outside(buf, sm.k, sm.qs, bc, D, BC, D)  # a tail's stale keys
             zero_outside(buf, sm.v, sm.os, bc, DV, BC, DV)
             if COUNT:
@@ -493,15 +495,16 @@ class QOuterBackward(GradTileBackward):
             if 2 * tc.tc_shared_bytes(*sizes[:4], stages) > SHARED_BYTES_PER_SM:
                 stages = 1
             return MainKernels(
-                tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count),
+                tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count, p.group),
                 tc.tc_kv_threads(p.block_k),
-                tc.make_tc_q_kernel(*sizes, spec, count) if separate else None,
+                tc.make_tc_q_kernel(*sizes, spec, count, p.group) if separate else None,
                 tc.tc_q_threads(p.block_q), tc.tc_shared_bytes(*sizes[:4], stages),
                 tc.tc_shared_bytes(*sizes[:4], 1))
         threads = grad_layout(p.block_q, p.block_k).threads
         shared = grad_shared_layout(*sizes[:4], False, False).bytes
-        return MainKernels(make_kv_kernel(*sizes, not separate, count), threads,
-                           make_q_kernel(*sizes, count) if separate else None, threads,
+        return MainKernels(make_kv_kernel(*sizes, not separate, count, p.group), threads,
+                           make_q_kernel(*sizes, count, p.group) if separate else None,
+                           threads,
                            shared, shared)
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:

@@ -70,7 +70,7 @@ def _make_block_loads(BR, BC, D, DV, SPEC, NT, STAGES, COUNT):
 
 
 @kernel_factory
-def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT):
+def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP):
     NT = tc_kv_threads(BC)
     W = NT // 32
     RT = _up(BR, WARP_ROWS) // WARP_ROWS  # 16-row slices of Q_i (dQ_i's product)
@@ -111,6 +111,7 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT):
     def q_outer_bwd_tc(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
         # causal: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR
@@ -131,8 +132,8 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT):
         clear(buf)
         cuda.syncthreads()  # the buffer is clear (the tiles' padding) before any copy lands
         # K_j, V_j: read from HBM once, stay in shared memory for every query block
-        moved_k = load_k(k, bh, key0, bc)
-        moved_v = load_v(v, bh, key0, bc)
+        moved_k = load_k(k, kv, key0, bc)
+        moved_v = load_v(v, kv, key0, bc)
         if COUNT:
             cnt[K_R] += moved_k
             cnt[V_R] += moved_v
@@ -175,7 +176,7 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT):
 
 
 @kernel_factory
-def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
+def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
     NT = tc_q_threads(BR)
     NDQ = 4 * (_up(D, 16) // 8)  # a thread's accumulators of dQ_i (8-wide n-tiles)
     io = make_tc_grad_io(BR, BC, D, DV, False, SPEC, NT)
@@ -194,6 +195,7 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
     def q_outer_bwd_dq_tc(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
         # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, q.shape[1] - row0)
@@ -224,8 +226,8 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT):
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every warp is done with the previous K_j, V_j
             # K_j, V_j: reloaded from HBM by every query block
-            moved_k = load_k(k, bh, key0, bc)
-            moved_v = load_v(v, bh, key0, bc)
+            moved_k = load_k(k, kv, key0, bc)
+            moved_v = load_v(v, kv, key0, bc)
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v

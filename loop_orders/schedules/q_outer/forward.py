@@ -169,8 +169,8 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
 
 
 @kernel_factory
-def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
-    if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`)
+def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
+    if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`; GROUP 1)
         return make_specialised_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
@@ -193,6 +193,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
+        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
@@ -211,14 +212,14 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT):
             # K_j0 is copied while Q_i loads (results/tuning_history/q_outer.md)
             j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
             if j0 < j1:
-                load_K_j_counted(buf, k, bh, j0 * BC, n_k, 0, cnt)
+                load_K_j_counted(buf, k, kv, j0 * BC, n_k, 0, cnt)
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
         else:
             # Q_i first (K_0 and V_0 ahead of it lost on tensor cores:
             # results/tuning_history/q_outer.md); stream_kv copies them
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
             j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
-        fold_tiles(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt)
+        fold_tiles(buf, k, v, kv, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt)
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
@@ -322,8 +323,10 @@ class QOuter(MicroKernelSchedule):
         other LOOP_ORDERS_LAYOUT names a thread tile of the shared micro-kernel."""
         forced = tuning.current()
         tiles = (p.block_q, p.block_k, p.d, p.dv)
-        # its roles implement no mask or causal with N_q = N_k (`SQUARE_MASKS`)
-        square = p.mask in SQUARE_MASKS and (p.n_q == p.n_k or not p.mask.bounded)
+        # its roles implement no mask or causal with N_q = N_k (`SQUARE_MASKS`), one K/V head
+        # per query head
+        square = (p.mask in SQUARE_MASKS and (p.n_q == p.n_k or not p.mask.bounded)
+                  and p.group == 1)
         if forced.forces_own_kernel():
             if not Specialised.fits(*tiles) or not square:
                 return super().specialised(p, stages)  # refused, with the reason
