@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests, host, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
+# STAGE: tests, host, fuzz, gqa, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
@@ -31,6 +31,8 @@ for arg in "$@"; do
   tests)    run tests "$T" python3 -m pytest -q -p no:cacheprovider -n 8 -s \
               ${TESTS:-tests/test_gpu.py tests/test_torch.py} ;;
   host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
+  fuzz)     run fuzz "$T" python3 -m experiments.gpu_fuzz --out "$W/fuzz" ${FUZZ_ARGS:-} ;;
+  gqa)      run gqa "$T" python3 -m experiments.bench_gqa_decode --out "$W/gqa" ;;
   decode)   run decode "$T" python3 -m experiments.bench_decode --out "$W/decode" ${DECODE_ARGS:-} ;;
   backward) run backward "$T" python3 -m experiments.bench_runtime --backward --out "$W/backward" \
               ${BACKWARD_ARGS:-} ;;

@@ -6,13 +6,16 @@
    for every kind of array (NumPy in and out, Numba device arrays, torch CUDA tensors, CuPy
    arrays when CuPy is there), beside torch SDPA's on the same tensors: the wall time of
    CALLS calls in a row over CALLS (the GPU finishes each tiny kernel before the host has
-   the next one ready, so this is the host's time).
+   the next one ready, so this is the host's time). The torch op too (loop_orders.torch:
+   forward, forward + backward, a CUDA graph's replay), each beside SDPA's same call.
 2. At N = 1024 (B = 4, H = 16, d = 64), without a mask and causal: the kernel alone, the
    public call on torch tensors and torch SDPA (efficient), each timed back to back between
    CUDA events.
-3. Compiled kernels on disk: a fresh process's first call at a shape no process has seen
-   (it compiles), then another fresh process's first call at that shape (it loads from the
-   cache), and two processes filling an empty cache at once (both right, the entries whole).
+3. Cold start and compiled kernels on disk: `import loop_orders` alone in a fresh process;
+   a fresh process's imports (torch, then loop_orders) and first float16 forward + backward
+   through the torch op at a shape no process has seen (it compiles), then another fresh
+   process's first call at that shape (it loads from the cache), and two processes filling
+   an empty cache at once (both right, the entries whole).
 
 Writes host_overhead.json with provenance.
 """
@@ -35,18 +38,26 @@ FIRST_CALL = """
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np, torch
-import loop_orders as lo
 t1 = time.perf_counter()
-q, k, v = (torch.randn(2, 4, 512, 64, device="cuda") for _ in range(3))
-torch.cuda.synchronize()
+import loop_orders as lo
+import loop_orders.torch as lot
 t2 = time.perf_counter()
-out = lo.attention(q, k, v, schedule="q_outer", causal=True, block_q=128, block_k=64).out
+q, k, v = (torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+           for _ in range(3))
 torch.cuda.synchronize()
 t3 = time.perf_counter()
+out = lot.attention(q, k, v, schedule="q_outer", causal=True)
+torch.cuda.synchronize()
+t4 = time.perf_counter()
+out.float().sum().backward()
+torch.cuda.synchronize()
+t5 = time.perf_counter()
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-print(json.dumps({"import_s": t1 - t0, "first_call_s": t3 - t2,
-                  "max_abs_error": float((out - ref).abs().max())}))
+print(json.dumps({"import_torch_s": t1 - t0, "import_s": t2 - t1, "first_forward_s": t4 - t3,
+                  "first_call_s": t5 - t3, "max_abs_error": float((out - ref).abs().max())}))
 """
+IMPORT_ALONE = "import time; t = time.perf_counter(); import loop_orders; " \
+    "print(time.perf_counter() - t)"
 
 
 def per_call_us(fn, calls=CALLS) -> float:
@@ -89,7 +100,45 @@ def tiny_calls() -> dict:
         out[f"lo.attention {kind}"] = per_call_us(lambda a=args: lo.attention(*a))
     out["torch sdpa"] = per_call_us(
         lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv))
+    return {**out, **torch_op_calls(tq, tk, tv)}
+
+
+def torch_op_calls(q, k, v) -> dict:
+    """The torch op's host time per call at the tiny shape: forward (no autograd), forward and
+    backward, and a CUDA graph's replay of the forward, each beside SDPA's same call."""
+    from torch.nn import functional
+
+    import loop_orders.torch as lot
+
+    sdpa = functional.scaled_dot_product_attention
+    out = {"loop_orders.torch.attention": per_call_us(lambda: lot.attention(q, k, v)),
+           "torch sdpa (again)": per_call_us(lambda: sdpa(q, k, v))}
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out["loop_orders.torch.attention forward+backward"] = per_call_us(
+        lambda: lot.attention(*leaves).sum().backward(), calls=CALLS // 4)
+    out["torch sdpa forward+backward"] = per_call_us(
+        lambda: functional.scaled_dot_product_attention(*leaves).sum().backward(), calls=CALLS // 4)
+    for name, fn in (("loop_orders.torch.attention", lambda: lot.attention(q, k, v)),
+                     ("torch sdpa", lambda: functional.scaled_dot_product_attention(q, k, v))):
+        graph = _captured(fn)
+        out[f"{name} cuda graph replay"] = per_call_us(graph.replay)
     return out
+
+
+def _captured(fn):
+    """A CUDA graph of fn (warmed up on a side stream first, as torch's docs ask)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def n1024(causal: bool) -> dict:
@@ -151,9 +200,11 @@ def compile_cache() -> dict:
         raced = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
                  for p in procs]
         after = fresh_process(racing)
+    alone = [float(subprocess.run([sys.executable, "-c", IMPORT_ALONE], capture_output=True,
+                                  text=True, check=True).stdout) for _ in range(3)]
     return {"first_process": first, "second_process": second, "entries": entries,
             "racing_processes": raced, "after_the_race": after,
-            "where": str(kernel_cache.cache_dir())}
+            "import_loop_orders_alone_s": alone, "where": str(kernel_cache.cache_dir())}
 
 
 def main(argv=None) -> int:
