@@ -290,6 +290,22 @@ def block_grid(n_blocks: int, n_bh: int, causal: bool) -> tuple:
 
 
 @cache
+def make_kv_head(GROUP: int):
+    """kv_head(bh): the K/V head query head bh reads under grouped-query attention, GROUP
+    query heads to a K/V head (SDPA's and FlashAttention's grouping); bh itself, with no
+    arithmetic and no change of type, when GROUP is 1."""
+    if GROUP == 1:
+        @cuda.jit(device=True, inline="always")
+        def kv_head(bh):
+            return bh
+    else:
+        @cuda.jit(device=True, inline="always")
+        def kv_head(bh):
+            return bh // GROUP
+    return kv_head
+
+
+@cache
 def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
     """Device function block_of(n_bh) -> (block, bh) of this CTA on `block_grid`'s grid, with
     n_bh = B H. The causal grid starts with the heaviest blocks: the last (HEAVY_LAST: query

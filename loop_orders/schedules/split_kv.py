@@ -71,6 +71,7 @@ from ..microkernel.tiles import (
     counter_slots,
     counts_flusher,
     make_kv_blocks,
+    make_kv_head,
     make_online_start,
     zero_counts,
 )
@@ -104,13 +105,14 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
     OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
     def split_kv(q, k, v, o_part, lse_part, counts, n_splits, per, scale_log2):
         i = cuda.blockIdx.x
         s = cuda.blockIdx.y
         bh = cuda.blockIdx.z
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)

@@ -51,7 +51,13 @@ from ...microkernel.grad_tiles import (
     make_dkdv_epilogue,
     make_grad_tile,
 )
-from ...microkernel.tiles import counter_slots, counts_flusher, make_tile_loader, make_tile_storer
+from ...microkernel.tiles import (
+    counter_slots,
+    counts_flusher,
+    make_kv_head,
+    make_tile_loader,
+    make_tile_storer,
+)
 from ...microkernel.tiles import zero_counts as zero
 
 DS_MAX_THREADS = 128
@@ -85,12 +91,13 @@ def make_dp_kernel(BR, BC, D, DV, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     DO_R, V_R, DP_W = slot("do", "read"), slot("v", "read"), slot("dp", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 128))
     def dense_bwd_dp(do, v, dp_hbm, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_k = v.shape[1]
         row0 = i * BR
         n_rows = min(BR, do.shape[1] - row0)
@@ -247,12 +254,13 @@ def make_dq_kernel(BR, BC, D, DV, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     DS_R, K_R, DQ_W = slot("ds", "read"), slot("k", "read"), slot("dq", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 128))
     def dense_bwd_dq(ds_hbm, k, dq, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, dq.shape[1] - row0)

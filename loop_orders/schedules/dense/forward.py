@@ -58,6 +58,7 @@ from ...microkernel.tensor_cores import (
 from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
+    make_kv_head,
     make_tile_loader,
     make_tile_storer,
     make_visible,
@@ -139,12 +140,13 @@ def make_scores_kernel(BR, BC, D, MASK, COUNT, GROUP):
     store_S_ij = make_tile_storer(BR, SW, BR)
     load_q, _ = make_row_io(BR, D, BC)  # one thread per row, staged through K_j
     SW1 = SW + 1
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit
     def dense_scores(q, k, s_hbm, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         t = cuda.threadIdx.x
         n_q = q.shape[1]
         n_k = k.shape[1]
@@ -273,12 +275,13 @@ def make_pv_kernel(BR, BC, DV, MASK, COUNT, GROUP):
     load_P_ij = make_tile_loader(BR, SW, BR)
     _, store_o = make_row_io(BR, DV, BC)  # one thread per row, staged through V_j
     SW1 = SW + 1
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit
     def dense_pv(p_hbm, v, o, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         t = cuda.threadIdx.x
         n_q = p_hbm.shape[1]
         n_k = v.shape[1]
@@ -338,12 +341,13 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT, GROUP):
     NKT = -(-BC // 16) * 2
     NS = 4 * NKT
     NEG_INF = float32(-math.inf)
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit
     def dense_scores_tc(q, k, s_hbm, counts, scale):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
@@ -405,12 +409,13 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT, GROUP):
     NKT = -(-BC // 16) * 2
     NS = 4 * NKT
     NACC = mk.NACC
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit
     def dense_pv_tc(p_hbm, v, o, counts):
         i = cuda.blockIdx.x
         bh = cuda.blockIdx.y
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = p_hbm.shape[1]
         n_k = v.shape[1]
         row0 = i * BR

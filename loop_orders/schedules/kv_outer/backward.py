@@ -58,6 +58,7 @@ from ...microkernel.tensor_cores import TensorCores, check_aligned
 from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
+    make_kv_head,
     make_q_blocks,
     make_tile_loader,
     make_tile_storer,
@@ -159,11 +160,12 @@ def make_kernel(BR, BC, D, DV, MASK, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
     K_R, V_R, DQ_W = slot("k", "read"), slot("v", "read"), slot("dq", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
         bh = cuda.blockIdx.x
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_c = (n_k + BC - 1) // BC

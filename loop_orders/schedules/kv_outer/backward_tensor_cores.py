@@ -27,7 +27,7 @@ from ...microkernel.grad_tensor_cores import (
     tc_grad_warps,
 )
 from ...microkernel.tensor_cores import WARP_ROWS, _up
-from ...microkernel.tiles import counter_slots, counts_flusher
+from ...microkernel.tiles import counter_slots, counts_flusher, make_kv_head
 from ...microkernel.tiles import zero_counts as zero
 
 
@@ -133,11 +133,12 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
                                 slot("o", "read"), slot("do", "read"))
     DQ_R, DQ_W = slot("dq", "read"), slot("dq", "write")
     DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd_tc(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
         bh = cuda.blockIdx.x
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)

@@ -38,6 +38,7 @@ from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
     make_kv_blocks,
+    make_kv_head,
     make_lse_of,
     make_q_blocks,
     zero_counts,
@@ -105,11 +106,12 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
                 lse[bh, row0 + r] = lse_of(m_r, l_r)
                 if COUNT:
                     cnt[LSE_W] += 1
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV, reload=True)))
     def kv_outer(q, k, v, o, l_hbm, m_hbm, lse, counts, scale_log2):
         bh = cuda.blockIdx.x
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR

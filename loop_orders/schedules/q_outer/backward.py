@@ -71,6 +71,7 @@ from ...microkernel.tiles import (
     counts_flusher,
     make_block_of,
     make_kv_blocks,
+    make_kv_head,
     make_q_blocks,
     make_tile_loader,
     make_tile_storer,
@@ -163,12 +164,13 @@ def make_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, COUNT, GROUP):
                            slot("do", "read"))
     LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")
     ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
         # masked: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         key0 = j * BC
@@ -257,12 +259,13 @@ def make_q_kernel(BR, BC, D, DV, MASK, COUNT, GROUP):
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
     LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
         # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR

@@ -28,7 +28,7 @@ from ...microkernel.grad_tensor_cores import (
     tc_grad_warps,
 )
 from ...microkernel.tensor_cores import WARP_ROWS, _up
-from ...microkernel.tiles import counter_slots, counts_flusher, make_block_of
+from ...microkernel.tiles import counter_slots, counts_flusher, make_block_of, make_kv_head
 from ...microkernel.tiles import zero_counts as zero
 
 
@@ -107,11 +107,13 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
                             added += 1
         return added
 
+    kv_head = make_kv_head(GROUP)
+
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_tc(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
         # causal: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         T_r = (n_q + BR - 1) // BR
@@ -190,12 +192,13 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
     LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq_tc(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
         # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, q.shape[1] - row0)

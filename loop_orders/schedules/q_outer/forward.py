@@ -40,6 +40,7 @@ from ...microkernel.tiles import (
     counts_flusher,
     make_block_of,
     make_kv_blocks,
+    make_kv_head,
     make_online_start,
 )
 from .warp_specialised import SQUARE_MASKS, Specialised, make_specialised_kernel
@@ -188,12 +189,13 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
     kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
     NCNT = counter_slots(COUNT)
+    kv_head = make_kv_head(GROUP)
 
     @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def q_outer(q, k, v, o, lse, counts, scale_log2):
         # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
-        kv = bh // GROUP  # query head bh's K/V head (grouped-query attention)
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
