@@ -122,3 +122,16 @@ def test_refusals_name_what_is_wrong():
         lo.attention(q, k, v, causal=True, pack_gqa=True)
     with pytest.raises(ValueError, match="^kv_heads: .*3 query heads and 2 K/V heads"):
         lo.predict_traffic("q_outer", 8, 4, heads=3, kv_heads=2)
+
+
+def test_bfloat16_group_sums_widen_the_parts():
+    """bfloat16 parts are summed as numbers, not as their bits (torch tensors: NumPy has no
+    bfloat16): the per-head backward against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    q, k, v, do = (torch.from_numpy(x).bfloat16() for x in inputs(seed=3))
+    g = lo.attention_grad(q, k, v, do, schedule="kv_outer", block_q=BLOCK, block_k=BLOCK)
+    host = [x.double().numpy() for x in (q, k, v, do)]
+    _, dk, dv = attention_grad_reference(host[0], np.repeat(host[1], G, 1),
+                                         np.repeat(host[2], G, 1), host[3])
+    assert relative_error(g.dk.double().numpy(), dk.reshape(B, H_KV, G, N_K, D).sum(2)) <= 0.05
+    assert relative_error(g.dv.double().numpy(), dv.reshape(B, H_KV, G, N_K, DV).sum(2)) <= 0.05

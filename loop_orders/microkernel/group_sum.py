@@ -19,7 +19,7 @@ from numba import float32, int64
 
 from ..core.ledger import Ledger, slot
 from ..core.schedule import Problem
-from ..device.intrinsics import narrow
+from ..device.intrinsics import narrow, widen
 from ..device.runtime import cuda, kernel_factory, launch
 from .tiles import counter_slots, counts_flusher
 from .tiles import zero_counts as zero
@@ -48,7 +48,7 @@ def make_group_sum_kernel(G, TENSOR, COUNT):
             total = float32(0.0)
             for g in range(G):
                 # the G query heads' parts: each read once
-                total += float32(parts[kv * G + g, r, c])
+                total += widen(parts[kv * G + g, r, c])
             # the K/V head's gradient: written once, in the input dtype
             out[kv, r, c] = narrow(total, out)
             if COUNT:
