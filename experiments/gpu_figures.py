@@ -176,6 +176,36 @@ def plot_decode(rows: list[dict], out: Path) -> list[Path]:
     return plot_bench.save_with_provenance(fig, rows[0], out, "bench_decode")
 
 
+def plot_gqa_decode(rows: list[dict], out: Path) -> list[Path]:
+    """Grouped-query decode (H_q = 32 over H_kv = 8, d = 128, float16): kernel time vs N_k
+    per provider at each batch, and the K/V bytes each of ours moved (counted == model)."""
+    plt = common.pyplot()
+    ok = [r for r in rows if r["status"] == "ok"]
+    batches = sorted({int(r["batch"]) for r in ok})
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(6 * (len(batches) + 1), 4.6))
+    providers = list(dict.fromkeys(r["provider"] for r in ok))
+    for ax, batch in zip(axes, batches, strict=False):
+        for provider in providers:
+            pts = sorted((int(r["n_k"]), _f(r["ms_kernel"])) for r in ok
+                         if r["provider"] == provider and int(r["batch"]) == batch)
+            style = "o-" if "packed" in provider else "s--" if "per head" in provider else "k^:"
+            ax.loglog(*zip(*pts, strict=True), style, base=2, label=provider)
+        ax.set(title=f"decode, B = {batch}, H_q = 32 over H_kv = 8, d = 128, float16",
+               xlabel="keys N_k", ylabel="kernel time (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    for provider in providers:
+        pts = sorted((int(r["n_k"]), _f(r["kv_bytes"]) / 1e6) for r in ok
+                     if r["provider"] == provider and int(r["batch"]) == batches[0])
+        ax.loglog(*zip(*pts, strict=True), "o-", base=2, label=provider)
+    ax.set(title=f"K and V bytes read (B = {batches[0]}; SDPA: K/V once)",
+           xlabel="keys N_k", ylabel="MB")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return plot_bench.save_with_provenance(fig, rows[0], out, "bench_gqa_decode")
+
+
 def plot_backward(rows: list[dict], out: Path) -> list[Path]:
     """Forward + backward time per provider (stacked forward and backward for ours), one
     group per (N, dtype), beside SDPA's forward + backward."""
@@ -278,6 +308,7 @@ def plot(ctx: common.Context) -> list:
                                  ("hw_traffic.csv", "ncu_ld_bytes", plot_hw),
                                  ("bench_blocksize.csv", "model_bytes", plot_blocksize),
                                  ("bench_decode.csv", "n_k", plot_decode),
+                                 ("bench_gqa_decode.csv", "kv_heads", plot_gqa_decode),
                                  ("bench_backward.csv", "ms_backward", plot_backward),
                                  ("train_tiny.csv", "loss", plot_train),
                                  ("fig2_setting.csv", "counted_bytes", plot_fig2),
