@@ -72,14 +72,22 @@ def _all_cached(job: Job) -> bool:
 
 def _compile_worker(jobs: list) -> int:
     """In a fresh process: compile each job's kernels into the disk cache
-    (`runtime._compile` stores what it compiles); returns the builds compiled or loaded."""
+    (`runtime._compile` stores what it compiles); returns the builds compiled or loaded. A
+    build that fails is reported and skipped: the call that needs it compiles it again and
+    raises there, where its caller sees it."""
+    import sys
+
     done = 0
     for job in jobs:
         for kernel, _, _, shared, args in recorded_launches(get_schedule(job.schedule),
                                                             job.problem, job.count,
                                                             job.backward):
-            runtime._compile(kernel, args, shared)
-            done += 1
+            try:
+                runtime._compile(kernel, args, shared)
+                done += 1
+            except Exception as exc:  # reported; the sweep goes on
+                print(f"warm: {getattr(kernel, '__name__', kernel)} for "
+                      f"{job.problem.describe()}: {exc}", file=sys.stderr, flush=True)
     return done
 
 
