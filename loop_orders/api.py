@@ -348,7 +348,8 @@ def check_inputs(q, k, v, **extra) -> Inputs:
                          f"q{shapes['q']} k{shapes['k']} v{shapes['v']}")
     qs, ks, vs = shapes["q"], shapes["k"], shapes["v"]
     q_heads, kv_heads = (qs[1], ks[1]) if len(qs) == 4 else (1, 1)
-    if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[:-2] == vs[:-2] and q_heads % kv_heads == 0):
+    if not (qs[:-3] == ks[:-3] == vs[:-3] and ks[:-2] == vs[:-2] and kv_heads
+            and q_heads % kv_heads == 0):
         raise ValueError(f"k, v: batch must match q's, and K/V heads must equal q's heads or "
                          f"divide them (grouped-query attention), got q{qs} k{ks} v{vs}: "
                          f"{q_heads} query heads, {kv_heads} K/V heads")

@@ -116,6 +116,8 @@ def test_refusals_name_what_is_wrong():
         lo.attention(q, np.ones((B, 3, N_K, D), "float32"), np.ones((B, 3, N_K, DV), "float32"))
     with pytest.raises(ValueError, match="^k, v: "):
         lo.attention(q, k, v[:, :1])
+    with pytest.raises(ValueError, match="^k, v: .*0 K/V heads"):
+        lo.attention(q, k[:, :0], v[:, :0])
     with pytest.raises(ValueError, match="^pack_gqa: .*window=\\(3, 1\\)"):
         lo.attention(q, k, v, window=(3, 1), pack_gqa=True)
     with pytest.raises(ValueError, match="^pack_gqa: .*causal=True"):
