@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import numpy as np
 
 import loop_orders as lo
 from experiments.bench_runtime import POINT_BUDGET_S, time_launches
-from experiments.gpu_common import write_csv
+from experiments.gpu_common import counted_launch, write_csv
 from loop_orders.device import runtime
 from loop_orders.device.arrays import KINDS
 from loop_orders.reference import attention_reference, relative_error, tolerance
@@ -99,22 +98,9 @@ def bench_ours(name: str, point: Point, options=None) -> dict:
     qv, kv, vv = (kind.view(x).reshape(p.bh, n, p.d) for x, n in
                   ((point.q, p.n_q), (point.k, p.n_k), (point.v, p.n_k)))
     out = torch.empty(*point.q.shape[:-1], p.dv, device="cuda", dtype=point.q.dtype)
-    out_v = kind.view(out).reshape(p.bh, p.n_q, p.dv)
-    lse = runtime.device_empty((1, 1), np.float32)
-    counts = runtime.device_zeros(lo.core.ledger.n_slots(), np.int64)
-    workspace = sched.allocate_workspace(p)
-
-    def launch(_i, count=False):
-        sched.launch(p, qv, kv, vv, out_v, lse, counts, scale=1 / math.sqrt(p.d),
-                     count=count, workspace=workspace)
-
-    launch(0, count=True)
-    counted = lo.Ledger.from_array(runtime.to_host(counts), sched.ledger_tensors())
-    model = sched.model(p)
-    if counted != model:
-        raise AssertionError(f"{name}: counters != model at {point.shape}")
+    run = counted_launch(sched, p, qv, kv, vv, kind.view(out).reshape(p.bh, p.n_q, p.dv))
     err = point.check(out, sched.output_roundings(p))
-    ms_kernel = time_launches(launch)
+    ms_kernel = time_launches(run.launch)
     call_opts = dict(p.options) or None
 
     def public(_i):
@@ -123,8 +109,8 @@ def bench_ours(name: str, point: Point, options=None) -> dict:
 
     ms_call = time_launches(public)
     return {"splits": sched.resolved_options(p).get("splits", ""), "ms_kernel": ms_kernel,
-            "ms_call": ms_call, "model_bytes": model.bytes(p.itemsize),
-            "counted_bytes": counted.bytes(p.itemsize), "rel_error": err}
+            "ms_call": ms_call, "model_bytes": run.model.bytes(p.itemsize),
+            "counted_bytes": run.counted.bytes(p.itemsize), "rel_error": err}
 
 
 def bench_sdpa(point: Point) -> dict:

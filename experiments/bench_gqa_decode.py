@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 from pathlib import Path
 
 import numpy as np
 
 import loop_orders as lo
 from experiments.bench_runtime import time_launches
-from experiments.gpu_common import write_csv
-from loop_orders.device import runtime
+from experiments.gpu_common import counted_launch, write_csv
 from loop_orders.device.arrays import KINDS
 from loop_orders.reference import attention_reference, relative_error, tolerance
 from loop_orders.warm import Job, warm
@@ -83,31 +81,18 @@ def bench_ours(name: str, packed: bool, point: Point) -> dict:
     qv = kind.view(point.q).reshape(p.bh, p.n_q, D)
     kv, vv = (kind.view(x).reshape(p.bh_kv, p.n_k, D) for x in (point.k, point.v))
     out = torch.empty_like(point.q)
-    out_v = kind.view(out).reshape(p.bh, p.n_q, D)
-    lse = runtime.device_empty((1, 1), np.float32)
-    counts = runtime.device_zeros(lo.core.ledger.n_slots(), np.int64)
-    workspace = sched.allocate_workspace(p)
-
-    def launch(_i, count=False):
-        sched.launch(p, qv, kv, vv, out_v, lse, counts, scale=1 / math.sqrt(D), count=count,
-                     workspace=workspace)
-
-    launch(0, count=True)
-    counted = lo.Ledger.from_array(runtime.to_host(counts), sched.ledger_tensors())
-    model = sched.model(p)
-    if counted != model:
-        raise AssertionError(f"{name}: counted {counted} != model {model}")
+    run = counted_launch(sched, p, qv, kv, vv, kind.view(out).reshape(p.bh, p.n_q, D))
     err = point.check(out, sched.output_roundings(p))
-    ms_kernel = time_launches(launch)
+    ms_kernel = time_launches(run.launch)
 
     def public(_i):
         lo.attention(point.q, point.k, point.v, schedule=name, block_q=BLOCK_Q,
                      block_k=BLOCK_K, causal=True, pack_gqa=packed)
 
-    kv_elems = model.read("k") + model.read("v")
+    kv_elems = run.model.read("k") + run.model.read("v")
     return {"ms_kernel": ms_kernel, "ms_call": time_launches(public),
-            "kv_bytes": 2 * kv_elems, "model_bytes": model.bytes(2),
-            "counted_bytes": counted.bytes(2), "rel_error": err,
+            "kv_bytes": 2 * kv_elems, "model_bytes": run.model.bytes(2),
+            "counted_bytes": run.counted.bytes(2), "rel_error": err,
             "splits": sched.resolved_options(p).get("splits", "")}
 
 

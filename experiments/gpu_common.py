@@ -10,7 +10,9 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -140,6 +142,35 @@ class GradBuffers(Buffers):
     def launch_both(self, i=0, count=False):
         self.launch(i, count)
         self.launch_backward(i, count)
+
+
+class CountedLaunch(NamedTuple):
+    """A schedule's forward on fixed device arrays: `launch(i, count=False)` for the timer,
+    and the ledger its counted build measured on the first launch (== `model`)."""
+
+    launch: Callable
+    counted: lo.Ledger
+    model: lo.Ledger
+
+
+def counted_launch(sched, p: lo.Problem, q, k, v, out) -> CountedLaunch:
+    """The forward of p on the kernel views q, k, v -> out (no lse kept), run once counted;
+    raises if the counters differ from the model."""
+    lse = runtime.device_empty((1, 1), np.float32)
+    counts = runtime.device_zeros(lo.core.ledger.n_slots(), np.int64)
+    workspace = sched.allocate_workspace(p)
+
+    def launch(_i, count=False):
+        sched.launch(p, q, k, v, out, lse, counts, scale=1 / math.sqrt(p.d), count=count,
+                     workspace=workspace)
+
+    launch(0, count=True)
+    counted = lo.Ledger.from_array(runtime.to_host(counts), sched.ledger_tensors())
+    model = sched.model(p)
+    if counted != model:
+        raise AssertionError(f"{sched.name}: counted {counted} != model {model} for "
+                             f"{p.describe()}")
+    return CountedLaunch(launch, counted, model)
 
 
 def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:

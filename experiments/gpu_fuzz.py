@@ -130,9 +130,10 @@ def check_forward(c, dev, host, count: bool) -> dict:
                        options=c["options"], count=count, precision=c["precision"],
                        window=c["window"], pack_gqa=c["pack_gqa"])
     out = res.out.double().cpu().numpy()
-    ref, _ = attention_reference(*host[:3], mask=mask_of(c))
+    mask = mask_of(c)
+    ref, _ = attention_reference(*host[:3], mask=mask)
     if c["precision"] != "ieee":
-        tol = tf32_tolerance(*host[:3], ref, mask=mask_of(c), precision=c["precision"])
+        tol = tf32_tolerance(*host[:3], ref, mask=mask, precision=c["precision"])
     else:
         tol = tolerance(c["dtype"], sched.output_roundings(res.problem), host[2], ref)
     err = relative_error(out, ref)
@@ -151,9 +152,9 @@ def check_backward(c, dev, host, count: bool) -> dict:
     g = lo.attention_grad(q, k, v, do, schedule=c["schedule"], block_q=c["block_q"],
                           block_k=c["block_k"], causal=c["causal"], options=c["options"],
                           count=count, window=c["window"], pack_gqa=c["pack_gqa"])
-    refs = attention_grad_reference(*host, mask=mask_of(c))
-    tol = grad_tolerances(*host, refs, c["dtype"], bwd.output_roundings(g.problem),
-                          mask=mask_of(c))
+    mask = mask_of(c)
+    refs = attention_grad_reference(*host, mask=mask)
+    tol = grad_tolerances(*host, refs, c["dtype"], bwd.output_roundings(g.problem), mask=mask)
     group = c["heads"] // c["kv_heads"]
     if group > 1:  # dk, dv of a K/V head: the sum over its query heads (and their bounds)
         refs = [refs[0], *(r.reshape(r.shape[0], -1, group, *r.shape[2:]).sum(2)

@@ -47,24 +47,23 @@ def recorded_launches(sched, p: Problem, count: bool, backward: bool) -> list:
     """The launches (kernel, grid, block, shared bytes, args) a forward (and backward) call
     of p makes, recorded with `view` arrays instead of run."""
     dt = p.kernel_dtype
-    q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh, p.n_k, p.d), dt)
-    v, o = view((p.bh, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
+    q, k = view((p.bh, p.n_q, p.d), dt), view((p.bh_kv, p.n_k, p.d), dt)
+    v, o = view((p.bh_kv, p.n_k, p.dv), dt), view((p.bh, p.n_q, p.dv), dt)
     lse, counts = view((p.bh, p.n_q), np.float32), view((n_slots(),), np.int64)
     with runtime.recording_launches() as launches:
         workspace = sched.allocate_workspace(p, view)
         sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
         if backward:
             bwd = backward_of(sched)
-            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view(k.shape, dt),
-                       view(v.shape, dt), counts, scale=0.125, count=count,
+            # dK, dV per query head (summed per K/V head afterwards under grouping)
+            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view((p.bh, p.n_k, p.d), dt),
+                       view((p.bh, p.n_k, p.dv), dt), counts, scale=0.125, count=count,
                        forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
     return launches
 
 
 def _all_cached(job: Job) -> bool:
     """Whether the disk cache holds every kernel build of the job already."""
-    if runtime.SIMULATOR:
-        return True
     launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
                                  job.backward)
     return all(runtime.is_cached(kernel, args) for kernel, _, _, _, args in launches)
@@ -95,8 +94,10 @@ def warm_cache(jobs: list, workers: int = 8) -> int:
     """Compile the kernels of `jobs` (`Job`s) into the disk cache in `workers` processes at
     once; returns the kernel builds the workers went through. Nothing to do on the simulator
     (it compiles nothing) or with the cache off."""
+    if runtime.SIMULATOR or kernel_cache.cache_dir() is None:
+        return 0
     jobs = [job for job in dict.fromkeys(jobs) if not _all_cached(job)]
-    if runtime.SIMULATOR or kernel_cache.cache_dir() is None or not jobs:
+    if not jobs:
         return 0
     chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
