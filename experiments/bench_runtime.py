@@ -22,6 +22,7 @@ a register-only FFMA loop and cuBLAS SGEMM), each with provenance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import itertools
 import json
@@ -32,7 +33,15 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, flops, input_kind, runs, write_csv
+from experiments.gpu_common import (
+    Buffers,
+    check_output,
+    flops,
+    input_kind,
+    runs,
+    warm,
+    write_csv,
+)
 from loop_orders.device import runtime
 from loop_orders.microkernel import tuning
 from loop_orders.microkernel.tensor_cores import TensorCores
@@ -218,6 +227,20 @@ def sweep_problem(name, what, dtype, n, d, causal) -> lo.Problem:
     return lo.make_problem(sched, block_q=tiles[0], block_k=tiles[1], **sizes) if tiles else p
 
 
+def warm_sweep(sweep: dict, providers: list) -> None:
+    """Compile the sweep's kernels (every schedule, d, causal; counted and not) at once first:
+    the points then load them (a problem a schedule refuses is left to its point to report)."""
+    problems = []
+    for d, causal in itertools.product(sweep["d"], sweep["causal"]):
+        for name, dtype, what in providers:
+            if not isinstance(what, str):  # a schedule, not a torch backend
+                with contextlib.suppress(ValueError, TypeError):
+                    p = sweep_problem(name, what, dtype, sweep["n"][0], d, causal)
+                    lo.api.check_launch(what, p, count=True)
+                    problems.append((name, p, False))
+    warm(problems)
+
+
 def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
               dtypes: tuple = ("float32",)) -> list[dict]:
     path = out_dir / "bench_runtime.csv"
@@ -310,8 +333,6 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
     shapes, B H N fixed), gradients checked against float64 on two heads first."""
-    from experiments.gpu_common import warm
-
     rows, last = [], {}
     warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
                                 block_q=64, block_k=64, causal=causal, save_lse=True,
@@ -706,7 +727,8 @@ def main(argv=None) -> int:
     if args.backward:
         causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
-                                "causal": causal}, rng, only)
+                                **({"d": args.d} if args.d else {}), "causal": causal},
+                     rng, only)
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
         return 0
     if args.tc_tiles:
