@@ -52,7 +52,7 @@ from ..device.intrinsics import (
     pack_f16x2,
     widen,
 )
-from ..device.runtime import cuda
+from ..device.runtime import cuda, inlined
 from .tensor_cores import WARP_ROWS, TensorCores, _tile_type, _up, make_tc_tile_loader
 from .tiles import LOG2E, make_clear
 
@@ -154,7 +154,7 @@ def make_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS
     A_STEP = 16 * AS if A_TRANS else 16  # elements between A's k-steps
     B_KSTEP, B_NSTEP = (16 * BS, 16) if B_TRANS else (16, 16 * BS)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def a_offset(lane):
         """This lane's ldmatrix row of A's 16 x 16 block: m-row lane & 15, k-half lane >> 4;
         stored k x m, k-row (lane & 7) + 8 (lane >> 4), m-half (lane >> 3) & 1."""
@@ -163,7 +163,7 @@ def make_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS
                 + uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
         return uint64(lane & uint32(15)) * uint64(AS) + uint64(8) * uint64(lane >> uint32(4))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def b_offset(lane):
         """This lane's ldmatrix row of B's two 8-column n-tiles over 16 k."""
         if B_TRANS:
@@ -172,7 +172,7 @@ def make_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS
         return uint64(uint32(8) * (lane >> uint32(4)) + (lane & uint32(7))) * uint64(BS) \
             + uint64(8) * uint64((lane >> uint32(3)) & uint32(1))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def smem_product(tile, acc, a_at, b_at, lane):
         a_lane, b_lane = a_at + a_offset(lane), b_at + b_offset(lane)
         for kk in range(MK):
@@ -201,7 +201,7 @@ def make_reg_product(MK: int, NN: int, BS: int, SPEC: TensorCores):
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reg_product(tile, acc, s, b_at, lane):
         b_lane = b_at + uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3))
                                                                   & uint32(1))) * uint64(BS) \
@@ -256,7 +256,7 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
         """The buffer in the tiles' element type (dynamic shared arrays alias)."""
         return cuda.shared.array(0, ELEMENT)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def coords():
         t = uint32(cuda.threadIdx.x)
         return t // uint32(32), t % uint32(32)
@@ -271,32 +271,32 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
     load_do_tile = loader(BR, DV, sm.do, sm.vs, sm.do_stage)
     load_o_tile = loader(BR, DV, sm.o, sm.vs)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_k(src, bh, key0, n_keys):
         return load_k_tile(src, bh, key0, n_keys, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_v(src, bh, key0, n_keys):
         return load_v_tile(src, bh, key0, n_keys, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_q(src, bh, row0, n_rows, stage):
         return load_q_tile(src, bh, row0, n_rows, stage)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_do(src, bh, row0, n_rows, stage):
         return load_do_tile(src, bh, row0, n_rows, stage)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_o(src, bh, row0, n_rows):
         return load_o_tile(src, bh, row0, n_rows, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def wait_loads():
         if VEC:
             cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def lse_stats(buf, lse, delta, bh, row0, n_rows, stage):
         """base = lse log2(e), inv = 1, D = delta for the block's rows, into buffer stage."""
         loaded = 0
@@ -320,7 +320,7 @@ def make_row_store(WIDTH: int):
     elements this thread wrote. Each output row is written once, from registers."""
     NN = _up(WIDTH, 16) // 8
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_rows(dst, bh, row0, n_rows, acc, factor, w, lane):
         g, t2 = lane >> uint32(2), uint32(2) * (lane & uint32(3))
         moved = 0
@@ -377,7 +377,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
     dp_q = make_smem_product(DVT // 2, KT, sm.vs, False, sm.vs, False, SPEC)
     acc_dq = make_reg_product(KT // 2, DT, sm.ks, SPEC)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def visible(row, key, n_rows, n_keys, row0, key0):
         return row < n_rows and key < n_keys and (not CAUSAL or key0 + key <= row0 + row)
 
@@ -423,7 +423,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
                     tile[uint64(sm.ds) + key * uint64(sm.dss) + uint64(8 * n + c) + t2] = \
                         narrow(dp[4 * n + 2 * a + c], tile)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def dq_partial(buf, acc, m):
         tile = tiles()
         w, lane = coords()
@@ -457,7 +457,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
                     dp[e] = p * (dp[e] - delta)
         acc_dq(tile, dq_i, dp, uint64(sm.k), lane)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def row_dot(buf, n_rows):
         tile = tiles()
         for r in range(cuda.threadIdx.x, n_rows, NT):

@@ -500,7 +500,7 @@ def make_dkdv_epilogue(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
     store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))
     DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def write_dkdv(buf, dk_j, dv_j, dk, dv, bh, key0, bc, scale, cnt):
         cuda.syncthreads()  # every thread is done with K_j and V_j: their tiles stage dK, dV
         stage_dk(buf, dk_j, scale)

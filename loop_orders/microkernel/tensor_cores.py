@@ -274,13 +274,13 @@ def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
         """The buffer in the tiles' element type (dynamic shared arrays alias)."""
         return cuda.shared.array(0, ELEMENT)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def coords():
         """(warp, lane) of this thread, unsigned."""
         t = uint32(cuda.threadIdx.x)
         return t // uint32(32), t % uint32(32)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def local_row(w, lane, a):
         return w * uint32(WARP_ROWS) + (lane >> uint32(2)) + uint32(8 * a)
 
@@ -308,14 +308,14 @@ def make_tc_tile_loader(R: int, C: int, AT: int, S: int, STAGE: int, NT: int, PE
     if VEC:
         copy_rows = make_row_copier(R, C, S, NT, PER)
 
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def load(src, bh, row0, n_rows, stage):
             at = uint64(AT) + uint64(stage) * uint64(STAGE)
             return copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
 
         return load
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_plain(src, bh, row0, n_rows, stage):
         tile = tiles()
         t = uint32(cuda.threadIdx.x)
@@ -344,11 +344,11 @@ def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
     load_q_tile = make_loader(BR, D, sm.q, sm.qs, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_q(src, bh, row0, n_rows):
         return load_q_tile(src, bh, row0, n_rows, 0)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def wait_loads():
         if VEC:
             cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
@@ -382,7 +382,7 @@ def make_tc_mma16(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scores(tile, s, w, lane, k_at):
         """s = Q_i K_j^T of the warp's 16 rows: n-tile n of 8 keys in s[4 n .. 4 n + 3]."""
         for e in range(NS):
@@ -402,7 +402,7 @@ def make_tc_mma16(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                         a0, a1, a2, a3, b[2 * h], b[2 * h + 1],
                         s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate(tile, s, acc, lane, v_at):
         """acc += P V_j, P's A fragment packed from the weights in s."""
         v_row = uint64((lane & uint32(7)) + uint32(8) * ((lane >> uint32(3)) & uint32(1)))
@@ -470,7 +470,7 @@ def make_tf32_scores(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     tm = make_tf32_mma(SPEC.split)
     tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scores_ntile(n, a0, a1, a2, a3, tile, s, k_at):
         """s's n-tile n (keys 8 n .. 8 n + 7) += Q_i's A fragment a0 .. a3 times K_j's B
         fragment at the same 8 head dims (k_at: lane's key g, head dim t of those)."""
@@ -483,7 +483,7 @@ def make_tf32_scores(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     # does once 3xTF32's three products pass its unroll threshold, sends s to local memory)
     scores_ntiles = unrolled(scores_ntile, NKT, 7, NKT)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scores_tf32(tile, s, w, lane, k_at):
         """s = Q_i K_j^T on m16n8k8 TF32: lane 4 g + t gives Q's rows g, g + 8 and K's key g
         at head dims t and t + 4 of each 8 (plain shared loads; each operand split once)."""
@@ -515,7 +515,7 @@ def make_tf32_accumulate(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     tm = make_tf32_mma(SPLIT)
     tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate_mtile(m, p0, p1, p2, p3, tile, acc, v_at):
         """acc's n-tile m (dims 8 m .. 8 m + 7) += P's A fragment p0 .. p3 times V_j's B
         fragment of the same 8 keys (v_at: lane's key 2 t, dim g of those)."""
@@ -526,7 +526,7 @@ def make_tf32_accumulate(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
     accumulate_mtiles = unrolled(accumulate_mtile, DVT, 7, DVT)  # acc is indexed by m
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def accumulate_ntile(n, tile, s, acc, v_row):
         """acc += P's keys 8 n .. 8 n + 7 times V_j's rows of them: the lane holds keys
         2 t, 2 t + 1 of each 8, so k-index t is key 2 t and t + 4 is key 2 t + 1 (a sum over
@@ -601,23 +601,23 @@ def make_tc_tile_io(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     load_o_stage = make_tile_loader(BR, DV, NT, (O, OS))
     store_o_stage = make_tile_storer(BR, DV, NT, (O, OS))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_q(buf, q, bh, row0, n_rows, scale_log2):
         return load_q_tile(q, bh, row0, n_rows)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_k(buf, k, bh, key0, n_keys, stage):
         return load_k_tile(k, bh, key0, n_keys, stage)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_v(buf, v, bh, key0, n_keys, stage):
         return load_v_tile(v, bh, key0, n_keys, stage)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_o(buf, o, bh, row0, n_rows):
         return load_o_stage(buf, o, bh, row0, n_rows, 0, DV)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_o(buf, o, bh, row0, n_rows):
         return store_o_stage(buf, o, bh, row0, n_rows, 0, DV)
 
@@ -637,13 +637,13 @@ def make_tc_scaling(NKT: int, LEFT: bool = False) -> TcScaling:
     """The scaling of a thread's NKT n-tiles of scores, row half by row half. LEFT: a row's
     span of keys may start after the tile's first key (a mask bounded on the left)."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def row_max4(x):
         """Max over the 4 lanes of a row."""
         x = max(x, shfl_xor(x, 1))
         return max(x, shfl_xor(x, 2))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scale_row(s, a, scale_log2):
         """Row half a of the warp's scores times scale log2(e), in place; their max."""
         part = NEG_INF
@@ -654,7 +654,7 @@ def make_tc_scaling(NKT: int, LEFT: bool = False) -> TcScaling:
                 part = max(part, x)
         return part
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def scale_row_masked(s, a, scale_log2, first, end, t2):
         """scale_row, with -inf (weight 0) for the keys outside [first, end) in the tile
         (past N_k, padding, or outside the row's span under a mask; their scores may be
@@ -694,7 +694,7 @@ def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     visible = make_visible(MASK)
     BOUNDED = MASK.bounded
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def whole_tile(n_keys, key0, diag):
         """Whether the warp's 16 rows (the first's diagonal key diag) all see every key of
         the tile (no tail or padding keys, none outside a row's span): most tiles, most of
@@ -757,7 +757,7 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     base = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD)
     coords, local_row = base.coords, base.local_row
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def give_o(buf, acc, factor):
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
@@ -769,7 +769,7 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                     if x < uint32(DV):
                         buf[at + uint64(x)] = acc[4 * n + 2 * a + c] * factor[a]
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def take_o(buf, acc, l, l_row, m):  # noqa: E741
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
@@ -785,7 +785,7 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                         float32(0.0)
                     acc[4 * n + 2 * a + c] = o * l_row[a]
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def keep_stats(buf, l_row, m):
         w, lane = coords()
         if (lane & uint32(3)) == 0:
@@ -820,7 +820,7 @@ def make_tc_row_stats(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
             x = l[a] + shfl_xor(l[a], 1)
             l_row[a] = x + shfl_xor(x, 2)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_lse(lse, bh, row0, n_rows, m, l_row):
         w, lane = coords()
         moved = 0

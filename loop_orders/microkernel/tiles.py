@@ -74,7 +74,7 @@ def _tile_copy(ROWS: int, COLS: int, THREADS: int, TO_HBM: bool, AT):
     FLAT = AT is not None
     flat_at = _flat_index(AT) if FLAT else None
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def copy(tile, hbm, bh, row0, col0, r, c, factor):
         # unsigned indices: Numba then skips its negative-index fix-up on every access
         h = (uint64(bh), uint64(row0) + r, uint64(col0) + c)
@@ -171,7 +171,7 @@ def make_tile_loader(ROWS: int, COLS: int, THREADS: int, at=None, scaled=False,
     if scaled:
         return copy_tile
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_tile(tile, src, bh, row0, n_rows, col0, n_cols):
         return copy_tile(tile, src, bh, row0, n_rows, col0, n_cols, float32(1.0))
 
@@ -184,7 +184,7 @@ def make_tile_storer(ROWS: int, COLS: int, THREADS: int, at=None):
     Every thread of the CTA must call it; the caller puts the barriers around it."""
     copy_tile = _tile_copy(ROWS, COLS, THREADS, True, at)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_tile(tile, dst, bh, row0, n_rows, col0, n_cols):
         return copy_tile(tile, dst, bh, row0, n_rows, col0, n_cols, float32(1.0))
 
@@ -211,7 +211,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,
     STEADY = CH > 0 and THREADS % CH == 0 and ROWS * CH % THREADS == 0
     RSTEP = THREADS // max(CH, 1)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def copy_rows(tile, at, src, bh, row0, n_rows):
         # the thread's place among the copiers (a uint32 difference: Numba widens it)
         t = uint32(cuda.threadIdx.x) if FIRST == 0 else uint32(uint32(cuda.threadIdx.x)
@@ -295,11 +295,11 @@ def make_kv_head(GROUP: int):
     query heads to a K/V head (SDPA's and FlashAttention's grouping); bh itself, with no
     arithmetic and no change of type, when GROUP is 1."""
     if GROUP == 1:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def kv_head(bh):
             return bh
     else:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def kv_head(bh):
             return bh // GROUP
     return kv_head
@@ -312,16 +312,16 @@ def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
     blocks, which see more keys the later they are) or the first (K/V blocks, which more
     queries see the earlier they are)."""
     if not CAUSAL:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def block_of(n_bh):
             return cuda.blockIdx.x, cuda.blockIdx.y
     elif HEAVY_LAST:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def block_of(n_bh):
             first = cuda.gridDim.x - 1 - cuda.blockIdx.x  # CTAs counted from the grid's end
             return int64(first // uint32(n_bh)), cuda.blockIdx.x % uint32(n_bh)
     else:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def block_of(n_bh):
             return int64(cuda.blockIdx.x // uint32(n_bh)), cuda.blockIdx.x % uint32(n_bh)
     return block_of
@@ -352,11 +352,11 @@ def make_visible(MASK: Mask):
     Without a mask: (0, n_keys)."""
     LEFT, RIGHT = MASK
     if not MASK.bounded:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def visible(diag, key0, n_keys):
             return 0, n_keys
     else:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def visible(diag, key0, n_keys):
             return key_span_device(diag, key0, n_keys, LEFT, RIGHT)
 
@@ -371,11 +371,11 @@ def make_kv_blocks(BC: int, MASK: Mask):
     (`core.mask.kv_block_range`)."""
     LEFT, RIGHT = MASK
     if not MASK.bounded:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def kv_blocks(row0, n_rows, n_q, n_k):
             return 0, (n_k + BC - 1) // BC
     else:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def kv_blocks(row0, n_rows, n_q, n_k):
             return kv_block_range_device(row0, n_rows, n_q, n_k, BC, LEFT, RIGHT)
 
@@ -389,11 +389,11 @@ def make_q_blocks(BR: int, MASK: Mask):
     or under a mask those with a row that sees one of its keys (`core.mask.q_block_range`)."""
     LEFT, RIGHT = MASK
     if not MASK.bounded:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def q_blocks(key0, n_keys, n_q, n_k):
             return 0, (n_q + BR - 1) // BR
     else:
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def q_blocks(key0, n_keys, n_q, n_k):
             return q_block_range_device(key0, n_keys, n_q, n_k, BR, LEFT, RIGHT)
 
@@ -406,7 +406,7 @@ def make_lse_of(MASKED: bool):
     sum l; MASKED: -inf where l = 0, a row that saw no key (log2 0 is -inf on a GPU but an
     error on the simulator)."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def lse_of(m, l):  # noqa: E741
         if MASKED and l == float32(0.0):
             return float32(-math.inf)
@@ -420,7 +420,7 @@ def make_reciprocal(RM: int, MASKED: bool):
     """reciprocal(x, out): out[a] = 1 / x[a] for a thread's RM row sums; MASKED: 0 where
     x[a] = 0, a row that has seen no key (so its O_i stays 0 rather than 0 / 0)."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reciprocal(x, out):
         for a in range(RM):
             if MASKED:
@@ -444,7 +444,7 @@ def make_online_start(NACC: int, RM: int, COUNT: bool, clear):
     accumulators and RM rows, and the shared buffer cleared (`clear`), then a barrier. Every
     thread calls it."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def start(buf, acc, m_i, l_i, cnt):
         if COUNT:
             zero_counts(cnt)

@@ -40,6 +40,7 @@ from ...device.runtime import (
     SIMULATOR,
     cuda,
     dynamic_shared_limit,
+    inlined,
     kernel_factory,
     kernel_options,
     launch,
@@ -78,7 +79,7 @@ def _make_grad_init(BR, BC, D, DV, COUNT):
     store_dV_j = make_tile_storer(BC, DV, NT, (sm.v, sm.os))
     DQ_W, DK_W, DV_W = slot("dq", "write"), slot("dk", "write"), slot("dv", "write")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def init_grads(buf, dq, dk, dv, bh, n_q, n_k, cnt):
         # Algorithm 4 line 4: dQ = 0, dK = 0, dV = 0, initialised in HBM
         for i in range((n_q + BR - 1) // BR):
@@ -111,7 +112,7 @@ def _make_visit_loads(BR, BC, D, DV, COUNT):
     Q_R, O_R, DO_R = slot("q", "read"), slot("o", "read"), slot("do", "read")
     L_R, M_R, DQ_R = slot("l", "read"), slot("m", "read"), slot("dq", "read")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_visit(buf, q, o, do, dq, l_hbm, m_hbm, bh, row0, n_rows, cnt):
         # Q_i, O_i, dO_i, dQ_i, l_i, m_i: reloaded from HBM per K/V block (line 8)
         moved_q = load_Q_i(buf, q, bh, row0, n_rows, 0, D)

@@ -19,7 +19,14 @@ from numba import float32, int64, uint32
 
 from ...core.ledger import slot
 from ...device.intrinsics import narrow, widen
-from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...device.runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    inlined,
+    kernel_factory,
+    kernel_options,
+)
 from ...microkernel.grad_tensor_cores import (
     make_tc_grad_io,
     make_tc_grad_steps,
@@ -45,7 +52,7 @@ def _make_zero_grads(D, DV, NT, COUNT):
     element by element (consecutive threads, consecutive elements); every thread calls it."""
     DQ_W, DK_W, DV_W = slot("dq", "write"), slot("dk", "write"), slot("dv", "write")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def zero_rows(dst, bh, n_rows, width):
         moved = 0
         for e in range(cuda.threadIdx.x, n_rows * width, NT):
@@ -53,7 +60,7 @@ def _make_zero_grads(D, DV, NT, COUNT):
             moved += 1
         return moved
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def zero_grads(dq, dk, dv, bh, n_q, n_k, cnt):
         # dQ, dK, dV: initialised to zero in HBM (line 4)
         moved_q = zero_rows(dq, bh, n_q, D)
@@ -74,7 +81,7 @@ def _make_stats(BR, BC, D, DV, NT, COUNT):
     BASE, INV = sm.stats, sm.stats + sm.rows
     L_R, M_R = slot("l", "read"), slot("m", "read")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def visit_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
         for r in range(cuda.threadIdx.x, n_rows, NT):
             buf[BASE + r] = m_hbm[bh, row0 + r]  # log2 units, as the forward keeps it
@@ -92,7 +99,7 @@ def _make_dq_update(D):
     way."""
     DT = _up(D, 16) // 8  # 8-wide n-tiles
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def update_dq(dq, bh, row0, n_rows, acc, scale, m, lane):
         g, t2 = lane >> uint32(2), uint32(2) * (lane & uint32(3))
         moved = 0

@@ -32,7 +32,14 @@ from numba import float32, int64
 
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
-from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...device.runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    inlined,
+    kernel_factory,
+    kernel_options,
+)
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
 from ...microkernel.tiles import (
     counter_slots,
@@ -59,7 +66,7 @@ def _make_load_stats(NT, ROWS, STATS, COUNT):
     """load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt): l_i, m_i of the block's rows
     into the stats rows, thread t taking row t, counted."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt):
         for r in range(cuda.threadIdx.x, n_rows, NT):
             # l_i, m_i: reloaded from HBM for every K/V block
@@ -89,7 +96,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     NCNT = counter_slots(COUNT)
 
     load_stats = _make_load_stats(NT, ROWS, STATS, COUNT)
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def store_stats(buf, l_hbm, m_hbm, lse, bh, row0, n_rows, last, cnt):
         """l_i, m_i of the block's rows back to HBM from the stats rows; lse_i once final."""
         for r in range(cuda.threadIdx.x, n_rows, NT):

@@ -20,7 +20,14 @@ from __future__ import annotations
 from numba import float32, int64, uint32
 
 from ...core.ledger import slot
-from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...device.runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    inlined,
+    kernel_factory,
+    kernel_options,
+)
 from ...microkernel.grad_tensor_cores import (
     make_tc_grad_io,
     make_tc_grad_steps,
@@ -54,7 +61,7 @@ def _make_block_loads(BR, BC, D, DV, SPEC, NT, STAGES, COUNT):
     Q_R, DO_R = slot("q", "read"), slot("do", "read")
     LSE_R, DELTA_R = slot("lse", "read"), slot("delta", "read")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_block(q, do, lse, delta, bh, row0, n_rows, stage, buf, cnt):
         # Q_i, dO_i, lse_i, delta_i: read per visited (j, i)
         moved_q = load_q(q, bh, row0, n_rows, stage)
@@ -89,7 +96,7 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
     ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")
     DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def add_dq(dq_acc, bh, row0, n_rows, acc, scale, m, lane):
         """dq_acc rows 16 m + g + 8 a of the block += tau acc, float32 atomics (each a read
         and a write of one element in HBM); returns how many elements it added."""

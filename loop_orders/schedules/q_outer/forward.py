@@ -31,7 +31,14 @@ from numba import float32, int32, int64
 
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
-from ...device.runtime import SHARED_ALIGN, SHARED_F32, cuda, kernel_factory, kernel_options
+from ...device.runtime import (
+    SHARED_ALIGN,
+    SHARED_F32,
+    cuda,
+    inlined,
+    kernel_factory,
+    kernel_options,
+)
 from ...microkernel import tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
 from ...microkernel.tiles import (
@@ -77,7 +84,7 @@ def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
     moved to its counter slot when COUNT."""
     load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):
         """K_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K buffer `stage`, counted;
         every thread calls it."""
@@ -86,7 +93,7 @@ def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
         if COUNT:
             cnt[K_R] += moved
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt):
         """V_j, as load_K_j_counted."""
         # V_j: reloaded from HBM by every query block
@@ -94,13 +101,13 @@ def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
         if COUNT:
             cnt[V_R] += moved
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):
         """K_j and V_j into K/V buffer `stage`, counted; every thread calls it."""
         load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
         load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):
         """Q_i into its tile, counted; every thread calls it."""
         # Q_i: read from HBM once, stays in shared memory for every K/V block
@@ -121,7 +128,7 @@ def _make_fold_tiles(BC, mk, loads: CountedLoads):
     online_update, wait_loads = mk.online_update, mk.wait_loads
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def stream_kv(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc), in one K/V buffer or
         (STAGES 2) two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""

@@ -294,7 +294,7 @@ def make_kv_prefix(BC: int, CAUSAL: bool):
     row0 .. row0 + n_rows - 1 visits under this kernel's masks (`SQUARE_MASKS`): all, or
     (causal, N_q = N_k) those up to its last row; `tiles.make_kv_blocks` for any mask."""
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def kv_blocks(row0, n_rows, n_k):
         c_i = (n_k + BC - 1) // BC
         if CAUSAL:
