@@ -14,8 +14,10 @@
 3. Cold start and compiled kernels on disk: `import loop_orders` alone in a fresh process;
    a fresh process's imports (torch, then loop_orders) and first float16 forward + backward
    through the torch op at a shape no process has seen (it compiles), then another fresh
-   process's first call at that shape (it loads from the cache), and two processes filling
-   an empty cache at once (both right, the entries whole).
+   process's first call at that shape (it loads from the cache), the first call again with
+   its kernels compiled one after another (LOOP_ORDERS_COMPILE_AHEAD=0: no
+   `warm.compile_ahead`), and two processes filling an empty cache at once (both right, the
+   entries whole).
 
 Writes host_overhead.json with provenance.
 """
@@ -175,8 +177,8 @@ def n1024(causal: bool) -> dict:
              ("torch sdpa efficient", sdpa))}
 
 
-def fresh_process(cache: Path) -> dict:
-    env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(cache)}
+def fresh_process(cache: Path, **env_vars) -> dict:
+    env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(cache), **env_vars}
     proc = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
                           text=True, timeout=300)
     if proc.returncode:
@@ -192,6 +194,8 @@ def compile_cache() -> dict:
         first = fresh_process(cache)
         entries = len(list(cache.glob("*.pkl")))
         second = fresh_process(cache)
+        # the same first call compiling its kernels one after another, as its passes reach them
+        serial = fresh_process(Path(tmp) / "serial", LOOP_ORDERS_COMPILE_AHEAD="0")
         racing = Path(tmp) / "racing"
         env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(racing)}
         procs = [subprocess.Popen([sys.executable, "-c", FIRST_CALL], env=env,
@@ -203,6 +207,7 @@ def compile_cache() -> dict:
     alone = [float(subprocess.run([sys.executable, "-c", IMPORT_ALONE], capture_output=True,
                                   text=True, check=True).stdout) for _ in range(3)]
     return {"first_process": first, "second_process": second, "entries": entries,
+            "first_process_compiling_serially": serial,
             "racing_processes": raced, "after_the_race": after,
             "import_loop_orders_alone_s": alone, "where": str(kernel_cache.cache_dir())}
 

@@ -36,6 +36,7 @@ from .core.ledger import Ledger, n_slots
 from .core.schedule import Problem, Schedule, backward_of, get_schedule
 from .device import arrays, runtime
 from .microkernel.group_sum import launch_group_sums
+from .warm import Job, compile_ahead
 
 
 @dataclass
@@ -240,6 +241,8 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     check_backward(sched, bwd, p, count, inp.host)
     call = GradCall(sched, bwd, p, inp, scale, count, timed, clamped_blocks(p, block_q,
                                                                             block_k))
+    # a new shape: its forward and backward kernels compile at once, not pass by pass
+    compile_ahead(Job(sched.name, p, count, backward=True))
     if key is not None:
         _CALLS[key] = call
         if len(_CALLS) > MAX_CALLS:

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
+import pickle
+import subprocess
+import sys
 import time
 from typing import NamedTuple
 
@@ -102,6 +106,50 @@ def warm_cache(jobs: list, workers: int = 8) -> int:
     chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]
     with mp.get_context("spawn").Pool(len(chunks)) as pool:
         return sum(pool.map(_compile_worker, chunks))
+
+
+def compile_ahead(job: Job) -> int:
+    """The first call of a new shape compiles its kernels at once rather than one after
+    another as its passes reach them: when two or more of the job's kernel builds are
+    neither on disk nor built in this process, each but the first is compiled in a fresh
+    Python process (`python -c`, so a script without a `__main__` guard is safe) while this
+    process compiles the first; it returns when all are done (the launches then load them
+    from the disk cache). Returns the builds compiled. Nothing on the simulator, with the
+    cache off, or with LOOP_ORDERS_COMPILE_AHEAD=0; a worker that fails leaves its kernel to
+    the launch that needs it, which compiles it again and raises there."""
+    if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
+            or os.environ.get("LOOP_ORDERS_COMPILE_AHEAD", "1") == "0"):
+        return 0
+    launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
+                                 job.backward)
+    missing = {}  # build -> its first launch (a kernel may launch twice with the same types)
+    for i, (kernel, _, _, _, args) in enumerate(launches):
+        if not runtime.is_built(kernel, args) and not runtime.is_cached(kernel, args):
+            missing.setdefault(runtime.build_key(kernel, args), i)
+    missing = list(missing.values())
+    if len(missing) < 2:
+        return 0  # one build: compiling it here, at its launch, is as fast
+    workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for _ in missing[1:]]
+    for proc, index in zip(workers, missing[1:], strict=True):
+        proc.stdin.write(pickle.dumps((job, index)))
+        proc.stdin.close()
+    kernel, _, _, shared, args = launches[missing[0]]
+    runtime._compile(kernel, args, shared)
+    return 1 + sum(proc.wait() == 0 for proc in workers)
+
+
+_WORKER = "import loop_orders.warm as w; w._compile_one()"
+
+
+def _compile_one() -> None:
+    """A `compile_ahead` worker: (job, index) pickled on stdin; compiles that launch's
+    kernel into the disk cache."""
+    job, index = pickle.loads(sys.stdin.buffer.read())
+    kernel, _, _, shared, args = recorded_launches(get_schedule(job.schedule), job.problem,
+                                                   job.count, job.backward)[index]
+    runtime._compile(kernel, args, shared)
 
 
 def sweep_jobs(schedules, ds, dtypes, *, n: int = 1024, causal=(False, True), dv=None,

@@ -136,3 +136,45 @@ def test_warm_records_every_kernel_of_a_forward_and_backward_call():
     both = recorded_launches(lo.get_schedule("q_outer"), job.problem, False, True)
     assert len(forward) == 1 and len(both) > len(forward)
     assert all(kernel is not None and shared >= 0 for kernel, _, _, shared, _ in both)
+
+
+def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_path):
+    """A new shape's kernels not yet built: the first compiles here, each other in a worker
+    process of its own (the payload names the job and the launch), all before the call goes
+    on; one missing build, or LOOP_ORDERS_COMPILE_AHEAD=0, starts no process. The processes
+    and the compiler are stood in for (no GPU here): what is checked is who compiles what."""
+    import io
+    import pickle
+
+    from loop_orders import warm
+    from loop_orders.device import kernel_cache, runtime
+
+    (job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+    launches = warm.recorded_launches(lo.get_schedule("q_outer"), job.problem, False, True)
+    here, payloads = [], []
+
+    class Worker:
+        def __init__(self, argv, **_):
+            assert argv[1:] == ["-c", warm._WORKER]
+            self.stdin = io.BytesIO()
+            self.stdin.close = lambda: payloads.append(pickle.loads(self.stdin.getvalue()))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(runtime, "SIMULATOR", False)
+    monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: False)
+    monkeypatch.setattr(runtime, "_compile", lambda kernel, args, shared: here.append(kernel))
+    monkeypatch.setattr(warm.subprocess, "Popen", Worker)
+    distinct = len({runtime.build_key(kernel, args) for kernel, _, _, _, args in launches})
+    assert warm.compile_ahead(job) == distinct > 2
+    assert here == [launches[0][0]]
+    assert [index for _, index in payloads] == list(range(1, distinct))
+    assert all(p == job for p, _ in payloads)
+
+    monkeypatch.setenv("LOOP_ORDERS_COMPILE_AHEAD", "0")
+    assert warm.compile_ahead(job) == 0
+    monkeypatch.delenv("LOOP_ORDERS_COMPILE_AHEAD")
+    monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: kernel is not launches[1][0])
+    assert warm.compile_ahead(job) == 0 and len(here) == 1

@@ -383,3 +383,34 @@ def test_a_buffer_of_exactly_48_kb_launches_counted(count, rng):
                        count=count)
     ref, _ = lo.attention_reference(q, k, v, causal=True)
     assert relative_error(res.out, ref) <= tolerance("float16", 1, v, ref)
+
+
+@gpu
+def test_compile_ahead_fills_an_empty_cache_with_a_calls_kernels(tmp_path):
+    """In a fresh process with an empty kernel cache, a new float16 forward + backward call's
+    builds compile at once (`warm.compile_ahead`, worker processes beside this one's), all of
+    them land on disk, and the call that follows gives the right gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import json, numpy as np, loop_orders as lo
+from loop_orders import warm
+from loop_orders.reference import attention_grad_reference, relative_error
+(job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+built = warm.compile_ahead(job)
+rng = np.random.default_rng(7)
+q, k, v, do = (rng.standard_normal((1, 2, 300, 64)).astype(np.float16) for _ in range(4))
+g = lo.attention_grad(q, k, v, do, causal=True)
+refs = attention_grad_reference(*(x.astype(np.float64) for x in (q, k, v, do)), causal=True)
+errors = [relative_error(x, r) for x, r in zip((g.dq, g.dk, g.dv), refs)]
+print(json.dumps({"built": built, "cached": warm._all_cached(job), "errors": errors}))
+"""
+    env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, check=True)
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["built"] >= 3 and found["cached"]
+    assert max(found["errors"]) < 2e-2

@@ -130,13 +130,10 @@ SHARED_ALIGN = None if SIMULATOR else 16
 def inlined(fn):
     """`fn` as a device function inlined into every caller: on a GPU by LLVM (numba-cuda's
     `forceinline`, NVVM's alwaysinline) rather than by Numba itself (`inline="always"`), which
-    types the callee again at every call site, so builds compile several times faster with the
-    same machine code in their hot loops (measured: results/tuning_history/micro_kernel.md).
-    The CUDA-core micro-kernel, the intrinsics, the backward's tiles and `tiles.unrolled` take
-    it. The tensor-core micro-kernel, the tile loaders and the loop nests' own helpers keep
-    Numba's inlining: under LLVM's, q_outer's float16 and kv_outer's TF32 kernels came out
-    rescheduled, which no timing has checked; and a function returning an array it made must
-    be inlined by Numba. The simulator calls it."""
+    types the callee again at every call site, so builds compile several times faster
+    (results/tuning_history/micro_kernel.md). Every device function takes it but those
+    returning an array they make (the shared-memory tiles), which Numba must inline, and the
+    few large step functions holding local arrays. The simulator calls it."""
     if SIMULATOR:
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
@@ -248,12 +245,15 @@ def _compile(kernel, args, shared_bytes: int):
     from . import kernel_cache
 
     sig = tuple(_numba_type(a) for a in args)
-    factory_key = _FACTORY_KEYS.get(kernel)
-    compiled = kernel_cache.load(factory_key, sig) if factory_key else None
+    compiled = _BUILT.get((kernel, sig))
     if compiled is None:
-        compiled = kernel.compile(sig)
-        if factory_key:
-            kernel_cache.store(factory_key, sig, compiled)
+        factory_key = _FACTORY_KEYS.get(kernel)
+        compiled = kernel_cache.load(factory_key, sig) if factory_key else None
+        if compiled is None:
+            compiled = kernel.compile(sig)
+            if factory_key:
+                kernel_cache.store(factory_key, sig, compiled)
+        _BUILT[kernel, sig] = compiled
     # The 48 KB line is on static + dynamic shared memory together (the counters' flush
     # is static): dense's P V at 128 x 16 tiles and d = 96 takes exactly 48 KB dynamic, and
     # counted, failed to launch without the attribute. A build launched with several sizes
@@ -269,6 +269,17 @@ def _compile(kernel, args, shared_bytes: int):
 
 
 _DYNAMIC_SHARED: dict = {}  # compiled function -> the dynamic shared bytes it is allowed
+_BUILT: dict = {}  # (kernel, argument types) -> its build compiled or loaded in this process
+
+
+def build_key(kernel, args) -> tuple:
+    """What one build of `kernel` is compiled for: the kernel and its arguments' types."""
+    return kernel, tuple(_numba_type(a) for a in args)
+
+
+def is_built(kernel, args) -> bool:
+    """Whether this process has `kernel` compiled (or loaded) for these arguments' types."""
+    return build_key(kernel, args) in _BUILT
 
 
 def is_cached(kernel, args) -> bool:
