@@ -330,7 +330,8 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
     return time_launches(launch)
 
 
-def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None) -> list[dict]:
+def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
+                 dtypes: tuple = ("float32", "float16")) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
     shapes, B H N fixed), gradients checked against float64 on two heads first."""
     rows, last = [], {}
@@ -338,10 +339,10 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None) 
                                 block_q=64, block_k=64, causal=causal, save_lse=True,
                                 dtype=dtype, options=options), True)
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
-         for dtype in ("float32", "float16") for name, options in backward_providers(only))
+         for dtype in dtypes for name, options in backward_providers(only))
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
-        for dtype in ("float32", "float16"):
+        for dtype in dtypes:
             for name, options in backward_providers(only):
                 p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
                                     block_q=64, block_k=64, causal=causal, save_lse=True,
@@ -699,10 +700,11 @@ def main(argv=None) -> int:
                              "fastest tiles and layout it found")
     parser.add_argument("--tune-providers", default="q_outer",
                         help="schedules the tuning sweep times (comma-separated)")
-    parser.add_argument("--dtypes", default="float32",
+    parser.add_argument("--dtypes", default=None,
                         help="input dtypes the schedules run in (comma-separated; float16 "
                              "and bfloat16 run on tensor cores; tf32 and tf32x3 are float32 "
-                             "inputs at that precision)")
+                             "inputs at that precision; default float32, and float32,float16 "
+                             "for --backward)")
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
@@ -728,7 +730,7 @@ def main(argv=None) -> int:
         causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
                                 **({"d": args.d} if args.d else {}), "causal": causal},
-                     rng, only)
+                     rng, only, tuple((args.dtypes or "float32,float16").split(",")))
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
         return 0
     if args.tc_tiles:
@@ -756,7 +758,7 @@ def main(argv=None) -> int:
         return 0
     if not args.no_extras:
         run_blocksize(args.out, rng)
-    dtypes = tuple(args.dtypes.split(","))
+    dtypes = tuple((args.dtypes or "float32").split(","))
     # (tf32x3 runs on the tf32 mma: its ceiling is tf32's)
     ceilings = [mma_ceiling(dt) for dt in dict.fromkeys(
         "tf32" if dt == "tf32x3" else dt for dt in dtypes) if dt in MMA_FLOPS]

@@ -86,14 +86,7 @@ def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bo
                    host: bool, simulator_budget: bool = True) -> None:
     """The backward's own refusals: its checks, every kernel's shared memory, device memory
     of both passes together, the simulator's budget (unless `simulator_budget` is False)."""
-    bwd.check(p)
-    for kern in bwd.kernels(p, count):
-        if kern.shared_bytes > kern.shared_limit:
-            raise ValueError(
-                f"block_k: {bwd.name}'s backward needs {kern.shared_bytes} bytes of shared "
-                f"memory per CTA in kernel {kern.name} for block_q={p.block_q}, "
-                f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is {kern.shared_limit} "
-                f"bytes: use smaller blocks")
+    bwd.check_kernels(p, count)
     parts = {**{f"forward {k}": v for k, v in memory_need(sched, p, count, host).items()},
              **{f"backward {k}": v for k, v in backward_memory(bwd, p, count, host).items()}}
     total = sum(parts.values())

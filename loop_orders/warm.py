@@ -73,6 +73,25 @@ def _all_cached(job: Job) -> bool:
     return all(runtime.is_cached(kernel, args) for kernel, _, _, _, args in launches)
 
 
+def _accepted(job: Job) -> Job | None:
+    """The job as the API would run it: None if it refuses the forward, without its backward
+    if it refuses that (a build it refuses may not even load: shared memory past the
+    device's limit)."""
+    from .api import check_launch
+
+    sched = get_schedule(job.schedule)
+    try:
+        check_launch(sched, job.problem, job.count, host_inputs=False, simulator_budget=False)
+    except (ValueError, TypeError):
+        return None
+    if job.backward:
+        try:
+            backward_of(sched).check_kernels(job.problem, job.count)
+        except (ValueError, TypeError):
+            return job._replace(backward=False)
+    return job
+
+
 def _compile_worker(jobs: list) -> int:
     """In a fresh process: compile each job's kernels into the disk cache
     (`runtime._compile` stores what it compiles); returns the builds compiled or loaded. A
@@ -100,7 +119,8 @@ def warm_cache(jobs: list, workers: int = 8) -> int:
     (it compiles nothing) or with the cache off."""
     if runtime.SIMULATOR or kernel_cache.cache_dir() is None:
         return 0
-    jobs = [job for job in dict.fromkeys(jobs) if not _all_cached(job)]
+    jobs = [job for job in map(_accepted, dict.fromkeys(jobs))
+            if job is not None and not _all_cached(job)]
     if not jobs:
         return 0
     chunks = [jobs[i::workers] for i in range(min(workers, len(jobs)))]

@@ -178,3 +178,18 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
     monkeypatch.delenv("LOOP_ORDERS_COMPILE_AHEAD")
     monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: kernel is not launches[1][0])
     assert warm.compile_ahead(job) == 0 and len(here) == 1
+
+
+def test_warm_drops_what_the_api_refuses():
+    """A sweep's job whose backward the API refuses (kv_outer's float32 backward at d = 128 on
+    64 x 64 tiles needs more shared memory than a CTA may take: its build would not load)
+    warms its forward only; one whose forward is refused is dropped."""
+    from loop_orders import warm
+
+    (job,) = warm.sweep_jobs(["kv_outer"], [128], ["float32"], causal=(False,), backward=True)
+    assert warm._accepted(job) == job._replace(backward=False)
+    (fits,) = warm.sweep_jobs(["kv_outer"], [64], ["float32"], causal=(False,), backward=True)
+    assert warm._accepted(fits) == fits
+    (huge,) = warm.sweep_jobs(["q_outer"], [256], ["float32"], causal=(False,), block_q=512,
+                              block_k=512)
+    assert warm._accepted(huge) is None

@@ -100,6 +100,18 @@ class BackwardSchedule(ABC):
     def check(self, p: Problem) -> None:  # noqa: B027 - optional hook
         """Refuse what this backward's kernels cannot run (beyond the common checks)."""
 
+    def check_kernels(self, p: Problem, count: bool) -> None:
+        """`check`, then every kernel's shared memory against what a CTA may take (a build
+        past it would not even load)."""
+        self.check(p)
+        for kern in self.kernels(p, count):
+            if kern.shared_bytes > kern.shared_limit:
+                raise ValueError(
+                    f"block_k: {self.name}'s backward needs {kern.shared_bytes} bytes of "
+                    f"shared memory per CTA in kernel {kern.name} for block_q={p.block_q}, "
+                    f"block_k={p.block_k}, d={p.d}, dv={p.dv}; the limit is "
+                    f"{kern.shared_limit} bytes: use smaller blocks")
+
     def allocate_workspace(self, p: Problem, empty=None) -> tuple:
         """Device arrays the backward keeps in HBM (allocated by `empty(shape, dtype)`,
         runtime.device_empty unless given)."""
