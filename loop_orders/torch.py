@@ -16,13 +16,15 @@ device (the kernels run on the tensors' memory, on torch's current stream, outpu
 torch, no host copies) or, under the Numba CUDA simulator, on the CPU (through NumPy; tiny
 sizes). torch is an optional dependency (`pip install -e ".[torch]"`).
 
-Two `torch.library` custom ops carry it: `loop_orders::attention` (the forward: O, lse, and what
-the schedule's backward reads besides, such as dense's S and P or kv_outer's l and m, all
-allocated through torch) and `loop_orders::attention_backward` (dq, dk, dv from those);
-`register_autograd` joins them, `register_fake` gives every output's shape, so
+Under torch.compile two `torch.library` custom ops carry it: `loop_orders::attention` (the
+forward: O, lse, and what the schedule's backward reads besides, such as dense's S and P or
+kv_outer's l and m, all allocated through torch) and `loop_orders::attention_backward` (dq, dk,
+dv from those); `register_autograd` joins them, `register_fake` gives every output's shape, so
 `torch.compile(model, fullgraph=True)` traces a model calling them without a graph break, and
-a CUDA graph (`mode="reduce-overhead"`) can capture them. The schedule and its arguments are op
-arguments; its options are one string, `encode_options`: "dq=separate,splits=2" (the
+a CUDA graph (`mode="reduce-overhead"`) can capture them. In eager mode the same two passes run
+under a plain autograd.Function (`_EagerAttention`: the custom op's dispatch costs more host
+time than a small call's own). The schedule and its arguments are op arguments; its options
+are one string, `encode_options`: "dq=separate,splits=2" (the
 `--option key=value` strings of the command line, sorted).
 """
 
@@ -111,11 +113,10 @@ def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window, p
                         decode_options(options), count, False, tuple(window), pack_gqa)
 
 
-@torch.library.custom_op("loop_orders::attention", mutates_args=())
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, options: str,
-             causal: bool, block_q: int, block_k: int, scale: float | None,
-             window: list[int], pack_gqa: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def _forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str,
+                  options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
+                  window: list[int], pack_gqa: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The forward pass: O, lse, and the schedule's workspace its backward reads."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
@@ -124,6 +125,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str, o
     _record(call, "forward", saved.counts, collected)
     kind = call.inputs.kind
     return kind.finish(saved.out), kind.finish(saved.lse), [kind.finish(x) for x in saved.kept]
+
+
+_forward = torch.library.custom_op("loop_orders::attention", mutates_args=())(_forward_pass)
 
 
 @_forward.register_fake
@@ -145,12 +149,11 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
             q.new_empty(q.shape[:-1], dtype=torch.float32), list(kept))
 
 
-@torch.library.custom_op("loop_orders::attention_backward", mutates_args=())
-def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor], schedule: str,
-              options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
-              window: list[int], pack_gqa: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_pass(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor],
+                   schedule: str, options: str, causal: bool, block_q: int, block_k: int,
+                   scale: float | None, window: list[int], pack_gqa: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The schedule's backward loop order: dq, dk, dv from the forward's outputs."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
@@ -158,6 +161,10 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dq, dk, dv, ledger = call.backward(call.resume(out, lse, kept), q, k, v, do)
     _record(call, "backward", ledger, collected)
     return dq, dk, dv
+
+
+_backward = torch.library.custom_op("loop_orders::attention_backward",
+                                    mutates_args=())(_backward_pass)
 
 
 @_backward.register_fake
@@ -182,6 +189,26 @@ def _gradients(ctx, grad_out, _grad_lse, _grad_kept):
 _forward.register_autograd(_gradients, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """Eager mode's path: the op's two passes under a plain autograd.Function. The custom
+    op's dispatch (its checks of the outputs' aliasing, the Python autograd wrapper
+    `register_autograd` installs) costs several times a small call's own host time
+    (results/host_overhead.json); torch.compile traces the custom op instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *args):
+        out, lse, kept = _forward_pass(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, out, lse, *kept)
+        ctx.args = args
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        dq, dk, dv = _backward_pass(grad_out.contiguous(), q, k, v, out, lse, kept, *ctx.args)
+        return dq, dk, dv, *(None,) * len(ctx.args)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
               causal: bool = False, block_q: int = 64, block_k: int = 64,
               options: dict | None = None, scale: float | None = None,
@@ -193,10 +220,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     per query head or with `pack_gqa` packed, as `loop_orders.attention`). Arguments are
     checked as `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
     contiguous first (torch's copy, outside the ledgers)."""
-    out, _, _ = _forward(q.contiguous(), k.contiguous(), v.contiguous(), schedule,
-                         encode_options(options), causal, block_q, block_k, scale,
-                         list(check_window(window)), bool(pack_gqa))
-    return out
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), schedule, encode_options(options),
+            causal, block_q, block_k, scale, list(check_window(window)), bool(pack_gqa))
+    if torch.compiler.is_compiling():  # the custom op, which the compiler traces
+        return _forward(*args)[0]
+    return _EagerAttention.apply(*args)
 
 
 def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:

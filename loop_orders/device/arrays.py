@@ -152,6 +152,11 @@ class TorchCudaKind(Kind):
     def stream(self, x) -> int:
         import torch
 
+        # the current stream's raw handle, as Triton's launcher asks for it: the public
+        # torch.cuda.current_stream() builds a Stream object first (microseconds a call)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(x.get_device())
         return torch.cuda.current_stream(x.device).cuda_stream
 
 

@@ -13,6 +13,7 @@ README.md. The simulator never needs it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import sys
@@ -303,13 +304,9 @@ class _Launcher:
     so only the pointers change from call to call."""
 
     def __init__(self, compiled, args):
-        import ctypes
-
-        from numba.cuda.cudadrv.driver import binding
-
-        self._binding = binding
         self.compiled = compiled
-        self.function = binding.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+        self.function = ctypes.c_void_p(int(compiled._codelibrary.get_cufunc().handle))
+        self._launch = _driver_launch()
         cells, self.pointers, self.scalars = [], [], []
         for i, (a, ty) in enumerate(zip(args, compiled.argument_types, strict=True)):
             if _is_array(a):
@@ -337,10 +334,24 @@ class _Launcher:
         for i, cell in self.scalars:
             cell.value = args[i]
         gx, gy, gz = grid
-        (err,) = self._binding.cuLaunchKernel(self.function, gx, gy, gz, block, 1, 1,
-                                              shared_bytes, stream, self.address, 0)
-        if err != self._binding.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel of {self.compiled.entry_name} failed: {err}")
+        err = self._launch(self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream,
+                           self.address, None)
+        if err:
+            from numba.cuda.cudadrv.driver import binding
+
+            raise RuntimeError(f"cuLaunchKernel of {self.compiled.entry_name} failed: "
+                               f"{binding.CUresult(err)!r}")
+
+
+@functools.cache
+def _driver_launch():
+    """The driver's cuLaunchKernel called through ctypes: the cuda-python binding converts
+    and checks each argument (microseconds a launch); the parameter block is ours already."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def data_pointer(a) -> int:
