@@ -295,3 +295,23 @@ def test_git_sha_is_dirty_for_code_changes_only(tmp_path, monkeypatch):
     assert git_sha(tmp_path) == head
     (tmp_path / "code.py").write_text("2")  # the code that measures
     assert git_sha(tmp_path) == head + "-dirty"
+
+
+def test_window_traffic_counts_equal_the_model_and_flash_orders_grow_with_the_window():
+    """experiments/window_traffic: every order's counted traffic under a causal sliding
+    window equals its model (outputs and gradients checked first); at N = 16384 the flash
+    orders' traffic grows at most in proportion to the window, dense's not at all."""
+    from experiments import window_traffic
+
+    rows = window_traffic.measured_rows({"n": 16, "d": 4, "block": 4, "windows": [2]})
+    assert len(rows) == 2 * len(lo.core.schedule.grad_variants(forwards=True))
+    assert all(r["equal"] and r["counted"] > 0 for r in rows)
+    model = window_traffic.model_rows({**window_traffic.MODEL, "windows": [512, 1024]})
+    by = {(r["pass"], r["order"], r["window"]): r["bytes"] for r in model}
+    for (pass_, order, w), small in by.items():
+        if w == 512:
+            large = by[pass_, order, 1024]
+            if order == "dense":
+                assert large == small
+            else:
+                assert small < large <= 2 * small, (pass_, order)
