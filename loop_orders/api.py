@@ -471,11 +471,12 @@ def call_key(schedule, inputs: tuple, args: tuple, options) -> tuple | None:
 def clamped_blocks(p: Problem, block_q, block_k) -> dict:
     return {name: (asked, used) for name, asked, used in
             (("block_q", block_q, p.block_q), ("block_k", block_k, p.block_k))
-            if asked != used}
+            if asked is not None and asked != used}
 
 
-def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: int = 64,
-              causal: bool = False, scale: float | None = None, save_lse: bool = False,
+def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
+              block_k: int | None = None, causal: bool = False, scale: float | None = None,
+              save_lse: bool = False,
               count: bool = False, options: dict | None = None, timed: bool = False,
               precision: str = "ieee", window: tuple = (-1, -1),
               pack_gqa: bool = False) -> Result:
@@ -487,6 +488,9 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int = 64, block_k: in
     reads its K/V head (K/V read H_q / H_kv times), or with `pack_gqa` the query rows of a
     group's heads run as one block against it (K/V read once per group; no mask but causal
     decode, `packed_rows`).
+    `block_q` x `block_k` are the tiles (Br x Bc): left out (None), 64 x 64, or where those do
+    not fit in shared memory the first of `DEFAULT_TILES` that does; tiles named that do not
+    fit are refused. Tiles larger than the problem are clamped to it (`Result.clamped`).
     float32, float16 or bfloat16 (torch tensors: NumPy has no bfloat16); accumulation is
     float32, 16-bit inputs run on tensor cores. Outputs are the same kind of array as q
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
@@ -530,15 +534,54 @@ def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count
     """Every check of `attention`, in the order the error messages promise."""
     sched = get_schedule(schedule)
     inp = check_inputs(q, k, v)
-    p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
-                     heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=save_lse, dtype=inp.dtype, options=options, precision=precision,
-                     window=window, kv_heads=inp.kv_heads, pack_gqa=pack_gqa)
+
+    def problem(bq: int, bk: int) -> Problem:
+        return make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv,
+                            batch=inp.batch, heads=inp.heads, block_q=bq, block_k=bk,
+                            causal=causal, save_lse=save_lse, dtype=inp.dtype, options=options,
+                            precision=precision, window=window, kv_heads=inp.kv_heads,
+                            pack_gqa=pack_gqa)
+
+    p = problem(*named_tiles(block_q, block_k))
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
-    check_launch(sched, p, count, host_inputs=inp.host)
+    p = fitting_tiles(p, problem, block_q, block_k,
+                      lambda p: check_launch(sched, p, count, host_inputs=inp.host))
     return _Call(sched, p, inp, scale, count, timed, clamped_blocks(p, block_q, block_k))
+
+
+# Tiles tried in turn when the caller names none: the first whose kernels fit in shared memory
+# (forward, and for a gradient call the backward too) runs. 64 x 64 fits every schedule up to
+# d = 128; wide heads (d >= 160) in float32, and dense's backward, need smaller ones.
+DEFAULT_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
+
+
+def named_tiles(block_q: int | None, block_k: int | None) -> tuple[int, int]:
+    """The tiles a call asks for: those named, 64 for each the caller left out (None)."""
+    return (DEFAULT_TILES[0][0] if block_q is None else block_q,
+            DEFAULT_TILES[0][1] if block_k is None else block_k)
+
+
+def fitting_tiles(p: Problem, problem, block_q, block_k, check) -> Problem:
+    """p (its tiles `named_tiles(block_q, block_k)`) after `check(p)`; when the caller named
+    neither tile, the first Problem of `DEFAULT_TILES` (`problem(block_q, block_k)` makes
+    one) that `check` accepts, where only refusals of the tiles (a ValueError naming block_q
+    or block_k: shared memory) move on to the next; if none fits, the first's refusal."""
+    if block_q is not None or block_k is not None:
+        check(p)
+        return p
+    first = None
+    for tiles in DEFAULT_TILES:
+        candidate = p if tiles == DEFAULT_TILES[0] else problem(*tiles)
+        try:
+            check(candidate)
+            return candidate
+        except ValueError as exc:
+            if not str(exc).startswith(("block_q:", "block_k:")):
+                raise
+            first = first or exc
+    raise first
 
 
 def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch: int = 1,

@@ -28,8 +28,10 @@ from .api import (
     check_launch,
     check_simulator_budget,
     clamped_blocks,
+    fitting_tiles,
     make_problem,
     memory_need,
+    named_tiles,
 )
 from .core.backward_schedule import BackwardSchedule
 from .core.ledger import Ledger, n_slots
@@ -142,7 +144,7 @@ class GradCall:
 
     def _views(self, q, k, v):
         p = self.p
-        return tuple(kx.view(x).reshape(heads, n, width) for kx, x, heads, n, width in
+        return tuple(kx.view_as(x, (heads, n, width)) for kx, x, heads, n, width in
                      zip(self.inputs.kinds, (q, k, v), (p.bh, p.bh_kv, p.bh_kv),
                          (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=False))
 
@@ -153,10 +155,9 @@ class GradCall:
         lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
         workspace, kept = self._workspace(q)
         counts = self._counts(q)
-        with runtime.on_stream(kind.stream(q)), runtime.launching():
-            self.sched.launch(p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv),
-                              lse_dev.reshape(p.bh, p.n_q), counts, scale=self.scale,
-                              count=self.count, workspace=workspace)
+        runtime.launch_on(kind.stream(q), lambda: self.sched.launch(
+            p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv), lse_dev.reshape(p.bh, p.n_q),
+            counts, scale=self.scale, count=self.count, workspace=workspace))
         return Saved(out, out_dev, lse, lse_dev, workspace,
                      self._ledger(counts, self.sched.ledger_tensors()), kept)
 
@@ -183,7 +184,8 @@ class GradCall:
         parts = [kind.empty(q, (p.bh, p.n_k, width), self.dtype)[1] for width in (p.d, p.dv)] \
             if p.group > 1 else [dkv, dvv]
         counts = self._counts(q)
-        with runtime.on_stream(kind.stream(q)), runtime.launching():
+
+        def launches():
             self.bwd.launch(p, qv, kv, vv, saved.out_dev.reshape(p.bh, p.n_q, p.dv), dov,
                             saved.lse_dev.reshape(p.bh, p.n_q), dqv, *parts, counts,
                             scale=self.scale, count=self.count,
@@ -191,6 +193,8 @@ class GradCall:
                             workspace=self.bwd.allocate_workspace(p, self._empty(q)))
             if p.group > 1:
                 launch_group_sums(p, *parts, dkv, dvv, counts, self.count)
+
+        runtime.launch_on(kind.stream(q), launches)
         dq, dk, dv = (kind.finish(user) for user, _ in grads)
         return dq, dk, dv, self._ledger(counts, self.bwd.ledger_tensors())
 
@@ -206,6 +210,26 @@ class GradCall:
 
 
 _CALLS: OrderedDict = OrderedDict()
+
+
+def grad_problem(sched, n_q, n_k, d, dv, batch, heads, kv_heads, dtype, causal, options,
+                 window, pack_gqa):
+    """problem(block_q, block_k): the Problem of a gradient call (lse saved) with those
+    tiles."""
+    def problem(block_q: int, block_k: int) -> Problem:
+        return make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
+                            block_q=block_q, block_k=block_k, causal=causal, save_lse=True,
+                            dtype=dtype, options=options, window=window, kv_heads=kv_heads,
+                            pack_gqa=pack_gqa)
+
+    return problem
+
+
+def check_grad_launch(sched, bwd, p: Problem, count: bool, host: bool) -> None:
+    """A gradient call's launch checks: the forward's (no simulator budget of its own) and
+    the backward's."""
+    check_launch(sched, p, count, host_inputs=host, simulator_budget=False)
+    check_backward(sched, bwd, p, count, host)
 
 
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
@@ -224,14 +248,13 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     sched = get_schedule(schedule)
     bwd = backward_of(sched)
     inp = check_inputs(q, k, v, **({} if do is None else {"do": do}))
-    p = make_problem(sched, n_q=inp.n_q, n_k=inp.n_k, d=inp.d, dv=inp.dv, batch=inp.batch,
-                     heads=inp.heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=True, dtype=inp.dtype, options=options, window=window,
-                     kv_heads=inp.kv_heads, pack_gqa=pack_gqa)
+    problem = grad_problem(sched, inp.n_q, inp.n_k, inp.d, inp.dv, inp.batch, inp.heads,
+                           inp.kv_heads, inp.dtype, causal, options, window, pack_gqa)
+    p = problem(*named_tiles(block_q, block_k))
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count, timed = _check_bool("count", count), _check_bool("timed", timed)
-    check_launch(sched, p, count, host_inputs=inp.host, simulator_budget=False)
-    check_backward(sched, bwd, p, count, inp.host)
+    p = fitting_tiles(p, problem, block_q, block_k,
+                      lambda p: check_grad_launch(sched, bwd, p, count, inp.host))
     call = GradCall(sched, bwd, p, inp, scale, count, timed, clamped_blocks(p, block_q,
                                                                             block_k))
     # a new shape: its forward and backward kernels compile at once, not pass by pass
@@ -243,8 +266,8 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     return call
 
 
-def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
-                   block_k: int = 64, causal: bool = False, scale: float | None = None,
+def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None = None,
+                   block_k: int | None = None, causal: bool = False, scale: float | None = None,
                    options: dict | None = None, count: bool = False,
                    timed: bool = False, window: tuple = (-1, -1),
                    pack_gqa: bool = False) -> GradResult:
@@ -256,7 +279,8 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int = 64,
     array as q; `lse` is float32. With `count`, the counted kernels run and the ledgers of
     each pass are returned (the forward's includes what it saves for the backward).
     `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
-    With fewer K/V heads than query heads (grouped-query attention) dk and dv have k's and
+    Tiles as for `attention`, the forward's and the backward's kernels both fitting when
+    chosen. With fewer K/V heads than query heads (grouped-query attention) dk and dv have k's and
     v's heads; `pack_gqa` as for `attention`.
     """
     call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import make_problem
-from .api_grad import GradCall, prepare_grad
+from .api import _check_int, fitting_tiles, named_tiles
+from .api_grad import GradCall, check_grad_launch, grad_problem, prepare_grad
 from .core.ledger import Ledger
 from .core.mask import check_window
-from .core.schedule import Problem, get_schedule
+from .core.schedule import Problem, backward_of, get_schedule
 from .device.arrays import numpy_to_torch_dtype
 
 
@@ -102,6 +102,11 @@ def decode_options(text: str) -> dict | None:
     return dict(pair.split("=") for pair in text.split(",")) if text else None
 
 
+def _tile(block: int) -> int | None:
+    """An op's tile argument as the API takes it: 0 stands for None (chosen, `attention`)."""
+    return None if block == 0 else block
+
+
 def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window, pack_gqa,
           count) -> GradCall:
     """The prepared call of these arguments, counted or not (`prepare_grad` keeps it)."""
@@ -109,7 +114,7 @@ def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window, p
         raise RuntimeError("counting(): a CUDA graph is being captured; its replays run no "
                            "Python, so their passes could not be counted: count without CUDA "
                            "graphs (mode='reduce-overhead')")
-    return prepare_grad(q, k, v, None, schedule, block_q, block_k, causal, scale,
+    return prepare_grad(q, k, v, None, schedule, _tile(block_q), _tile(block_k), causal, scale,
                         decode_options(options), count, False, tuple(window), pack_gqa)
 
 
@@ -138,11 +143,15 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
     (*lead, n_q, d), n_k, dv = map(int, q.shape), int(k.shape[-2]), int(v.shape[-1])
     sched = get_schedule(schedule)
     batch, heads = lead if lead else (1, 1)
-    p = make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv,
-                     batch=batch, heads=heads, block_q=block_q, block_k=block_k, causal=causal,
-                     save_lse=True, dtype=str(q.dtype).removeprefix("torch."),
-                     options=decode_options(options), window=tuple(window),
-                     kv_heads=int(k.shape[-3]) if lead else None, pack_gqa=pack_gqa)
+    problem = grad_problem(sched, n_q, n_k, d, dv, batch, heads,
+                           int(k.shape[-3]) if lead else None,
+                           str(q.dtype).removeprefix("torch."), causal, decode_options(options),
+                           tuple(window), pack_gqa)
+    tiles, count = (_tile(block_q), _tile(block_k)), _collecting is not None
+    # the tiles the call will run with, chosen as `_call` chooses them (counted builds take
+    # a little more shared memory)
+    p = fitting_tiles(problem(*named_tiles(*tiles)), problem, *tiles,
+                      lambda p: check_grad_launch(sched, backward_of(sched), p, count, False))
     kept = sched.allocate_workspace(
         p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype)))
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
@@ -210,18 +219,22 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
-              causal: bool = False, block_q: int = 64, block_k: int = 64,
+              causal: bool = False, block_q: int | None = None, block_k: int | None = None,
               options: dict | None = None, scale: float | None = None,
               window: tuple = (-1, -1), pack_gqa: bool = False) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
     {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
     `loop_orders.attention`; k and v may have fewer heads than q (grouped-query attention,
-    per query head or with `pack_gqa` packed, as `loop_orders.attention`). Arguments are
-    checked as `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
+    per query head or with `pack_gqa` packed, as `loop_orders.attention`). Tiles left out
+    are chosen as `loop_orders.attention_grad` chooses them (64 x 64 where its forward and
+    backward fit); the op carries such a tile as 0. Arguments are checked as
+    `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
     contiguous first (torch's copy, outside the ledgers)."""
+    tiles = [0 if b is None else _check_int(name, b, 1) for name, b in
+             (("block_q", block_q), ("block_k", block_k))]
     args = (q.contiguous(), k.contiguous(), v.contiguous(), schedule, encode_options(options),
-            causal, block_q, block_k, scale, list(check_window(window)), bool(pack_gqa))
+            causal, *tiles, scale, list(check_window(window)), bool(pack_gqa))
     if torch.compiler.is_compiling():  # the custom op, which the compiler traces
         return _forward(*args)[0]
     return _EagerAttention.apply(*args)
@@ -243,7 +256,7 @@ def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 schedule="q_outer", block_q=64, block_k=64, pack_gqa=False,
+                                 schedule="q_outer", block_q=None, block_k=None, pack_gqa=False,
                                  **options):
     """`torch.nn.functional.scaled_dot_product_attention`'s signature, computed in the loop
     order `schedule` with tiles `block_q` x `block_k` and the schedule's `options` (as
@@ -268,7 +281,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 @contextlib.contextmanager
-def use(schedule: str = "q_outer", *, block_q: int = 64, block_k: int = 64, **options):
+def use(schedule: str = "q_outer", *, block_q: int | None = None, block_k: int | None = None,
+        **options):
     """Inside the block, `torch.nn.functional.scaled_dot_product_attention` is
     `scaled_dot_product_attention` in the loop order `schedule`: an unmodified model's
     attention (its calls of F.scaled_dot_product_attention, torch.nn.MultiheadAttention's

@@ -180,7 +180,7 @@ def test_numpy_strided_host_arrays_are_copied_not_refused(qkv):
 @pytest.mark.parametrize("kwargs, exc, pattern", [
     ({"block_q": np.float64(4.0)}, TypeError, "block_q: must be an integer"),
     ({"block_k": "4"}, TypeError, "block_k: must be an integer"),
-    ({"block_k": None}, TypeError, "block_k: must be an integer"),
+    ({"block_k": 4.5}, TypeError, "block_k: must be an integer"),
     ({"block_q": -1}, ValueError, "block_q: got -1"),
     ({"block_k": 513}, ValueError, r"block_k: got 513, allowed 1 <= block_k <= 512"),
     ({"scale": float("inf")}, ValueError, "scale: must be a finite non-zero"),
@@ -261,3 +261,28 @@ def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch, 
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert "n: dense needs" in err and "the limit is 100 bytes (a test limit)" in err
+
+
+def test_tiles_left_out_are_chosen_to_fit_and_named_ones_are_refused(monkeypatch):
+    """With no tiles named, a call whose 64 x 64 kernels need more shared memory than a CTA
+    may take runs on the first of DEFAULT_TILES that fits (float32 at d = 160: the
+    backward's 64 x 64 needs 300288 bytes); named tiles that do not fit are refused, naming
+    the tile. Checked without running (the simulator would take minutes at d = 160)."""
+    from loop_orders import api, api_grad
+
+    monkeypatch.setenv("LOOP_ORDERS_ALLOW_SLOW", "1")
+    q = np.ones((1, 1, 128, 160), np.float32)
+    call = api_grad.prepare_grad(q, q, q, q, "q_outer", None, None, True, None, None, False,
+                                 False)
+    assert (call.p.block_q, call.p.block_k) in api.DEFAULT_TILES[1:]
+    assert call.p.block_q * call.p.block_k < 64 * 64
+    with pytest.raises(ValueError, match="^block_k: q_outer's backward needs 300288 bytes"):
+        api_grad.prepare_grad(q, q, q, q, "q_outer", 64, 64, True, None, None, False, False)
+    forward = api._prepare(q, q, q, "dense", None, None, False, None, False, False, None,
+                           False, "ieee")
+    assert forward.p.block_q * forward.p.block_k < 64 * 64
+    with pytest.raises(ValueError, match="^block_k: dense needs"):
+        api._prepare(q, q, q, "dense", 64, 64, False, None, False, False, None, False, "ieee")
+    fits = api._prepare(q[..., :64], q[..., :64], q[..., :64], "dense", None, None, False,
+                        None, False, False, None, False, "ieee")
+    assert (fits.p.block_q, fits.p.block_k) == (64, 64)

@@ -546,6 +546,20 @@ def launching():
         sys.setswitchinterval(previous)
 
 
+def launch_on(stream: int, launches) -> None:
+    """`launches()` with its kernels on `stream` (under the simulator inside `launching()`):
+    a call's host path, with no context manager on the GPU (each costs microseconds)."""
+    if SIMULATOR:
+        with on_stream(stream), launching():
+            launches()
+        return
+    previous = set_stream(stream)
+    try:
+        launches()
+    finally:
+        set_stream(previous)
+
+
 class Timer:
     """Elapsed milliseconds (`ms`) of the launches inside the `with` block when `timed`
     (else `ms` is None and nothing waits for the GPU).
