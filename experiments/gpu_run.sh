@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests, host, fuzz, gqa, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
+# STAGE: tests (each named as it ends: a run cut short still says which failed), host, fuzz,
+# gqa, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
@@ -28,7 +29,7 @@ run() {  # run STAGE TIMEOUT COMMAND...: the command's output in $W/STAGE/log
 for arg in "$@"; do
   stage=${arg%%:*}; T=${STAGE_TIMEOUT:-300}; [ "$stage" != "$arg" ] && T=${arg#*:}
   case "$stage" in
-  tests)    run tests "$T" python3 -m pytest -q -p no:cacheprovider -n 8 -s \
+  tests)    run tests "$T" python3 -m pytest -v -rf -p no:cacheprovider -n 8 -s \
               ${TESTS:-tests/test_gpu.py tests/test_torch.py} ;;
   host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
   fuzz)     run fuzz "$T" python3 -m experiments.gpu_fuzz --out "$W/fuzz" ${FUZZ_ARGS:-} ;;
