@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
+from loop_orders.api_grad import grad_problem
 from loop_orders.core.schedule import backward_of, grad_variants
 from loop_orders.reference import (
     attention_grad_reference,
@@ -200,16 +201,31 @@ def run_config(c: dict) -> dict:
     return {"outcome": "failed" if problems else "ok", "steps": steps, "problems": problems}
 
 
+def call_jobs(c: dict) -> list:
+    """The calls a configuration makes, as `warm` jobs, counted and not: lo.attention's, and
+    lo.attention_grad's, whose forward saves lse and runs exact float32 where the
+    configuration's ran on TF32 (attention_grad takes no precision) -- kernels of their own
+    (the forward's job left out where they are the same)."""
+    p = problem_of(c)
+    sched = lo.get_schedule(c["schedule"])
+    grad = grad_problem(sched, c["n_q"], c["n_k"], c["d"], c["dv"], c["batch"], c["heads"],
+                        c["kv_heads"], c["dtype"], c["causal"], c["options"], c["window"],
+                        c["pack_gqa"])
+    grad_p = grad(c["block_q"], c["block_k"])
+    return [job for count in (True, False)
+            for job in (Job(c["schedule"], grad_p, count, backward=True),
+                        *([Job(c["schedule"], p, count)] if p != grad_p else []))]
+
+
 def warm_families(configs: list, workers: int) -> None:
     """Compile the configurations' kernels ahead, in parallel (`warm` drops what the API
     refuses: a refused forward, or a refused backward leaving the forward to compile)."""
     jobs = []
     for c in configs:
         try:
-            p = problem_of(c)
+            jobs += call_jobs(c)
         except (ValueError, TypeError):
             continue
-        jobs += [Job(c["schedule"], p, count, backward=True) for count in (True, False)]
     warm(jobs, workers)
 
 
