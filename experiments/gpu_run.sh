@@ -2,7 +2,7 @@
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
 # STAGE: tests (each named as it ends: a run cut short still says which failed), host, fuzz,
-# gqa, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
+# gqa, window, fagrid, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
@@ -34,6 +34,8 @@ for arg in "$@"; do
   host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
   fuzz)     run fuzz "$T" python3 -m experiments.gpu_fuzz --out "$W/fuzz" ${FUZZ_ARGS:-} ;;
   gqa)      run gqa "$T" python3 -m experiments.bench_gqa_decode --out "$W/gqa" ;;
+  window)   run window "$T" python3 -m experiments.bench_window --out "$W/window" ${WINDOW_ARGS:-} ;;
+  fagrid)   run fagrid "$T" python3 -m experiments.fa_grid --out "$W/fagrid" ;;
   decode)   run decode "$T" python3 -m experiments.bench_decode --out "$W/decode" ${DECODE_ARGS:-} ;;
   backward) run backward "$T" python3 -m experiments.bench_runtime --backward --out "$W/backward" \
               ${BACKWARD_ARGS:-} ;;
@@ -99,7 +101,7 @@ for arg in "$@"; do
                 python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
                 --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
             done ;;
-  *) echo "usage: gpu_run.sh tests|host|decode|backward|theorems|train|fig2|bench|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
+  *) echo "usage: gpu_run.sh tests|host|fuzz|gqa|window|fagrid|decode|backward|theorems|train|fig2|bench|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
   esac
 done

@@ -13,7 +13,10 @@
 from .device import runtime  # noqa: F401  (chooses GPU or simulator before numba loads)
 
 # isort: split
-from . import schedules  # noqa: F401  (registers every schedule, forward and backward)
+from . import (
+    schedules,  # noqa: F401  (registers every schedule, forward and backward)
+    varlen,  # noqa: F401  (lo.attention's cu_seqlens: puts itself in api.VARLEN)
+)
 from .api import Result, attention, make_problem, predict_traffic
 from .api_grad import GradResult, attention_grad
 from .core.ledger import TENSORS, Ledger

@@ -44,16 +44,19 @@ class Result:
     """What `attention` returns. `out` (and `lse`) are the same kind of array as q.
 
     `ms`: the kernels' time with `timed=True` (CUDA events; a host clock on the simulator),
-    else None. `clamped`: block sizes larger than the problem, {name: (asked, used)}."""
+    else None. `clamped`: block sizes larger than the problem, {name: (asked, used)}.
+    A varlen call (cu_seqlens) has no one Problem: `problem` is None and `problems` holds
+    each sequence's with queries, in order."""
 
     out: Any
     lse: Any
     counts: Ledger | None
-    problem: Problem
+    problem: Problem | None
     schedule: str
     backend: str
     ms: float | None = None
     clamped: dict | None = None
+    problems: tuple | None = None
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> int:
@@ -230,18 +233,22 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
 def check_simulator_budget(sched: Schedule, p: Problem, backward: bool = False) -> None:
     """Refuse (or, with LOOP_ORDERS_ALLOW_SLOW=1, warn about) a call the simulator would take
     longer than LOOP_ORDERS_SIMULATOR_BUDGET_S seconds (default 60) to run."""
-    if not runtime.SIMULATOR:
-        return
+    if runtime.SIMULATOR:
+        check_simulator_seconds(simulated_seconds(sched, p, backward),
+                                f"{sched.name} at {p.describe()}")
+
+
+def check_simulator_seconds(estimate: float, what: str) -> None:
+    """`check_simulator_budget` for an estimate of `estimate` seconds to run `what`."""
     budget = float(os.environ.get("LOOP_ORDERS_SIMULATOR_BUDGET_S", SIMULATOR_BUDGET_S))
-    estimate = simulated_seconds(sched, p, backward)
     if estimate <= budget:
         return
     message = (f"n: the Numba CUDA simulator would take about {estimate:,.3g} s for "
-               f"{sched.name} at {p.describe()} (its budget is {budget:g} s, "
+               f"{what} (its budget is {budget:g} s, "
                f"LOOP_ORDERS_SIMULATOR_BUDGET_S): use a smaller n, d, batch or heads, or "
                f"run on a GPU; LOOP_ORDERS_ALLOW_SLOW=1 runs it anyway")
     if os.environ.get("LOOP_ORDERS_ALLOW_SLOW") == "1":
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=4)
         return
     raise ValueError(message)
 
@@ -357,6 +364,16 @@ def check_inputs(q, k, v, **extra) -> Inputs:
         raise ValueError(f"k: head dim d must equal q's ({qs[-1]}), got k{ks}")
     if vs[-2] != ks[-2]:
         raise ValueError(f"v: must have as many rows as k ({ks[-2]}), got v{vs}")
+    dtype = check_arrays(named, kinds, qs[:-1] + (vs[-1],), extra)
+    batch, heads = qs[:2] if len(qs) == 4 else (1, 1)
+    return Inputs(tuple(kinds.values()), batch, heads, qs[-2], ks[-2], qs[-1], vs[-1],
+                  dtype, qs, kv_heads)
+
+
+def check_arrays(named: tuple, kinds: dict, out_shape: tuple, extra: dict) -> str:
+    """The checks of q, k, v (`named`: (name, array) pairs) that do not depend on their
+    layout: dtypes (returned, one for all), bfloat16's frameworks, `extra` arrays shaped
+    `out_shape` (their kinds added to `kinds`), C-contiguity."""
     dtypes = {name: arrays.dtype_name(x) for name, x in named}
     for name, dt in dtypes.items():
         if dt not in SUPPORTED_DTYPES:
@@ -369,7 +386,6 @@ def check_inputs(q, k, v, **extra) -> Inputs:
             if not kind.name.startswith(arrays.BFLOAT16_FRAMEWORKS):
                 raise TypeError(f"{name}: bfloat16 arrays are taken as torch tensors only "
                                 f"(NumPy has no bfloat16), got {kind.name}")
-    out_shape = qs[:-1] + (vs[-1],)
     for name, x in extra.items():
         kinds[name] = _kind(name, x)
         if arrays.shape_of(x) != out_shape:
@@ -381,9 +397,7 @@ def check_inputs(q, k, v, **extra) -> Inputs:
     for name, x in (*named, *extra.items()):
         if not arrays.is_c_contiguous(x):
             raise ValueError(f"{name}: device arrays must be C-contiguous; copy it first")
-    batch, heads = qs[:2] if len(qs) == 4 else (1, 1)
-    return Inputs(tuple(kinds.values()), batch, heads, qs[-2], ks[-2], qs[-1], vs[-1],
-                  dtypes["q"], qs, kv_heads)
+    return dtypes["q"]
 
 
 class _Call:
@@ -447,6 +461,9 @@ class _Call:
 
 _CALLS: OrderedDict = OrderedDict()
 MAX_CALLS = 256  # keys kept (least recently used first out)
+# Calls with cu_seqlens run through `loop_orders.varlen`, which builds on this module: it
+# puts its entry points here ("attention", "attention_grad", "predict_traffic") on import.
+VARLEN: dict = {}
 
 
 def _hashable(value) -> tuple:
@@ -479,7 +496,7 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
               save_lse: bool = False,
               count: bool = False, options: dict | None = None, timed: bool = False,
               precision: str = "ieee", window: tuple = (-1, -1),
-              pack_gqa: bool = False) -> Result:
+              pack_gqa: bool = False, cu_seqlens_q=None, cu_seqlens_k=None) -> Result:
     """Exact attention O = softmax(scale Q K^T) V, executed in the loop order `schedule`.
 
     q: (batch, heads, n_q, d) or (n_q, d); k: same with n_k rows; v: same with dv columns.
@@ -507,6 +524,11 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
     blocks no row of a query block sees are skipped (`core.mask`). A row that sees no key
     gets output 0 and lse -inf.
 
+    Packed variable-length batches (FlashAttention's varlen): `cu_seqlens_q`, `cu_seqlens_k`
+    int32 prefix sums of length batch + 1, q (total_q, heads, d), k and v (total_k, kv_heads,
+    .); out (total_q, heads, dv), lse (heads, total_q). Each sequence runs as its own problem
+    on views of the packed arrays, masks per sequence (`loop_orders.varlen`).
+
     Numerics (README "Limits and numerics"): the running row max is subtracted before every
     exponential, so huge scores stay finite. Non-finite inputs reach exactly the outputs that
     depend on them: NaN in q[r] -> row r; in k[c] -> every row attending key c; in v[c, x] ->
@@ -514,6 +536,10 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
     cannot run (shapes, dtypes, block sizes, options, shared or device memory, the
     simulator's budget) is refused with a ValueError/TypeError before any copy or launch.
     """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return VARLEN["attention"](q, k, v, cu_seqlens_q, cu_seqlens_k, schedule, block_q,
+                                   block_k, causal, scale, save_lse, count, options, timed,
+                                   precision, window, pack_gqa)
     key = call_key(schedule, (q, k, v), (block_q, block_k, causal, scale, save_lse, count,
                                          timed, precision, window, pack_gqa), options)
     call = _CALLS.get(key) if key is not None else None
@@ -584,16 +610,28 @@ def fitting_tiles(p: Problem, problem, block_q, block_k, check) -> Problem:
     raise first
 
 
-def predict_traffic(schedule: str, n: int, d: int, dv: int | None = None, batch: int = 1,
+def predict_traffic(schedule: str, n: int | None, d: int, dv: int | None = None, batch: int = 1,
                     heads: int = 1, block_q: int = 64, block_k: int = 64, causal: bool = False,
                     save_lse: bool = False, n_k: int | None = None, options: dict | None = None,
                     backward: bool = False, dtype: str = "float32",
                     precision: str = "ieee", window: tuple = (-1, -1),
-                    kv_heads: int | None = None, pack_gqa: bool = False) -> Ledger:
+                    kv_heads: int | None = None, pack_gqa: bool = False,
+                    cu_seqlens_q=None, cu_seqlens_k=None) -> Ledger:
     """The schedule's exact traffic model (elements moved through HBM) for these sizes:
     the forward pass, or with `backward` the backward pass alone. The elements do not depend
     on dtype or precision (checked as a call's would be); bytes do (`Ledger.bytes`).
-    `kv_heads` and `pack_gqa` as for `attention` (grouped-query attention)."""
+    `kv_heads` and `pack_gqa` as for `attention` (grouped-query attention). With
+    `cu_seqlens_q` and `cu_seqlens_k` (a varlen batch; n and n_k None, batch 1) the sum of
+    each sequence's model."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if n is not None or n_k is not None or batch != 1:
+            raise ValueError("n: with cu_seqlens the lengths come from them; leave n, n_k "
+                             "and batch out")
+        return VARLEN["predict_traffic"](
+            schedule, cu_seqlens_q, cu_seqlens_k, d=d, dv=dv, heads=heads, kv_heads=kv_heads,
+            block_q=block_q, block_k=block_k, backward=backward, causal=causal,
+            save_lse=save_lse, options=options, dtype=dtype, precision=precision,
+            window=window, pack_gqa=pack_gqa)
     sched = get_schedule(schedule)
     p = make_problem(sched, n_q=n, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
                      block_q=block_q, block_k=block_k, causal=causal, save_lse=save_lse,

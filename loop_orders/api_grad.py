@@ -20,6 +20,7 @@ import numpy as np
 
 from .api import (
     MAX_CALLS,
+    VARLEN,
     Inputs,
     _check_bool,
     _check_scale,
@@ -44,7 +45,8 @@ from .warm import Job, compile_ahead
 @dataclass
 class GradResult:
     """What `attention_grad` returns: the forward's out and lse, the gradients, and the
-    counted ledgers of each pass (count=True)."""
+    counted ledgers of each pass (count=True). Varlen: `problem` None, `problems` each
+    sequence's (as `Result`'s)."""
 
     out: Any
     lse: Any
@@ -59,6 +61,7 @@ class GradResult:
     backend: str
     ms: float | None = None
     clamped: dict | None = None
+    problems: tuple | None = None
 
 
 @dataclass
@@ -270,7 +273,7 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
                    block_k: int | None = None, causal: bool = False, scale: float | None = None,
                    options: dict | None = None, count: bool = False,
                    timed: bool = False, window: tuple = (-1, -1),
-                   pack_gqa: bool = False) -> GradResult:
+                   pack_gqa: bool = False, cu_seqlens_q=None, cu_seqlens_k=None) -> GradResult:
     """Attention's forward pass in the loop order `schedule`, then the gradients of
     sum(O * do) with respect to q, k, v in its backward loop order (`backward_schedule_names`;
     options such as {"dq": "separate"} choose among a backward's variants).
@@ -280,9 +283,14 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
     each pass are returned (the forward's includes what it saves for the backward).
     `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
     Tiles as for `attention`, the forward's and the backward's kernels both fitting when
-    chosen. With fewer K/V heads than query heads (grouped-query attention) dk and dv have k's and
-    v's heads; `pack_gqa` as for `attention`.
+    chosen. With fewer K/V heads than query heads (grouped-query attention) dk and dv have
+    k's and v's heads; `pack_gqa` and `cu_seqlens_q`, `cu_seqlens_k` (varlen: do packed like
+    the output, dq, dk, dv like q, k, v) as for `attention`.
     """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return VARLEN["attention_grad"](q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule,
+                                        block_q, block_k, causal, scale, options, count,
+                                        timed, window, pack_gqa)
     call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,
                         count, timed, window, pack_gqa)
     return call(q, k, v, do)

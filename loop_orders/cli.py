@@ -38,9 +38,20 @@ def _option(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def _add_problem_args(parser: argparse.ArgumentParser) -> None:
+def _lengths(text: str) -> np.ndarray:
+    """A --cu-seqlens value: comma-separated prefix sums, as int32."""
+    try:
+        return np.array([int(x) for x in text.split(",")], dtype=np.int32)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as "
+                                         f"0,5,17, got {text!r}") from None
+
+
+def _add_problem_args(parser: argparse.ArgumentParser, varlen: bool = False) -> None:
     parser.add_argument("--schedule", required=True, help="registered schedule name")
-    parser.add_argument("--n", type=int, required=True, help="sequence length N (queries)")
+    parser.add_argument("--n", type=int, required=not varlen,
+                        help="sequence length N (queries)" + (
+                            "; not with --cu-seqlens-q" if varlen else ""))
     parser.add_argument("--n-k", type=int, default=None, help="keys (default: N)")
     parser.add_argument("--d", type=int, required=True, help="head dim of q and k")
     parser.add_argument("--dv", type=int, default=None, help="head dim of v (default: d)")
@@ -69,6 +80,12 @@ def _add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--option", type=_option, action="append", default=[],
                         metavar="KEY=VALUE", help="a schedule option (repeatable)")
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
+    if varlen:
+        for side in ("q", "k"):
+            parser.add_argument(f"--cu-seqlens-{side}", type=_lengths, default=None,
+                                metavar="0,N1,N1+N2,...",
+                                help=f"a packed batch: prefix sums of the sequences' "
+                                     f"{'queries' if side == 'q' else 'keys'} (varlen)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-nest", action="store_true", help="print each loop nest too")
 
     p = sub.add_parser("traffic", help="HBM traffic of one schedule: model, and measured")
-    _add_problem_args(p)
+    _add_problem_args(p, varlen=True)
     p.add_argument("--backward", action="store_true",
                    help="the backward pass alone (its schedule's backward loop order)")
     p.add_argument("--measure", action="store_true",
@@ -234,11 +251,51 @@ def _measure(args, p):
     return attention(q, k, v, save_lse=p.save_lse, precision=p.precision, **kwargs).counts
 
 
+def _varlen_traffic(args) -> int:
+    """`traffic` of a packed batch: the sum of its sequences' models, and measured."""
+    from .api import attention, predict_traffic
+    from .api_grad import attention_grad
+    from .device import runtime
+
+    if args.n is not None or args.n_k is not None or args.batch != 1:
+        raise ValueError("n: with --cu-seqlens-q the lengths come from the prefix sums; "
+                         "leave out --n, --n-k and --batch")
+    cu = {"cu_seqlens_q": args.cu_seqlens_q, "cu_seqlens_k": args.cu_seqlens_k}
+    kw = {"schedule": args.schedule, "block_q": args.block_q, "block_k": args.block_k,
+          "causal": args.causal, "window": tuple(args.window), "options": _options(args),
+          **cu}
+    dv = args.d if args.dv is None else args.dv
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    model = predict_traffic(n=None, d=args.d, dv=dv, heads=args.heads, kv_heads=kv_heads,
+                            backward=args.backward, save_lse=args.save_lse or args.backward,
+                            **kw)
+    print(f"{'backward of ' if args.backward else ''}{args.schedule}: "
+          f"{len(args.cu_seqlens_q) - 1} packed sequences, queries "
+          f"{np.diff(args.cu_seqlens_q).tolist()}, keys {np.diff(args.cu_seqlens_k).tolist()}")
+    print(f"model (elements, the sequences' sum):\n{model}")
+    if not args.measure:
+        return 0
+    rng = np.random.default_rng(args.seed)
+    total_q, total_k = int(args.cu_seqlens_q[-1]), int(args.cu_seqlens_k[-1])
+    q, k, v, do = (_random_array(args, rng, shape) for shape in (
+        (total_q, args.heads, args.d), (total_k, kv_heads, args.d), (total_k, kv_heads, dv),
+        (total_q, args.heads, dv)))
+    measured = (attention_grad(q, k, v, do, count=True, **kw).counts_backward if args.backward
+                else attention(q, k, v, count=True, save_lse=args.save_lse, **kw).counts)
+    verdict = "equal to the model" if measured == model else "DIFFERS from the model"
+    print(f"measured on {runtime.backend_name()} ({verdict}):\n{measured}")
+    return 0 if measured == model else 1
+
+
 def cmd_traffic(args) -> int:
     from .api import backward_traffic
     from .core.schedule import backward_of, get_schedule
     from .device import runtime
 
+    if args.cu_seqlens_q is not None or args.cu_seqlens_k is not None:
+        return _varlen_traffic(args)
+    if args.n is None:
+        raise ValueError("n: --n is required (or --cu-seqlens-q and --cu-seqlens-k)")
     p = _problem(args)
     sched = get_schedule(args.schedule)
     model = backward_traffic(backward_of(sched), p) if args.backward else sched.model(p)

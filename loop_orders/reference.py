@@ -85,6 +85,59 @@ def attention_grad_reference(q, k, v, do, *, scale: float | None = None, causal:
     return dq, dk, dv
 
 
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(rows of q, rows of k) of each packed sequence: slices of the prefix sums."""
+    cu_q, cu_k = (np.asarray(cu, dtype=np.int64) for cu in (cu_seqlens_q, cu_seqlens_k))
+    return [(slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]))
+            for b in range(len(cu_q) - 1)]
+
+
+def _heads_first(x, rows, group: int = 1):
+    """Packed rows (total, heads, w) of one sequence as (heads * group, n, w) in float64,
+    each head repeated `group` times (K/V over the query heads of their group)."""
+    return np.repeat(np.asarray(x[rows], dtype=np.float64).transpose(1, 0, 2), group, axis=0)
+
+
+def varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *,
+                               scale: float | None = None, causal: bool = False,
+                               mask: Mask | None = None):
+    """`attention_reference` of packed variable-length sequences (FlashAttention's varlen
+    layout): q (total_q, H, d), k (total_k, H_kv, d), v (total_k, H_kv, dv), sequence b
+    being rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] of q and likewise of k, v; query head h
+    reads K/V head h // (H / H_kv); the mask applies within each sequence (causal bottom-right
+    aligned to its own lengths). Returns (out (total_q, H, dv), lse (H, total_q))."""
+    heads, group = q.shape[1], q.shape[1] // k.shape[1]
+    out = np.zeros((q.shape[0], heads, v.shape[2]))
+    lse = np.full((heads, q.shape[0]), -np.inf)
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, lse[:, rows_q] = attention_reference(
+            _heads_first(q, rows_q), _heads_first(k, rows_k, group),
+            _heads_first(v, rows_k, group), scale=scale, causal=causal, mask=mask)
+        out[rows_q] = o.transpose(1, 0, 2)
+    return out, lse
+
+
+def varlen_grad_reference(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *,
+                          scale: float | None = None, causal: bool = False,
+                          mask: Mask | None = None):
+    """`attention_grad_reference` of packed sequences (layout as
+    `varlen_attention_reference`'s, do like the output): (dq, dk, dv) in q's, k's, v's
+    shapes, dk and dv summed over the query heads of each K/V head's group; keys of a
+    sequence without queries get zero gradients."""
+    heads_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
+    for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
+        gq, gk, gv = attention_grad_reference(
+            _heads_first(q, rows_q), _heads_first(k, rows_k, group),
+            _heads_first(v, rows_k, group), _heads_first(do, rows_q), scale=scale,
+            causal=causal, mask=mask)
+        dq[rows_q] = gq.transpose(1, 0, 2)
+        for grad, part in ((dk, gk), (dv, gv)):
+            grad[rows_k] = part.reshape(heads_kv, group, *part.shape[1:]).sum(1).transpose(
+                1, 0, 2)
+    return dq, dk, dv
+
+
 def _visible_matmul(w, visible, v):
     """sum over visible keys c of w[r, c] v[c]: masked keys never multiply V."""
     if visible.all() or np.isfinite(v).all():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import varlen
 from .api import _check_int, fitting_tiles, named_tiles
 from .api_grad import GradCall, check_grad_launch, grad_problem, prepare_grad
 from .core.ledger import Ledger
@@ -50,7 +51,7 @@ class Counted:
 
     schedule: str
     pass_: str  # "forward" or "backward"
-    problem: Problem
+    problem: Problem | tuple  # a varlen call's: its sequences' Problems
     ledger: Ledger
     model: Ledger
 
@@ -218,10 +219,48 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, *(None,) * len(ctx.args)
 
 
+class _VarlenAttention(torch.autograd.Function):
+    """Packed variable-length sequences (`loop_orders.varlen`), eager mode: the forward's
+    per-sequence workspaces stay on ctx as the call's own objects (not tensors a custom op
+    could return), so torch.compile does not trace this path."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, *args):
+        call = varlen.prepare_grad(q, k, v, None, cu_q, cu_k, *args[:-1],
+                                   count=_collecting is not None, timed=False,
+                                   window=args[-1], pack_gqa=False)
+        ctx.saved = call.forward(q, k, v)
+        _record_varlen(call, "forward", ctx.saved.counts)
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (cu_q, cu_k, *args)
+        return call.packed.kind.finish(ctx.saved.out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        do = grad_out.contiguous()
+        cu_q, cu_k, *args = ctx.args
+        call = varlen.prepare_grad(q, k, v, do, cu_q, cu_k, *args[:-1],
+                                   count=_collecting is not None, timed=False,
+                                   window=args[-1], pack_gqa=False)
+        grads = call.backward(ctx.saved, q, k, v, do)
+        _record_varlen(call, "backward", grads.counts)
+        return grads.dq, grads.dk, grads.dv, *(None,) * (2 + len(args))
+
+
+def _record_varlen(call, pass_: str, ledger: Ledger | None) -> None:
+    """`_record` of a varlen pass: its Problem is the tuple of its sequences'."""
+    if _collecting is not None and ledger is not None:
+        model = varlen.varlen_traffic(call.sched, call.problems, pass_ == "backward")
+        _collecting.append(Counted(call.sched.name, pass_, call.problems, ledger, model))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str = "q_outer",
               causal: bool = False, block_q: int | None = None, block_k: int | None = None,
               options: dict | None = None, scale: float | None = None,
-              window: tuple = (-1, -1), pack_gqa: bool = False) -> torch.Tensor:
+              window: tuple = (-1, -1), pack_gqa: bool = False,
+              cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
     {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
@@ -230,7 +269,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     are chosen as `loop_orders.attention_grad` chooses them (64 x 64 where its forward and
     backward fit); the op carries such a tile as 0. Arguments are checked as
     `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
-    contiguous first (torch's copy, outside the ledgers)."""
+    contiguous first (torch's copy, outside the ledgers).
+
+    With `cu_seqlens_q`, `cu_seqlens_k` (int32 prefix sums) q, k, v are packed sequences
+    (total, heads, d), as `loop_orders.attention` takes them; eager mode only (under
+    torch.compile: ValueError), no pack_gqa."""
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError("cu_seqlens_q: packed variable-length batches run in eager mode "
+                             "only; call the op outside torch.compile (or mark the caller "
+                             "torch.compiler.disable)")
+        if pack_gqa:
+            raise ValueError("pack_gqa: with cu_seqlens use pack_gqa=False (per query head)")
+        return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                      cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k,
+                                      causal, scale, options, tuple(check_window(window)))
     tiles = [0 if b is None else _check_int(name, b, 1) for name, b in
              (("block_q", block_q), ("block_k", block_k))]
     args = (q.contiguous(), k.contiguous(), v.contiguous(), schedule, encode_options(options),

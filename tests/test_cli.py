@@ -193,3 +193,16 @@ def test_warm_drops_what_the_api_refuses():
     (huge,) = warm.sweep_jobs(["q_outer"], [256], ["float32"], causal=(False,), block_q=512,
                               block_k=512)
     assert warm._accepted(huge) is None
+
+
+def test_traffic_of_a_packed_batch(capsys):
+    """--cu-seqlens-q/-k: the sequences' summed model, and the counted backward equal to it;
+    --n beside them refused."""
+    base = ["traffic", "--schedule", "q_outer", "--cu-seqlens-q", "0,5,5,12",
+            "--cu-seqlens-k", "0,9,11,18", "--d", "4", "--heads", "2", "--kv-heads", "1",
+            "--block-q", "4", "--block-k", "4", "--causal"]
+    assert main([*base, "--backward", "--measure", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "3 packed sequences, queries [5, 0, 7]" in out and "equal to the model" in out
+    assert main([*base, "--n", "12"]) == 2
+    assert "leave out --n" in capsys.readouterr().err

@@ -151,15 +151,19 @@ def test_ldmatrix_x4(trans, rng):
             assert words[lane, mat] == np.ascontiguousarray(pair).view(np.uint32)[0]
 
 
-def test_cp_async16_copies_and_zero_fills(rng):
-    """Rows of 8 float16 (16 bytes) into shared memory; n_bytes = 0 zero-fills the row."""
-    src = rng.standard_normal((1, 32, 8)).astype(np.float16)
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided rows"])
+def test_cp_async16_copies_and_zero_fills(strided, rng):
+    """Rows of 8 float16 (16 bytes) into shared memory; n_bytes = 0 zero-fills the row. Each
+    lane copies its row as columns 8 .. 15 of the row before it (col past the row's end:
+    the next row), from C-contiguous rows or from rows 24 elements apart (a varlen view)."""
+    rows = rng.standard_normal((1, 33, 24 if strided else 8)).astype(np.float16)
+    src = rows[:, :, 8:16] if strided else rows
 
     @cuda.jit
     def kernel(src, out):
         lane = cuda.threadIdx.x
         sh = cuda.shared.array((32 * 8,), np.float16)
-        ptx.cp_async16(sh, lane * 8, src, 0, lane, 0, 16 if lane % 3 else 0)
+        ptx.cp_async16(sh, lane * 8, src, 0, lane, 8, 16 if lane % 3 else 0, 8)
         ptx.cp_async_commit()
         ptx.cp_async_wait_all()
         cuda.syncthreads()  # every lane's copy has landed
@@ -167,8 +171,8 @@ def test_cp_async16_copies_and_zero_fills(rng):
             out[lane, u] = sh[lane * 8 + u]
 
     out = to_device(np.full((32, 8), 7, np.float16))
-    kernel[1, 32](to_device(src), out)
-    expect = src[0].copy()
+    kernel[1, 32](to_device(rows)[:, :, 8:16] if strided else to_device(src), out)
+    expect = src[0, 1:].copy()
     expect[::3] = 0
     np.testing.assert_array_equal(out.copy_to_host(), expect)
 

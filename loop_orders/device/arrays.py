@@ -88,6 +88,11 @@ class Kind:
         out = runtime.device_empty(shape, dtype)
         return out, out if kernel_shape is None else out.reshape(kernel_shape)
 
+    def zeros(self, x, shape, dtype):
+        """`empty`, filled with zeros (what no kernel writes: keys no query sees)."""
+        out = runtime.device_zeros(shape, dtype)
+        return out, out
+
     def finish(self, out):
         """The caller's array once the kernels have written it."""
         return out
@@ -149,6 +154,12 @@ class TorchCudaKind(Kind):
         out = torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
         return out, self.view_as(out, shape if kernel_shape is None else kernel_shape)
 
+    def zeros(self, x, shape, dtype):
+        import torch
+
+        out = torch.zeros(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
+        return out, self.view_as(out, shape)
+
     def stream(self, x) -> int:
         import torch
 
@@ -173,6 +184,13 @@ class CupyKind(Kind):
             out = cupy.empty(shape, dtype=dtype)
         view = self.view(out)
         return out, view if kernel_shape is None else view.reshape(kernel_shape)
+
+    def zeros(self, x, shape, dtype):
+        import cupy
+
+        with x.device:
+            out = cupy.zeros(shape, dtype=dtype)
+        return out, self.view(out)
 
     def stream(self, x) -> int:
         import cupy
@@ -223,6 +241,28 @@ def kind_of(x) -> Kind:
         return KINDS["cuda-array-interface"]
     raise TypeError(f"expected an array (NumPy, torch, CuPy, Numba device array or any "
                     f"__cuda_array_interface__ object), got {type(x).__name__}")
+
+
+def sequence_rows(x, start: int, n: int):
+    """Rows start .. start + n - 1 of a packed (total, heads, width) device array (as `Kind.view`
+    gives it) as the kernels' (heads, n, width), without a copy: a strided view, a row's next
+    row heads x width elements on (one sequence of a varlen batch)."""
+    if runtime.SIMULATOR:
+        return x[start:start + n].transpose((1, 0, 2))
+    total, heads, width = x.shape
+    s0, s1, s2 = x.strides
+    return DeviceView(runtime.data_pointer(x) + start * s0, (heads, n, width), (s1, s0, s2),
+                      x.dtype, x)
+
+
+def sequence_columns(x, start: int, n: int):
+    """Columns start .. start + n - 1 of a (heads, total) device array (a varlen lse), as a
+    (heads, n) view without a copy."""
+    if runtime.SIMULATOR:
+        return x[:, start:start + n]
+    s0, s1 = x.strides
+    return DeviceView(runtime.data_pointer(x) + start * s1, (x.shape[0], n), (s0, s1),
+                      x.dtype, x)
 
 
 def shape_of(x) -> tuple[int, ...]:

@@ -31,11 +31,13 @@ column (or key) in the low half; lane = 4 g + t.
                                                   four 8x8 16-bit matrices from shared memory:
         lane l gives the address tile[e] of row l % 8 of matrix l // 8; lane 4g + t receives
         row g, columns 2t, 2t+1 of each matrix (transposed: rows 2t, 2t+1 of column g)
-    cp_async16(tile, e, src, bh, row, col, n_bytes)
+    cp_async16(tile, e, src, bh, row, col, n_bytes, width)
                                                   16 bytes src[bh, row, col:] -> tile[e:],
         asynchronously, the bytes past n_bytes (0 or 16) zero-filled; col may run past the
-        row's end into the next rows (src's rows are contiguous: the kernels' inputs are
-        C-contiguous), so a copier can step rows by a constant column offset; then
+        row's end (`width` columns, a compile-time constant) into the next rows, so a copier
+        can step rows by a constant column offset: a C-contiguous src folds it into the
+        address as it is; a strided one (one sequence of a packed varlen batch, whose rows
+        lie heads x d apart) splits it into rows and a column first; then
     cp_async_commit(), cp_async_wait_all()        close a group; wait for all of a thread's
                                                   groups
     cp_async_wait_one()                           wait for all of a thread's groups but the
@@ -262,8 +264,8 @@ if SIMULATOR:
     def ldmatrix_x4_trans(tile, e):
         return _ldmatrix(tile, e, True)
 
-    def cp_async16(tile, e, src, bh, row, col, n_bytes):
-        per, width = 16 // tile.itemsize, src.shape[2]
+    def cp_async16(tile, e, src, bh, row, col, n_bytes, width):
+        per = 16 // tile.itemsize
         for u in range(per):
             r, c = divmod(int(col) + u, width)  # a column past the row's end: the next rows
             tile[e + u] = src[bh, row + r, c] if u * tile.itemsize < n_bytes else 0
@@ -492,15 +494,24 @@ else:
     ldmatrix_x4_trans = _ldmatrix_intrinsic(True)
 
     @intrinsic
-    def cp_async16(typingctx, tile, e, src, bh, row, col, n_bytes):
+    def cp_async16(typingctx, tile, e, src, bh, row, col, n_bytes, width):
         def codegen(context, builder, sig, args):
             dst = _shared_address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            # src[bh, row, 0], then col elements on (into the next rows where col passes
-            # the row's end): col stays an offset the compiler can fold into the copy
-            row_start = _element_pointer(context, builder, sig.args[2], args[2],
-                                         [*args[3:5], context.get_constant(types.intp, 0)],
-                                         [*sig.args[3:5], types.intp])
+            row, row_type = args[4], sig.args[4]
             col = context.cast(builder, args[5], sig.args[5], types.uint64)
+            if sig.args[2].layout != "C":
+                # rows apart by a stride of their own: col's whole rows go to the row index
+                # (width is a constant: the division compiles to a multiply and shifts)
+                w = context.cast(builder, args[7], sig.args[7], types.uint64)
+                row = builder.add(context.cast(builder, row, row_type, types.intp),
+                                  builder.udiv(col, w))
+                row_type, col = types.intp, builder.urem(col, w)
+            # src[bh, row, 0], then col elements on (C-contiguous: into the next rows where
+            # col passes the row's end): col stays an offset the compiler can fold into the
+            # copy
+            row_start = _element_pointer(context, builder, sig.args[2], args[2],
+                                         [args[3], row, context.get_constant(types.intp, 0)],
+                                         [sig.args[3], row_type, types.intp])
             item = context.get_abi_sizeof(context.get_data_type(sig.args[2].dtype))
             srcp = builder.add(row_start, builder.mul(col, ir.Constant(ir.IntType(64), item)))
             nb = context.cast(builder, args[6], sig.args[6], types.uint32)
@@ -511,7 +522,7 @@ else:
             builder.call(asm, [dst, srcp, nb])
             return context.get_dummy_value()
 
-        return types.void(tile, e, src, bh, row, col, n_bytes), codegen
+        return types.void(tile, e, src, bh, row, col, n_bytes, width), codegen
 
     @intrinsic
     def st_global_v4(typingctx, dst, bh, row, col, x0, x1, x2, x3):

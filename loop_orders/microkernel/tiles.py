@@ -221,10 +221,10 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,
             dst = at + r0 * uint64(STRIDE) + uint64(PER) * c
             col = r0 * uint64(COLS) + uint64(PER) * c
             for u in range(TRIPS):
-                # row r0 + u RSTEP as columns past row0's (src's rows are contiguous): the
+                # row r0 + u RSTEP as columns past row0's (`cp_async16` takes them so): the
                 # addresses are the first trip's plus constants, no arithmetic per copy
                 cp_async16(tile, dst + uint64(u * RSTEP * STRIDE), src, bh, row0,
-                           col + uint64(u * RSTEP * COLS), 16)
+                           col + uint64(u * RSTEP * COLS), 16, COLS)
         else:  # a tail tile, or rows the CTA does not cover a whole number of times a trip
             for u in range(TRIPS):
                 e = t + uint32(u * THREADS)
@@ -233,7 +233,7 @@ def make_row_copier(ROWS: int, COLS: int, STRIDE: int, THREADS: int, PER: int,
                     inside = r < uint32(n_rows)
                     src_row = row0 + (r if inside else uint32(0))  # a row that exists
                     cp_async16(tile, at + uint64(r) * uint64(STRIDE) + uint64(PER * c),
-                               src, bh, src_row, PER * c, 16 if inside else 0)
+                               src, bh, src_row, PER * c, 16 if inside else 0, COLS)
         cp_async_commit()
         return n_rows * COLS if t == 0 else 0
 
