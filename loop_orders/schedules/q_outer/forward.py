@@ -187,6 +187,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     STAGGERED = mk.STAGGERED  # staggered K/V loads
     # Numba compiles closure variables as constants: take the device functions by name
     row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
+    wait_loads = mk.wait_loads
     store_O_i, store_lse = mk.store_o, mk.store_lse
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     loads = _make_counted_loads(BC, COUNT, mk)
@@ -229,6 +230,10 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
             j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
         fold_tiles(buf, k, v, kv, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt)
+        if j0 >= j1:
+            # a query block that sees no key: no K/V tile waited for Q_i's copies, which
+            # must land before O_i's stage takes their place
+            wait_loads()
 
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
