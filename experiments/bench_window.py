@@ -158,6 +158,9 @@ def plot(csv_path: Path, figures_dir: Path) -> None:
                            label=f"{provider}, causal, no window")
         ax.set(xscale="log", yscale="log", xlabel="window w (keys to the left)",
                ylabel="ms (kernel)", title=f"N = {N}, d = {d}, float16")
+        windows = sorted({int(r["window"]) for r in rows if int(r["window"]) > 0})
+        ax.xaxis.set_minor_locator(plt.NullLocator())
+        ax.set_xticks(windows, [str(w) for w in windows])
         ax.legend(fontsize=7)
     save_figure(fig, figures_dir, "bench_window")
 
