@@ -807,6 +807,49 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
     return out
 
 
+def masks_and_layouts(results_dir: Path) -> str:
+    """FlashAttention's test grid by its error rule (fa_grid.json) and the sliding-window
+    benchmark (bench_window.csv)."""
+    grid_path, window_path = results_dir / "fa_grid.json", results_dir / "bench_window.csv"
+    lines = []
+    if grid_path.exists():
+        grid = json.loads(grid_path.read_text())
+        ratios = [max(e["ours"] / e["plain"] for e in r["errors"].values())
+                  for r in grid["rows"] if "errors" in r]
+        t, prov = grid["totals"], grid["provenance"]
+        lines.append(
+            f"FlashAttention's test grid through the torch op (`{grid['schedule']}`, batch "
+            f"{grid['batch']}, {grid['heads']} heads; {grid['cells']} cells: 10 length pairs, "
+            f"d 32-256, float16 and bfloat16, causal bottom-right aligned or not) on the "
+            f"{prov['device']} at {prov['git_sha']}: **{t['ok']} ok, {t['refused']} refused, "
+            f"{t['failed']} failed** by FlashAttention's rule; the largest ratio of our error "
+            f"to plain PyTorch's over out, dq, dk, dv is {max(ratios):.2f} (the rule allows 2), "
+            f"the median cell's {sorted(ratios)[len(ratios) // 2]:.2f}.")
+    else:
+        lines.append(_missing(grid_path))
+    rows = _rows(window_path)
+    if rows is None:
+        return "\n\n".join([*lines, _missing(window_path)])
+    ours = {(r["d"], r["window"]): r for r in rows if r["provider"].startswith("q_outer")}
+    sdpa = {(r["d"], r["window"]): r for r in rows if r["provider"].startswith("torch")}
+    table = ["| d | window w | q_outer ms | counted = model | SDPA efficient, bool mask, ms | "
+             "SDPA / ours |", "|---|---|---|---|---|---|"]
+    for key, r in ours.items():
+        theirs = sdpa.get(key)
+        same = "yes" if r["counted_bytes"] == r["model_bytes"] else "**no**"
+        w = "causal, none" if int(key[1]) < 0 else key[1]
+        table.append(f"| {key[0]} | {w} | {float(r['ms_kernel']):.3f} | {same} | "
+                     f"{float(theirs['ms_kernel']):.2f} | "
+                     f"{float(theirs['ms_kernel']) / float(r['ms_kernel']):.1f}x |"
+                     if theirs else f"| {key[0]} | {w} | {float(r['ms_kernel']):.3f} | {same} "
+                     f"| – | – |")
+    first = rows[0]
+    lines.append(f"Sliding window (causal, w keys to the left) at N = {first['n']}, "
+                 f"{first['heads']} heads, float16, on the {first['device']} at "
+                 f"{first['git_sha']} (`results/bench_window.csv`, kernels alone):")
+    return "\n\n".join([*lines, "\n".join(table)])
+
+
 def blocks(results_dir: Path) -> dict[str, str]:
     return {"hw-traffic": hw_traffic(results_dir), "bench-summary": bench_summary(results_dir),
             "float32-paths": float32_paths(results_dir),
@@ -823,4 +866,5 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "ptxas-kernels": ptxas_kernels(results_dir), "sass-loops": sass_loops(results_dir),
             "tensor-cores": tensor_cores(results_dir), "tc-tiles": tc_tiles(results_dir),
             "hw-traffic-tensor-cores": hw_traffic_tensor_cores(results_dir),
-            "hw-traffic-cp-async": hw_traffic_cp_async(results_dir)}
+            "hw-traffic-cp-async": hw_traffic_cp_async(results_dir),
+            "masks-and-layouts": masks_and_layouts(results_dir)}
