@@ -8,8 +8,12 @@ equal predict_traffic with the same cu_seqlens, which is the sum of the sequence
 what cannot run is refused naming the argument.
 """
 
+import os
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import loop_orders as lo
 from loop_orders.core.mask import mask_of
@@ -26,6 +30,8 @@ N_Q, N_K = [3, 0, 9, 5], [5, 2, 7, 5]  # no queries in sequence 1; more queries 
 CU_Q, CU_K = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (N_Q, N_K))
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1)), (True, (3, -1))]
 BLOCK_Q, BLOCK_K = 8, 4
+CI_VARLEN_EXAMPLES = 8  # drawn packed batches in CI (LOOP_ORDERS_FUZZ_VARLEN_EXAMPLES: more)
+VARLEN_EXAMPLES = int(os.environ.get("LOOP_ORDERS_FUZZ_VARLEN_EXAMPLES", CI_VARLEN_EXAMPLES))
 
 
 def packed_inputs(dtype="float32", d=D, dv=DV, seed=0):
@@ -139,3 +145,55 @@ def test_varlen_through_the_torch_op_with_counting():
         assert torch.equal(leaf.grad, grad)
     assert [p.pass_ for p in passes] == ["forward", "backward"]
     assert all(p.ledger == p.model for p in passes)
+
+
+@st.composite
+def varlen_cases(draw):
+    """A packed batch: 1-3 sequences of 0-12 queries over 1-12 keys, grouped heads or not, a
+    mask, a variant of some backward order, tiles, dtype."""
+    n_seq = draw(st.integers(1, 3))
+    n_q = draw(st.lists(st.integers(0, 12), min_size=n_seq, max_size=n_seq))
+    n_k = draw(st.lists(st.integers(1, 12), min_size=n_seq, max_size=n_seq))
+    kv_heads = draw(st.integers(1, 2))
+    side = st.one_of(st.just(-1), st.integers(0, 12))
+    return {"n_q": n_q, "n_k": n_k, "kv_heads": kv_heads,
+            "heads": kv_heads * draw(st.integers(1, 2)), "d": draw(st.integers(1, 9)),
+            "dv": draw(st.integers(1, 9)), "causal": draw(st.booleans()),
+            "window": draw(st.one_of(st.just((-1, -1)), st.tuples(side, side))),
+            "variant": draw(st.sampled_from(grad_variants(forwards=True))),
+            "block_q": draw(st.integers(1, 16)), "block_k": draw(st.integers(1, 16)),
+            "seed": draw(st.integers(0, 2**32 - 1))}
+
+
+@settings(max_examples=VARLEN_EXAMPLES, deadline=None, database=None,
+          derandomize=VARLEN_EXAMPLES == CI_VARLEN_EXAMPLES, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=varlen_cases())
+def test_varlen_fuzz(case):
+    """Drawn packed batches (sequences without queries among them): out, dq, dk, dv within
+    float32's tolerance of the float64 reference; both ledgers == predict_traffic."""
+    c = case
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+                  for n in (c["n_q"], c["n_k"]))
+    rng = np.random.default_rng(c["seed"])
+    q, do = (rng.standard_normal((cu_q[-1], c["heads"], w)).astype(np.float32)
+             for w in (c["d"], c["dv"]))
+    k, v = (rng.standard_normal((cu_k[-1], c["kv_heads"], w)).astype(np.float32)
+            for w in (c["d"], c["dv"]))
+    variant = c["variant"]
+    kw = dict(schedule=variant.schedule, options=variant.options, block_q=c["block_q"],
+              block_k=c["block_k"], causal=c["causal"], window=c["window"])
+    try:
+        g = lo.attention_grad(q, k, v, do, count=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                              **kw)
+    except ValueError:
+        return  # refused up front, with a message (the simulator's budget): allowed
+    mask = mask_of(c["causal"], c["window"])
+    out, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, mask=mask)
+    grads = varlen_grad_reference(q, k, v, do, cu_q, cu_k, mask=mask)
+    for got, ref in zip((g.out, g.dq, g.dk, g.dv), (out, *grads), strict=True):
+        assert relative_error(got, ref) <= 1e-5
+    shapes = dict(d=c["d"], dv=c["dv"], heads=c["heads"], kv_heads=c["kv_heads"],
+                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert g.counts_forward == lo.predict_traffic(n=None, save_lse=True, **shapes, **kw)
+    assert g.counts_backward == lo.predict_traffic(n=None, backward=True, **shapes, **kw)
