@@ -123,14 +123,17 @@ def _forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: s
                   options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
                   window: list[int], pack_gqa: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The forward pass: O, lse, and the schedule's workspace its backward reads."""
+    """The forward pass: O, lse, and the schedule's workspace where its backward reads it
+    (`READS_FORWARD_WORKSPACE`; none otherwise: split_kv's partial outputs, which its
+    unvisited splits leave unwritten, are neither kept nor compared by torch's checks)."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
                  pack_gqa, collected is not None)
     saved = call.forward(q, k, v)
     _record(call, "forward", saved.counts, collected)
     kind = call.inputs.kind
-    return kind.finish(saved.out), kind.finish(saved.lse), [kind.finish(x) for x in saved.kept]
+    kept = [kind.finish(x) for x in saved.kept] if call.bwd.READS_FORWARD_WORKSPACE else []
+    return kind.finish(saved.out), kind.finish(saved.lse), kept
 
 
 _forward = torch.library.custom_op("loop_orders::attention", mutates_args=())(_forward_pass)
@@ -151,10 +154,12 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
     tiles, count = (_tile(block_q), _tile(block_k)), _collecting is not None
     # the tiles the call will run with, chosen as `_call` chooses them (counted builds take
     # a little more shared memory)
+    bwd = backward_of(sched)
     p = fitting_tiles(problem(*named_tiles(*tiles)), problem, *tiles,
-                      lambda p: check_grad_launch(sched, backward_of(sched), p, count, False))
+                      lambda p: check_grad_launch(sched, bwd, p, count, False))
     kept = sched.allocate_workspace(
-        p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype)))
+        p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype))
+    ) if bwd.READS_FORWARD_WORKSPACE else ()
     return (q.new_empty((*q.shape[:-1], v.shape[-1])),
             q.new_empty(q.shape[:-1], dtype=torch.float32), list(kept))
 

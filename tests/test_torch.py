@@ -147,6 +147,19 @@ def test_the_op_passes_torch_library_opcheck(schedule, options):
         "dq": "separate", "splits": "2"}
 
 
+@pytest.mark.parametrize("schedule, kept", [("kv_outer", 2), ("dense", 2), ("q_outer", 0),
+                                            ("split_kv", 0)])
+def test_the_op_keeps_only_the_workspace_its_backward_reads(schedule, kept):
+    """The forward op returns the workspace only where the backward reads it (kv_outer's l,
+    m; dense's S, P): split_kv's partial outputs, some never written, are not outputs."""
+    q, k, v = leaves((1, 2, 6, 4))
+    args = (q, k, v, schedule, "", True, 4, 4, None, [-1, -1], False)
+    assert len(lot._forward(*args)[2]) == kept
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in (q, k, v)]
+        assert len(lot._forward(*fake, *args[3:])[2]) == kept
+
+
 def test_torch_compile_traces_the_op_in_one_graph_and_counting_sees_every_pass():
     """fullgraph=True (a graph break would raise) through dynamo and AOTAutograd on the fake
     kernels (backend aot_eager: inductor's C++ build is too slow for CI; the GPU tests compile

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import loop_orders as lo
 from loop_orders.core.mask import mask_of
 from loop_orders.core.schedule import grad_variants
+from loop_orders.device import runtime
 from loop_orders.reference import (
     relative_error,
     tolerance,
@@ -165,6 +166,8 @@ def varlen_cases(draw):
             "seed": draw(st.integers(0, 2**32 - 1))}
 
 
+@pytest.mark.skipif(not runtime.SIMULATOR, reason="on a GPU every drawn case compiles kernels "
+                    "of its own (minutes); test_gpu's varlen test runs there")
 @settings(max_examples=VARLEN_EXAMPLES, deadline=None, database=None,
           derandomize=VARLEN_EXAMPLES == CI_VARLEN_EXAMPLES, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow])

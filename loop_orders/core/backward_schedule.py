@@ -41,6 +41,9 @@ class BackwardSchedule(ABC):
     OPTIONS: ClassVar[Mapping[str, Option]] = {}
     EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}
     TRAFFIC_CLASS: ClassVar[str | None] = None
+    # Whether `launch` reads its forward's workspace (`forward_workspace`): kv_outer's l and
+    # m, dense's P; what the torch op keeps from its forward for the backward
+    READS_FORWARD_WORKSPACE: ClassVar[bool] = False
 
     def expected_slopes(self, options: dict) -> dict:
         """EXPECTED_SLOPES, for a backward whose expectations depend on its options."""

@@ -305,6 +305,7 @@ class DenseBackward(GradTileBackward):
     TENSORS = {"dp": "float32", "ds": "float32"}
     EXPECTED_SLOPES = {"n": 2}
     TRAFFIC_CLASS = "standard"
+    READS_FORWARD_WORKSPACE = True  # P
     LOOP_NEST = """
         # kernel 1: dP
         for (b, h, i) in parallel:            # one CTA per query block

@@ -240,6 +240,7 @@ class KVOuterBackward(GradTileBackward):
                "and dQ written back per K/V block; one CTA per head")
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
     TRAFFIC_CLASS = "flash"
+    READS_FORWARD_WORKSPACE = True  # l and m
     LOOP_NEST = """
         for (b, h) in parallel:               # one CTA per head
             write dQ = 0, dK = 0, dV = 0      # HBM initialisation (Algorithm 4, line 4)
