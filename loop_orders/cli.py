@@ -260,15 +260,19 @@ def _varlen_traffic(args) -> int:
     if args.n is not None or args.n_k is not None or args.batch != 1:
         raise ValueError("n: with --cu-seqlens-q the lengths come from the prefix sums; "
                          "leave out --n, --n-k and --batch")
+    if args.cu_seqlens_q is None or args.cu_seqlens_k is None:
+        raise ValueError("cu_seqlens: give both --cu-seqlens-q and --cu-seqlens-k")
     cu = {"cu_seqlens_q": args.cu_seqlens_q, "cu_seqlens_k": args.cu_seqlens_k}
     kw = {"schedule": args.schedule, "block_q": args.block_q, "block_k": args.block_k,
           "causal": args.causal, "window": tuple(args.window), "options": _options(args),
-          **cu}
+          "pack_gqa": args.pack_gqa, **cu}
+    # the forward's precision (the backward runs exact float32 or 16-bit, as attention_grad)
+    precision = {} if args.backward else {"precision": args.precision}
     dv = args.d if args.dv is None else args.dv
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     model = predict_traffic(n=None, d=args.d, dv=dv, heads=args.heads, kv_heads=kv_heads,
                             backward=args.backward, save_lse=args.save_lse or args.backward,
-                            **kw)
+                            dtype=args.dtype, **precision, **kw)
     print(f"{'backward of ' if args.backward else ''}{args.schedule}: "
           f"{len(args.cu_seqlens_q) - 1} packed sequences, queries "
           f"{np.diff(args.cu_seqlens_q).tolist()}, keys {np.diff(args.cu_seqlens_k).tolist()}")
@@ -281,7 +285,8 @@ def _varlen_traffic(args) -> int:
         (total_q, args.heads, args.d), (total_k, kv_heads, args.d), (total_k, kv_heads, dv),
         (total_q, args.heads, dv)))
     measured = (attention_grad(q, k, v, do, count=True, **kw).counts_backward if args.backward
-                else attention(q, k, v, count=True, save_lse=args.save_lse, **kw).counts)
+                else attention(q, k, v, count=True, save_lse=args.save_lse, **precision,
+                               **kw).counts)
     verdict = "equal to the model" if measured == model else "DIFFERS from the model"
     print(f"measured on {runtime.backend_name()} ({verdict}):\n{measured}")
     return 0 if measured == model else 1

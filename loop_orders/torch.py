@@ -227,28 +227,35 @@ class _EagerAttention(torch.autograd.Function):
 class _VarlenAttention(torch.autograd.Function):
     """Packed variable-length sequences (`loop_orders.varlen`), eager mode: the forward's
     per-sequence workspaces stay on ctx as the call's own objects (not tensors a custom op
-    could return), so torch.compile does not trace this path."""
+    could return), so torch.compile does not trace this path; out and lse are saved as
+    tensors (no reference from ctx back to the output outside autograd's)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, *args):
         call = varlen.prepare_grad(q, k, v, None, cu_q, cu_k, *args[:-1],
                                    count=_collecting is not None, timed=False,
                                    window=args[-1], pack_gqa=False)
-        ctx.saved = call.forward(q, k, v)
-        _record_varlen(call, "forward", ctx.saved.counts)
-        ctx.save_for_backward(q, k, v)
+        saved = call.forward(q, k, v)
+        _record_varlen(call, "forward", saved.counts)
+        kind = call.packed.kind
+        out, lse = kind.finish(saved.out), kind.finish(saved.lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kept = saved.kept
         ctx.args = (cu_q, cu_k, *args)
-        return call.packed.kind.finish(ctx.saved.out)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         do = grad_out.contiguous()
         cu_q, cu_k, *args = ctx.args
         call = varlen.prepare_grad(q, k, v, do, cu_q, cu_k, *args[:-1],
                                    count=_collecting is not None, timed=False,
                                    window=args[-1], pack_gqa=False)
-        grads = call.backward(ctx.saved, q, k, v, do)
+        kind = call.packed.kind
+        saved = varlen.VarlenSaved(out, kind.view(out), lse, kind.view(lse), ctx.kept, None,
+                                   None)
+        grads = call.backward(saved, q, k, v, do)
         _record_varlen(call, "backward", grads.counts)
         return grads.dq, grads.dk, grads.dv, *(None,) * (2 + len(args))
 

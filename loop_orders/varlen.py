@@ -109,14 +109,17 @@ def check_cu_seqlens(name: str, cu, total: int | None) -> np.ndarray:
 
 
 def check_sequences(cu_seqlens_q, cu_seqlens_k, total_q=None, total_k=None) -> Sequences:
-    """Both prefix sums checked (`check_cu_seqlens`), as many sequences in each, and keys for
-    every sequence with queries."""
+    """Both prefix sums checked (`check_cu_seqlens`), as many sequences in each, some query
+    in the batch, and keys for every sequence with queries."""
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q)
     cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k)
     if len(cu_q) != len(cu_k):
         raise ValueError(f"cu_seqlens_k: must give as many sequences as cu_seqlens_q "
                          f"({len(cu_q) - 1}), got {len(cu_k) - 1}")
     n_q, n_k = np.diff(cu_q), np.diff(cu_k)
+    if not n_q.any():
+        raise ValueError(f"cu_seqlens_q: no sequence has a query (nothing to compute), got "
+                         f"{cu_q.tolist()}")
     keyless = np.flatnonzero((n_q > 0) & (n_k == 0))
     if keyless.size:
         b = int(keyless[0])
@@ -144,20 +147,28 @@ def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, **extra) -> Packed:
     return Packed(tuple(kinds.values()), qs[1], ks[1], qs[2], vs[2], dtype, seqs)
 
 
+def check_unpacked(pack_gqa) -> None:
+    """Packed grouped-query heads are refused with cu_seqlens."""
+    if pack_gqa:
+        raise ValueError("pack_gqa: packing a group's query rows takes (batch, heads, n, d) "
+                         "inputs; with cu_seqlens use pack_gqa=False (per query head)")
+
+
 def sequence_problems(sched: Schedule, packed: Packed, block_q, block_k, check,
                       **kw) -> tuple[Problem, ...]:
     """Each sequence's Problem (batch 1, its lengths; `kw` as for `api.make_problem`), on
-    the tiles named, or chosen as `api.fitting_tiles` chooses them for the longest sequence
-    (shared memory depends on the tiles, not on n); `check(p)` accepts each, or refuses."""
+    the tiles named, or chosen as `api.fitting_tiles` chooses them for the sequence of the
+    most (query, key) pairs (shared memory depends on the tiles, not on n); `check(p)`
+    accepts each, or refuses. As in any call, a tile longer than a sequence is clamped to
+    it: a sequence shorter than the tiles runs (and compiles) kernels of its own size."""
     def problem(n_q: int, n_k: int, bq: int, bk: int) -> Problem:
         return api.make_problem(sched, n_q=n_q, n_k=n_k, d=packed.d, dv=packed.dv, batch=1,
                                 heads=packed.heads, kv_heads=packed.kv_heads, block_q=bq,
                                 block_k=bk, dtype=packed.dtype, **kw)
 
-    if kw.get("pack_gqa"):
-        raise ValueError("pack_gqa: packing a group's query rows takes (batch, heads, n, d) "
-                         "inputs; with cu_seqlens use pack_gqa=False (per query head)")
-    longest = max(packed.seqs.n_q), max(packed.seqs.n_k)
+    check_unpacked(kw.get("pack_gqa"))
+    largest = max(packed.seqs.with_queries(), key=lambda seq: seq.n_q * seq.n_k)
+    longest = largest.n_q, largest.n_k
     first = problem(*longest, *api.named_tiles(block_q, block_k))
     chosen = api.fitting_tiles(first, lambda bq, bk: problem(*longest, bq, bk), block_q,
                                block_k, check)
@@ -198,6 +209,7 @@ def predict_traffic(schedule: str, cu_seqlens_q, cu_seqlens_k, d: int, dv=None, 
     """`lo.predict_traffic` of a varlen batch: each sequence's model, summed."""
     sched = get_schedule(schedule)
     seqs = check_sequences(cu_seqlens_q, cu_seqlens_k)
+    check_unpacked(kw.get("pack_gqa"))
     problems = [api.make_problem(sched, n_q=nq, n_k=nk, d=d, dv=dv, heads=heads,
                                  kv_heads=kv_heads, block_q=block_q, block_k=block_k, **kw)
                 for nq, nk in zip(seqs.n_q, seqs.n_k, strict=True) if nq]
@@ -219,9 +231,9 @@ class VarlenCall:
     def dtype(self):
         return self.problems[0].kernel_dtype
 
-    def _rows(self, x, widths: tuple):
+    def _rows(self, x, at: tuple):
         """x (packed rows) as the kernels' view of each sequence, in `with_queries` order."""
-        return [arrays.sequence_rows(x, start, n) for start, n in widths]
+        return [arrays.sequence_rows(x, start, n) for start, n in at]
 
     def views(self, q, k, v, *outputs_like_q):
         """Per sequence: (q_b, k_b, v_b, each of `outputs_like_q`'s rows), as the kernels
@@ -251,12 +263,12 @@ class VarlenForward(VarlenCall):
 
     def __call__(self, q, k, v, save_lse: bool) -> api.Result:
         pk, kind = self.packed, self.packed.kind
-        out, out_dev = kind.empty(q, (pk.total_q, pk.heads, self.problems[0].dv), self.dtype)
+        out, out_dev = kind.empty(q, (pk.total_q, pk.heads, pk.dv), self.dtype)
         lse = lse_dev = None
         if save_lse:
             lse, lse_dev = kind.empty(q, (pk.heads, pk.total_q), np.float32)
         counts = self.counters(q)
-        no_lse = runtime.device_empty((1, 1), np.float32)
+        no_lse = None if save_lse else runtime.device_empty((1, 1), np.float32)
         per_seq, at_q, _ = self.views(q, k, v, out_dev)
 
         def launches():

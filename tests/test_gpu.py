@@ -477,6 +477,16 @@ def test_varlen_through_the_torch_op_by_flash_attentions_rule(variant, dtype, d)
         assert err <= 2 * theirs, label
     assert [p.pass_ for p in passes] == ["forward", "backward"]
     assert all(p.ledger == p.model for p in passes)
+    # no reference cycle through the autograd context (on CUDA tensors the kernels' view of
+    # the output is owned by the output itself): it goes with its last name
+    import weakref
+
+    again = lot.attention(*leaves, schedule=variant.schedule, options=variant.options,
+                          causal=True, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+                          cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32))
+    gone = weakref.ref(again)
+    del again
+    assert gone() is None
 
 
 @gpu

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import loop_orders as lo
@@ -124,6 +124,11 @@ def test_varlen_refusals_name_the_argument():
         lo.attention(q, k, v, pack_gqa=True, **call)
     with pytest.raises(ValueError, match="cu_seqlens"):
         lo.predict_traffic("q_outer", 16, D, **call)
+    with pytest.raises(ValueError, match="^pack_gqa: "):
+        lo.predict_traffic("q_outer", None, D, heads=H, kv_heads=H_KV, pack_gqa=True, **call)
+    none = np.zeros(5, np.int32)  # four sequences, none with a query
+    with pytest.raises(ValueError, match="^cu_seqlens_q: no sequence has a query"):
+        lo.attention(q[:0], k, v, cu_seqlens_q=none, cu_seqlens_k=CU_K)
 
 
 def test_varlen_through_the_torch_op_with_counting():
@@ -176,6 +181,7 @@ def test_varlen_fuzz(case):
     """Drawn packed batches (sequences without queries among them): out, dq, dk, dv within
     float32's tolerance of the float64 reference; both ledgers == predict_traffic."""
     c = case
+    assume(sum(c["n_q"]) > 0)  # a batch without queries is refused (test_varlen_refusals_...)
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
                   for n in (c["n_q"], c["n_k"]))
     rng = np.random.default_rng(c["seed"])
@@ -189,8 +195,9 @@ def test_varlen_fuzz(case):
     try:
         g = lo.attention_grad(q, k, v, do, count=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                               **kw)
-    except ValueError:
-        return  # refused up front, with a message (the simulator's budget): allowed
+    except ValueError as exc:  # refused up front: only the simulator's budget may refuse
+        assert "simulator" in str(exc), exc
+        return
     mask = mask_of(c["causal"], c["window"])
     out, _ = varlen_attention_reference(q, k, v, cu_q, cu_k, mask=mask)
     grads = varlen_grad_reference(q, k, v, do, cu_q, cu_k, mask=mask)

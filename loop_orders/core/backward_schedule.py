@@ -42,7 +42,8 @@ class BackwardSchedule(ABC):
     EXPECTED_SLOPES: ClassVar[Mapping[str, float]] = {}
     TRAFFIC_CLASS: ClassVar[str | None] = None
     # Whether `launch` reads its forward's workspace (`forward_workspace`): kv_outer's l and
-    # m, dense's P; what the torch op keeps from its forward for the backward
+    # m, dense's P. The torch op keeps the forward's whole workspace where it does (dense's S
+    # too), none where it does not
     READS_FORWARD_WORKSPACE: ClassVar[bool] = False
 
     def expected_slopes(self, options: dict) -> dict:
