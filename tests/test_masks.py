@@ -9,8 +9,8 @@ from conftest import SCHEDULES, random_qkv
 import loop_orders as lo
 from loop_orders.cli import main
 from loop_orders.core.mask import Mask, key_span, kv_block_range, mask_of, q_block_range
-from loop_orders.core.schedule import grad_variants
-from loop_orders.reference import attention_grad_reference, relative_error
+from loop_orders.core.schedule import backward_of, grad_variants
+from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
 
 # (n_q, n_k, d, dv, block_q, block_k, causal, window): n_q < n_k and n_q > n_k with tails,
 # rows that see no key (causal, n_q > n_k; a window past the keys), odd head dims, dv != d
@@ -87,6 +87,32 @@ def test_forward_matches_reference_and_model(schedule, case, rng):
 @pytest.mark.parametrize("schedule", [s.name for s in lo.all_schedules() if s.TENSOR_CORES])
 def test_tensor_cores_take_the_mask(schedule, rng):
     _check_forward(schedule, (20, 27, 8, 8, 16, 16, True, (5, -1)), rng, "float16")
+
+
+# 16-bit inputs: the tensor-core backward under bottom-right causal with rows that see no key
+# (n_q > n_k), and a window on both sides with n_q < n_k; tails of both tiles
+TC_CASES = [(21, 13, 8, 16, 16, 16, True, (-1, -1)), (19, 23, 8, 8, 16, 16, False, (3, 2))]
+
+
+@pytest.mark.parametrize("variant", [v for v in grad_variants() if v.schedule != "dense"],
+                         ids=lambda v: v.label)
+@pytest.mark.parametrize("case", TC_CASES, ids=str)
+def test_tensor_core_backward_takes_the_mask(variant, case, rng):
+    n_q, n_k, d, dv, bq, bk, causal, window = case
+    q, _, _ = random_qkv(rng, 1, 1, n_q, d, dv, "float16")
+    _, k, v = random_qkv(rng, 1, 1, n_k, d, dv, "float16")
+    do = rng.standard_normal((1, 1, n_q, dv)).astype(np.float16)
+    g = lo.attention_grad(q, k, v, do, schedule=variant.schedule, block_q=bq, block_k=bk,
+                          causal=causal, window=window, options=variant.options, count=True)
+    bwd = backward_of(lo.get_schedule(variant.schedule))
+    assert bwd.tensor_cores(g.problem) is not None  # the mask keeps the tensor cores
+    tol = grad_tolerance("float16", bwd.output_roundings(g.problem))
+    refs = attention_grad_reference(q, k, v, do, mask=g.problem.mask)
+    for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
+        assert relative_error(got, ref) <= tol
+    assert g.counts_backward == lo.predict_traffic(
+        variant.schedule, n=n_q, n_k=n_k, d=d, dv=dv, block_q=bq, block_k=bk, causal=causal,
+        window=window, options=variant.options, backward=True, dtype="float16")
 
 
 @pytest.mark.parametrize("variant", grad_variants(), ids=lambda v: v.label)

@@ -20,6 +20,11 @@ A Q-outer step (one CTA per query block i, W = ceil(Br / 16) warps; `q_step`): w
 query rows 16 w .. 16 w + 15, as in the forward: S = Q_i K_j^T, dP = dO_i V_j^T, P, dS in
 registers, dQ_i += dS K_j with dS's fragment packed from the accumulators.
 
+Under a mask (`core.mask`: bottom-right causal, sliding windows) a query row sees the keys
+[first, end) of a tile that its diagonal key gives (`tiles.make_visible`), the same rule as
+the forward's and the CUDA-core backward's; the loop nests visit only the blocks some row
+sees (`tiles.make_q_blocks`, `make_kv_blocks`).
+
 Tiles arrive in shared memory as 16-bit rows by cp.async (16 bytes a copy; rows past the tile
 zero-filled; a head dim that is not a multiple of 8 takes plain loads), padded to whole 16s of
 rows and head dims (zero, cleared once per CTA), each row stride 8 elements over that, so the 8
@@ -39,7 +44,7 @@ from typing import NamedTuple
 
 from numba import float32, uint32, uint64
 
-from ..core.mask import NO_MASK, UNBOUNDED, Mask
+from ..core.mask import Mask
 from ..device.intrinsics import (
     cp_async_wait_all,
     exp2,
@@ -54,17 +59,15 @@ from ..device.intrinsics import (
 )
 from ..device.runtime import cuda, inlined
 from .tensor_cores import WARP_ROWS, TensorCores, _tile_type, _up, make_tc_tile_loader
-from .tiles import LOG2E, make_clear
+from .tiles import LOG2E, make_clear, make_visible
 
 
 def tc_backward_spec(p) -> TensorCores | None:
-    """The tensor-core build a backward runs for Problem p: 16-bit inputs with no mask or a
-    square causal one (the tile steps test key <= query; other masks take the CUDA-core
-    backward), else None."""
+    """The tensor-core build a backward runs for Problem p: 16-bit inputs, under any mask (the
+    tile steps take each row's keys from `core.mask`), else None (float32: CUDA cores)."""
     if p.dtype not in ("float16", "bfloat16"):
         return None
-    square_causal = p.mask == Mask(UNBOUNDED, 0) and p.n_q == p.n_k
-    return TensorCores(p.dtype) if p.mask == NO_MASK or square_causal else None
+    return TensorCores(p.dtype)
 
 
 # The extra roundings to 16 bits on tensor cores that a gradient sees: P (dV's operand) and
@@ -338,23 +341,41 @@ def make_row_store(WIDTH: int):
     return store_rows
 
 
+@cache
+def make_sees(MASK: Mask):
+    """visible(row, key, n_rows, first, end): does query `row` of the block see `key` of the
+    tile, of which it sees [first, end) (`tiles.make_visible`)? Rows past the block see none;
+    with no left bound `first` is 0 and goes untested."""
+    LEFT_BOUNDED = MASK.left >= 0
+
+    @inlined
+    def visible(row, key, n_rows, first, end):
+        if LEFT_BOUNDED:
+            return row < n_rows and first <= key and key < end
+        return row < n_rows and key < end
+
+    return visible
+
+
 class TcGradSteps(NamedTuple):
     """The tile steps of the tensor-core backward (`make_tc_grad_steps`)."""
 
-    kv_step: object  # kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2,
+    kv_step: object  # kv_step(buf, dk_j, dv_j, diag0, key0, n_rows, n_keys, scale_log2,
     #                           stage, keep_ds): Q_i, dO_i, stats from buffer `stage`; dS^T
-    #                           into shared memory where keep_ds (a dQ product follows)
+    #                           into shared memory where keep_ds (a dQ product follows);
+    #                           diag0: the block's first row's diagonal key, row0 + N_k - N_q
     dq_partial: object  # dq_partial(buf, acc, m): acc = dS K_j for Q_i's rows 16 m ..
-    q_step: object  # q_step(buf, dq_i, row0, key0, n_rows, n_keys, scale_log2)
+    q_step: object  # q_step(buf, dq_i, diag0, key0, n_rows, n_keys, scale_log2)
     row_dot: object  # row_dot(buf, n_rows): D_i = rowsum(dO_i o O_i) into the stats rows
 
 
 @cache
-def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: bool,
+def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bool,
                        SPEC: TensorCores, NT: int, STAGES: int = 1) -> TcGradSteps:
     """The products of one (i, j) tile: `kv_step` and `dq_partial` for a K/V-outer CTA,
     `q_step` for a Q-outer one (see the module docstring), over the buffer
-    `tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)` (`q_step` and `row_dot` read buffer 0)."""
+    `tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)` (`q_step` and `row_dot` read buffer 0);
+    a row sees the keys of the tile `tiles.make_visible(MASK)` gives it."""
     sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)
     RP, KP = sm.rows, sm.keys
     DT, DVT, QT, KT = _up(D, 16) // 8, _up(DV, 16) // 8, RP // 8, KP // 8  # 8-wide n-tiles
@@ -377,12 +398,10 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
     dp_q = make_smem_product(DVT // 2, KT, sm.vs, False, sm.vs, False, SPEC)
     acc_dq = make_reg_product(KT // 2, DT, sm.ks, SPEC)
 
-    @inlined
-    def visible(row, key, n_rows, n_keys, row0, key0):
-        return row < n_rows and key < n_keys and (not CAUSAL or key0 + key <= row0 + row)
+    span, visible = make_visible(MASK), make_sees(MASK)
 
     @cuda.jit(device=True, inline="always")
-    def kv_step(buf, dk_j, dv_j, row0, key0, n_rows, n_keys, scale_log2, stage, keep_ds):
+    def kv_step(buf, dk_j, dv_j, diag0, key0, n_rows, n_keys, scale_log2, stage, keep_ds):
         tile = tiles()
         q_at = uint64(sm.q) + uint64(stage) * uint64(Q_STAGE)
         do_at = uint64(sm.do) + uint64(stage) * uint64(DO_STAGE)
@@ -403,11 +422,12 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
                 base = buf[stats + BASE + r]
                 inv = buf[stats + INV + r]
                 delta = buf[stats + DELTA + r]
+                first, end = span(diag0 + r, key0, n_keys)  # the keys query r sees
                 for a in range(2):
                     key = int(keys_at + uint64(g)) + 8 * a
                     e = 4 * n + 2 * a + c
                     p = float32(0.0)
-                    if visible(r, key, n_rows, n_keys, row0, key0):
+                    if visible(r, key, n_rows, first, end):
                         p = exp2(s[e] * scale_log2 - base) * inv
                     s[e] = p
                     dp[e] = p * (dp[e] - delta)
@@ -432,7 +452,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
         dq_rows(tile, acc, uint64(sm.ds) + uint64(16 * m), uint64(sm.k), lane)
 
     @cuda.jit(device=True, inline="always")
-    def q_step(buf, dq_i, row0, key0, n_rows, n_keys, scale_log2):
+    def q_step(buf, dq_i, diag0, key0, n_rows, n_keys, scale_log2):
         tile = tiles()
         w, lane = coords()
         g, t2 = lane >> uint32(2), uint32(2) * (lane & uint32(3))
@@ -447,12 +467,13 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, CAUSAL: bool, WITH_O: 
         for a in range(2):
             r = int(rows_at + uint64(g)) + 8 * a
             base, inv, delta = buf[BASE + r], buf[INV + r], buf[DELTA + r]
+            first, end = span(diag0 + r, key0, n_keys)  # the keys row r sees
             for n in range(KT):
                 for c in range(2):
                     key = int(uint32(8 * n + c) + t2)
                     e = 4 * n + 2 * a + c
                     p = float32(0.0)
-                    if visible(r, key, n_rows, n_keys, row0, key0):
+                    if visible(r, key, n_rows, first, end):
                         p = exp2(s[e] * scale_log2 - base) * inv
                     dp[e] = p * (dp[e] - delta)
         acc_dq(tile, dq_i, dp, uint64(sm.k), lane)

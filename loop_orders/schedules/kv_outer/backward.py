@@ -337,7 +337,7 @@ class KVOuterBackward(GradTileBackward):
         if spec is None:
             fn = make_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask, count, p.group)
         else:
-            fn = tc.make_tc_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask.bounded, spec, count,
+            fn = tc.make_tc_kernel(p.block_q, p.block_k, p.d, p.dv, p.mask, spec, count,
                                    p.group)
         counters = 8 * counter_slots(True) if count else 0
         return [Kernel(fn.py_func.__name__, fn, self.shared_bytes(p) + counters,

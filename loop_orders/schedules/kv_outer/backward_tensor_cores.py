@@ -3,9 +3,9 @@
 
     for each (batch, head):                                   # one CTA, W = ceil(Bc / 16) warps
         write dQ = 0, dK = 0, dV = 0                          # line 4, in HBM
-        for j in 0 .. Tc - 1:
-            load K_j, V_j                                     # cp.async, once per j
-            for i in i0_j .. Tr - 1:
+        for j in 0 .. Tc - 1:                                 # under a mask, those some
+            load K_j, V_j                                     # query sees; cp.async, once
+            for i in i0_j .. i1_j - 1:                        # the query blocks that see j
                 load Q_i, O_i, dO_i, l_i, m_i;  D_i = rowsum(dO_i o O_i)
                 kv_step: dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dS^T -> shared
                 dQ_i += tau dS K_j                            # read, added, written in HBM,
@@ -34,7 +34,7 @@ from ...microkernel.grad_tensor_cores import (
     tc_grad_warps,
 )
 from ...microkernel.tensor_cores import WARP_ROWS, _up
-from ...microkernel.tiles import counter_slots, counts_flusher, make_kv_head
+from ...microkernel.tiles import counter_slots, counts_flusher, make_kv_head, make_q_blocks
 from ...microkernel.tiles import zero_counts as zero
 
 
@@ -119,13 +119,13 @@ def _make_dq_update(D):
 
 
 @kernel_factory
-def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
+def make_tc_kernel(BR, BC, D, DV, MASK, SPEC, COUNT, GROUP):
     NT = tc_threads(BC)
     W = NT // 32
     RT = _up(BR, WARP_ROWS) // WARP_ROWS  # 16-row slices of Q_i (dQ_i's product)
     NDK, NDV = 4 * (_up(D, 16) // 8), 4 * (_up(DV, 16) // 8)  # a thread's accumulators
     io = make_tc_grad_io(BR, BC, D, DV, True, SPEC, NT)
-    st = make_tc_grad_steps(BR, BC, D, DV, CAUSAL, True, SPEC, NT)
+    st = make_tc_grad_steps(BR, BC, D, DV, MASK, True, SPEC, NT)
     clear, coords, wait_loads = io.clear, io.coords, io.wait_loads
     load_k, load_v, load_q, load_do, load_o = io.load_k, io.load_v, io.load_q, io.load_do, \
         io.load_o
@@ -141,6 +141,8 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
     DQ_R, DQ_W = slot("dq", "read"), slot("dq", "write")
     DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
     kv_head = make_kv_head(GROUP)
+    q_blocks = make_q_blocks(BR, MASK)  # [first_j, end_j): the query blocks that see j
+    MASKED = MASK.bounded
 
     @cuda.jit(**kernel_options(NT, 255))
     def kv_outer_bwd_tc(q, k, v, o, do, l_hbm, m_hbm, dq, dk, dv, counts, scale, scale_log2):
@@ -161,6 +163,11 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
         for j in range((n_k + BC - 1) // BC):
             key0 = j * BC
             bc = min(BC, n_k - key0)
+            i0, i1 = 0, (n_q + BR - 1) // BR  # no mask: every query block sees block j
+            if MASKED:
+                i0, i1 = q_blocks(key0, bc, n_q, n_k)  # the query blocks that see block j
+                if i0 >= i1:
+                    continue  # no query sees block j: its dK_j = dV_j = 0 are in HBM already
             for e in range(NDK):
                 dk_j[e] = float32(0.0)
             for e in range(NDV):
@@ -172,8 +179,7 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
             if COUNT:
                 cnt[K_R] += moved_k
                 cnt[V_R] += moved_v
-            i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
-            for i in range(i0, (n_q + BR - 1) // BR):
+            for i in range(i0, i1):
                 row0 = i * BR
                 n_rows = min(BR, n_q - row0)
                 cuda.syncthreads()  # every warp is done with the last step's tiles
@@ -190,7 +196,9 @@ def make_tc_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
                 cuda.syncthreads()  # Q_i, O_i, dO_i, l_i, m_i are in shared memory
                 row_dot(buf, n_rows)  # D_i = rowsum(dO_i o O_i)
                 cuda.syncthreads()  # D_i is in the stats rows
-                kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, 0, True)
+                # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+                kv_step(buf, dk_j, dv_j, row0 + n_k - n_q, key0, n_rows, bc, scale_log2, 0,
+                        True)
                 cuda.syncthreads()  # dS^T is complete in shared memory
                 for m in range(int(w), RT, W):
                     dq_partial(buf, dq_i, m)

@@ -492,7 +492,7 @@ class QOuterBackward(GradTileBackward):
         16-bit inputs, else on CUDA cores."""
         separate = p.option("dq") == "separate"
         spec = self.tensor_cores(p)
-        sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask if spec is None else p.mask.bounded)
+        sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask)
         if spec is not None:
             stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
             if 2 * tc.tc_shared_bytes(*sizes[:4], stages) > SHARED_BYTES_PER_SM:

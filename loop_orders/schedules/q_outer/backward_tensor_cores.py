@@ -4,14 +4,15 @@ of `microkernel.grad_tensor_cores`.
 
     K/V-outer, per (batch, head), K/V block j in parallel:   # W = ceil(Bc / 16) warps
         load K_j, V_j                                         # once, cp.async
-        for i in i0_j .. Tr - 1:
+        for i in i0_j .. i1_j - 1:                            # the query blocks that see j
             load Q_i, dO_i, lse_i, delta_i                    # per (j, i)
             kv_step: S^T, dP^T, P^T, dS^T; dV_j += P^T dO_i; dK_j += dS^T Q_i;  dS^T -> shared
             atomic: dq_acc_i += tau dS K_j                    # warps over 16-row slices
         write dK_j, dV_j                                      # from the fragments
     separate, Q-outer, query block i in parallel:             # W = ceil(Br / 16) warps
         load Q_i, dO_i, lse_i, delta_i
-        for j < c_i:  load K_j, V_j;  q_step: dQ_i += dS K_j
+        for j in j0_i .. j1_i - 1:                            # the K/V blocks i sees
+            load K_j, V_j;  q_step: dQ_i += dS K_j
         write tau dQ_i
 """
 
@@ -35,7 +36,14 @@ from ...microkernel.grad_tensor_cores import (
     tc_grad_warps,
 )
 from ...microkernel.tensor_cores import WARP_ROWS, _up
-from ...microkernel.tiles import counter_slots, counts_flusher, make_block_of, make_kv_head
+from ...microkernel.tiles import (
+    counter_slots,
+    counts_flusher,
+    make_block_of,
+    make_kv_blocks,
+    make_kv_head,
+    make_q_blocks,
+)
 from ...microkernel.tiles import zero_counts as zero
 
 
@@ -77,21 +85,23 @@ def _make_block_loads(BR, BC, D, DV, SPEC, NT, STAGES, COUNT):
 
 
 @kernel_factory
-def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP):
+def make_tc_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, SPEC, STAGES, COUNT, GROUP):
     NT = tc_kv_threads(BC)
     W = NT // 32
     RT = _up(BR, WARP_ROWS) // WARP_ROWS  # 16-row slices of Q_i (dQ_i's product)
     DT, DVT = _up(D, 16) // 8, _up(DV, 16) // 8  # 8-wide n-tiles of dK_j (dQ_i), dV_j
     NDK, NDV = 4 * DT, 4 * DVT  # a thread's accumulators
     io = make_tc_grad_io(BR, BC, D, DV, False, SPEC, NT, STAGES)
-    st = make_tc_grad_steps(BR, BC, D, DV, CAUSAL, False, SPEC, NT, STAGES)
+    st = make_tc_grad_steps(BR, BC, D, DV, MASK, False, SPEC, NT, STAGES)
     clear, coords, wait_loads = io.clear, io.coords, io.wait_loads
     load_k, load_v, store_dk, store_dv = io.load_k, io.load_v, io.store_dk, io.store_dv
     kv_step, dq_partial = st.kv_step, st.dq_partial
     load_block = _make_block_loads(BR, BC, D, DV, SPEC, NT, STAGES, COUNT)
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=False)
+    MASKED = MASK.bounded
+    block_of = make_block_of(MASKED, HEAVY_LAST=False)
+    q_blocks = make_q_blocks(BR, MASK)  # [first_j, end_j): the query blocks that see j
     K_R, V_R = slot("k", "read"), slot("v", "read")
     ACC_R, ACC_W = slot("dq_acc", "read"), slot("dq_acc", "write")
     DK_W, DV_W = slot("dk", "write"), slot("dv", "write")
@@ -118,7 +128,7 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_tc(q, k, v, do, lse, delta, dq_acc, dk, dv, counts, scale, scale_log2):
-        # causal: the K/V blocks the most query blocks see start first (`block_grid`)
+        # masked: the K/V blocks the most query blocks see start first (`block_grid`)
         j, bh = block_of(q.shape[0])
         kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
@@ -146,10 +156,12 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
         if COUNT:
             cnt[K_R] += moved_k
             cnt[V_R] += moved_v
-        i0 = key0 // BR if CAUSAL else 0  # earlier query blocks see no key of block j
-        if i0 < T_r:
+        i0, i1 = 0, T_r  # no mask: every query block sees block j
+        if MASKED:
+            i0, i1 = q_blocks(key0, bc, n_q, n_k)  # the query blocks that see block j
+        if i0 < i1:
             load_block(q, do, lse, delta, bh, i0 * BR, min(BR, n_q - i0 * BR), 0, buf, cnt)
-        for i in range(i0, T_r):
+        for i in range(i0, i1):
             row0 = i * BR
             n_rows = min(BR, n_q - row0)
             stage = (i - i0) % STAGES
@@ -160,10 +172,12 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
             # Q_i, dO_i (K_j, V_j the first time) and the stats are in shared memory, and
             # (two buffers) every warp is done with the other buffer and dS^T
             cuda.syncthreads()
-            if STAGES == 2 and i + 1 < T_r:  # the next block lands under this one's products
+            if STAGES == 2 and i + 1 < i1:  # the next block lands under this one's products
                 load_block(q, do, lse, delta, bh, row0 + BR, min(BR, n_q - row0 - BR),
                            1 - stage, buf, cnt)
-            kv_step(buf, dk_j, dv_j, row0, key0, n_rows, bc, scale_log2, stage, ATOMIC)
+            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+            kv_step(buf, dk_j, dv_j, row0 + n_k - n_q, key0, n_rows, bc, scale_log2, stage,
+                    ATOMIC)
             if ATOMIC:
                 cuda.syncthreads()  # dS^T is complete in shared memory
                 for m in range(int(w), RT, W):
@@ -185,17 +199,19 @@ def make_tc_kv_kernel(BR, BC, D, DV, CAUSAL, ATOMIC, SPEC, STAGES, COUNT, GROUP)
 
 
 @kernel_factory
-def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
+def make_tc_q_kernel(BR, BC, D, DV, MASK, SPEC, COUNT, GROUP):
     NT = tc_q_threads(BR)
     NDQ = 4 * (_up(D, 16) // 8)  # a thread's accumulators of dQ_i (8-wide n-tiles)
     io = make_tc_grad_io(BR, BC, D, DV, False, SPEC, NT)
-    st = make_tc_grad_steps(BR, BC, D, DV, CAUSAL, False, SPEC, NT)
+    st = make_tc_grad_steps(BR, BC, D, DV, MASK, False, SPEC, NT)
     clear, coords, wait_loads, lse_stats = io.clear, io.coords, io.wait_loads, io.lse_stats
     load_k, load_v, load_q, load_do = io.load_k, io.load_v, io.load_q, io.load_do
     store_dq, q_step = io.store_dk, st.q_step  # dQ_i's rows are d wide, as dK_j's
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()
-    block_of = make_block_of(CAUSAL, HEAVY_LAST=True)
+    MASKED = MASK.bounded
+    block_of = make_block_of(MASKED, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, MASK)  # [first_i, end_i): the K/V blocks i sees
     Q_R, K_R, V_R, DO_R = (slot("q", "read"), slot("k", "read"), slot("v", "read"),
                            slot("do", "read"))
     LSE_R, DELTA_R, DQ_W = slot("lse", "read"), slot("delta", "read"), slot("dq", "write")
@@ -203,12 +219,13 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
 
     @cuda.jit(**kernel_options(NT, 255))
     def q_outer_bwd_dq_tc(q, k, v, do, lse, delta, dq, counts, scale, scale_log2):
-        # causal: the query blocks that see the most K/V blocks start first (`block_grid`)
+        # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
         i, bh = block_of(q.shape[0])
         kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
+        n_q = q.shape[1]
         n_k = k.shape[1]
         row0 = i * BR
-        n_rows = min(BR, q.shape[1] - row0)
+        n_rows = min(BR, n_q - row0)
         buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)
         w, lane = coords()
         dq_i = cuda.local.array(NDQ, float32)
@@ -228,10 +245,10 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
             cnt[DO_R] += moved_do
             cnt[LSE_R] += rows_in
             cnt[DELTA_R] += rows_in
-        c_i = (n_k + BC - 1) // BC
-        if CAUSAL:
-            c_i = min(c_i, (row0 + n_rows - 1) // BC + 1)  # later K/V blocks are all masked
-        for j in range(c_i):
+        j0, j1 = 0, (n_k + BC - 1) // BC  # no mask: block i sees every K/V block
+        if MASKED:
+            j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)  # the K/V blocks block i sees
+        for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
             cuda.syncthreads()  # every warp is done with the previous K_j, V_j
@@ -243,7 +260,8 @@ def make_tc_q_kernel(BR, BC, D, DV, CAUSAL, SPEC, COUNT, GROUP):
                 cnt[V_R] += moved_v
             wait_loads()
             cuda.syncthreads()  # K_j, V_j (and Q_i, dO_i, stats the first time) are shared
-            q_step(buf, dq_i, row0, key0, n_rows, bc, scale_log2)
+            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
+            q_step(buf, dq_i, row0 + n_k - n_q, key0, n_rows, bc, scale_log2)
         # dQ_i: written to HBM once, from the warps' fragments
         moved = store_dq(dq, bh, row0, n_rows, dq_i, scale, w, lane)
         if COUNT:
