@@ -197,15 +197,21 @@ def test_numpy_strided_host_arrays_are_copied_not_refused(qkv):
     ({"schedule": "Q_OUTER"}, ValueError, "schedule: unknown schedule 'Q_OUTER'"),
     ({"precision": "fp8"}, ValueError,
      r"precision: got 'fp8', allowed \['ieee', 'tf32', 'tf32x3'\]"),
-    ({"precision": "tf32x3", "schedule": "split_kv"}, ValueError,
-     "precision: split_kv has no tensor-core path; 'tf32x3' runs"),
-    ({"precision": "tf32", "schedule": "split_kv"}, ValueError,
-     "precision: split_kv has no tensor-core path"),
 ])
 def test_bad_options_refused_before_launch(qkv, no_launch, kwargs, exc, pattern):
     kwargs = {"schedule": "q_outer", "block_q": 4, "block_k": 4, **kwargs}
     with pytest.raises(exc, match=pattern):
         lo.attention(*qkv, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+def test_tf32_refused_for_a_schedule_without_tensor_cores(qkv, no_launch, monkeypatch,
+                                                          precision):
+    """A schedule that does not declare TENSOR_CORES (a plug-in's, say) refuses TF32."""
+    monkeypatch.setattr(type(lo.get_schedule("split_kv")), "TENSOR_CORES", False)
+    with pytest.raises(ValueError, match=f"precision: split_kv has no tensor-core path; "
+                                         f"'{precision}' runs"):
+        lo.attention(*qkv, schedule="split_kv", block_q=4, block_k=4, precision=precision)
 
 
 @pytest.mark.parametrize("schedule", lo.schedule_names())

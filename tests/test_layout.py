@@ -292,8 +292,8 @@ def test_make_clear_zeroes_every_float_of_the_buffer_and_nothing_past_it(size, t
 
 
 def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it():
-    """float16 runs kv_outer and q_outer on tensor cores (q_outer double-buffers K/V); float32,
-    and schedules without TENSOR_CORES, keep the CUDA-core layout."""
+    """float16 runs kv_outer, q_outer and split_kv on tensor cores (q_outer double-buffers
+    K/V); float32 keeps the CUDA-core layout."""
     import loop_orders as lo
     from loop_orders.device.runtime import dynamic_shared_limit
     from loop_orders.microkernel.tensor_cores import TensorCores, tc_shared_layout
@@ -312,7 +312,9 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
                 dynamic_shared_limit()
     split = lo.get_schedule("split_kv")
     p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")
-    assert isinstance(split.layout(p), Layout)
+    assert split.layout(p) == TensorCores("float16", 1)
+    p32 = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16)
+    assert isinstance(split.layout(p32), Layout)
 
 
 def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_copies(

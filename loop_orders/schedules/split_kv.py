@@ -65,9 +65,9 @@ from ..device.runtime import (
     multiprocessor_count,
     resident_ctas,
 )
-from ..microkernel.cuda_cores import MicroKernelSchedule, Unroll, make_micro_kernel
+from ..microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ..microkernel.stream import make_counted_loads, make_fold_tiles
 from ..microkernel.tiles import (
-    LN2,
     counter_slots,
     counts_flusher,
     make_kv_blocks,
@@ -88,26 +88,23 @@ FILLED, WITHIN = 0.8, 0.85
 
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
-    layout = MK  # the CUDA-core micro-kernel's thread layout (no TENSOR_CORES here)
-    RM, KN = layout.rm, layout.kn
-    mk = make_micro_kernel(BR, BC, D, DV, RM, KN, MASK, False, UNROLL)
+    mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL)  # CUDA or tensor cores
     MASKED = MASK.bounded
-    NT, NACC = mk.NT, mk.NACC
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
     # Numba compiles closure variables as constants: take the device functions by name
-    online_update, row_sums = mk.online_update, mk.row_sums
-    give_o, coords, row_of = mk.give_o, mk.coords, mk.row_of
+    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
+    store_O_is, store_lse_is = mk.store_o, mk.store_lse
     start = make_online_start(NACC, RM, COUNT, mk.clear)
+    loads = make_counted_loads(BC, COUNT, mk)
+    load_Q_i_counted = loads.q
+    fold_tiles = make_fold_tiles(BC, mk, loads)  # q_outer's K/V loop, over the split's blocks
     flush_counts = counts_flusher()
     kv_blocks = make_kv_blocks(BC, MASK)  # [first_i, end_i)
-    # the micro-kernel's tile copies (plain loads: one K/V buffer, no staggering here)
-    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
-    store_O_is = mk.store_o
     NCNT = counter_slots(COUNT)
-    Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
     OP_W, LP_W = slot("o_part", "write"), slot("lse_part", "write")
     kv_head = make_kv_head(GROUP)
 
-    @cuda.jit(**kernel_options(NT, layout.registers(BC, DV)))
+    @cuda.jit(**kernel_options(NT, MK.registers(BC, DV)))
     def split_kv(q, k, v, o_part, lse_part, counts, n_splits, per, scale_log2):
         i = cuda.blockIdx.x
         s = cuda.blockIdx.y
@@ -115,7 +112,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
         kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
         n_q = q.shape[1]
         n_k = k.shape[1]
-        row0 = i * BR  # this thread's rows: row0 + row_of(tr, a), a < RM (see microkernel)
+        row0 = i * BR
         n_rows = min(BR, n_q - row0)
         first, end = kv_blocks(row0, n_rows, n_q, n_k)
         j0 = s * per
@@ -126,54 +123,35 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             return  # split s holds no K/V block that query block i sees (the whole CTA)
         part = s * cuda.gridDim.z + bh  # (split, head) row of o_part and lse_part
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, P_ij^T
+        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
         acc = cuda.local.array(NACC, float32)
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
         l_row = cuda.local.array(RM, float32)
-        factor = cuda.local.array(RM, float32)
+        inv_l = cuda.local.array(RM, float32)
         cnt = cuda.local.array(NCNT, int64)
         start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
         # Q_i: read from HBM once per visited split
-        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
-        if COUNT:
-            cnt[Q_R] += moved
-        for j in range(j0, j1):
-            key0 = j * BC
-            bc = min(BC, n_k - key0)
-            cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
-            # K_j, V_j: the split's own blocks, each read once per query block
-            moved_k = load_K_j(buf, k, kv, key0, bc, 0)
-            moved_v = load_V_j(buf, v, kv, key0, bc, 0)
-            if COUNT:
-                cnt[K_R] += moved_k
-                cnt[V_R] += moved_v
-            cuda.syncthreads()  # K_j, V_j (and Q_i) are in shared memory for all threads
-            # row0 + N_k - N_q: the first row's diagonal key (bottom-right aligned)
-            online_update(buf, bc, key0, row0 + n_k - n_q, m_i, l_i, acc, scale_log2, 0)
+        load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
+        # K_j, V_j: the split's own blocks, each read once per query block; row0 + N_k - N_q
+        # is the first row's diagonal key (bottom-right aligned)
+        fold_tiles(buf, k, v, kv, n_k, j0, j1, row0 + n_k - n_q, m_i, l_i, acc, scale_log2,
+                   cnt)
 
         row_sums(buf, l_i, l_row)
-        for a in range(RM):  # normalised; a row that saw no key of the split keeps O_is = 0
-            factor[a] = float32(0.0) if l_row[a] == 0 else float32(1.0) / l_row[a]
-        give_o(buf, acc, factor)  # Q_i is done with: its tile stages O_is
+        reciprocal(l_row, inv_l)  # a row that saw no key of the split keeps O_is = 0
+        cuda.syncthreads()  # every thread is done with the tiles: O_is may take their place
+        give_o(buf, acc, inv_l)  # normalised, into its stage
         cuda.syncthreads()  # O_is is complete in shared memory
         # O_is: the split's partial output, written to HBM in float32 for the combine
         moved = store_O_is(buf, o_part, part, row0, n_rows)
         if COUNT:
             cnt[OP_W] += moved
-        tr, tc = coords()
-        if tc == 0:
-            for a in range(RM):
-                local = int(row_of(tr, a))  # rows past Br belong to the next block
-                if local < n_rows:
-                    lse_is = float32(-math.inf)  # the row saw no key of the split
-                    if l_row[a] != 0:  # (a NaN l passes: NaN in, NaN out)
-                        lse_is = (m_i[a] + math.log2(l_row[a])) * float32(LN2)
-                    # lse_is: the split's log-sum-exp, for the combine's weights
-                    lse_part[part, row0 + local] = lse_is
-                    if COUNT:
-                        cnt[LP_W] += 1
+        # lse_is: the split's log-sum-exp (-inf for a row that saw no key of the split), for
+        # the combine's weights
+        moved = store_lse_is(lse_part, part, row0, n_rows, m_i, l_row)
         if COUNT:
+            cnt[LP_W] += moved
             flush_counts(cnt, counts)
 
     return split_kv
@@ -264,6 +242,7 @@ def make_combine_kernel(BR, BC, NT, MASK, SAVE_LSE, COUNT):
 class SplitKV(MicroKernelSchedule):
     name = "split_kv"
     RELOAD = False
+    TENSOR_CORES = True
     make_kernel = staticmethod(make_kernel)
     summary = ("split-KV (flash-decoding): each query block's K/V range split over S CTAs, "
                "then combined")

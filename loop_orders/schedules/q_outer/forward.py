@@ -25,9 +25,8 @@ Tr N_k (d + dv) without a mask. With Br = M/(4d) rows resident this is Theta(N^2
 from __future__ import annotations
 
 from collections import Counter
-from typing import NamedTuple
 
-from numba import float32, int32, int64
+from numba import float32, int64
 
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
@@ -35,12 +34,12 @@ from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
     cuda,
-    inlined,
     kernel_factory,
     kernel_options,
 )
 from ...microkernel import tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ...microkernel.stream import make_counted_loads, make_fold_tiles
 from ...microkernel.tiles import (
     block_grid,
     counter_slots,
@@ -70,112 +69,6 @@ Q_R, K_R, V_R, O_W, LSE_W = (slot("q", "read"), slot("k", "read"), slot("v", "re
                              slot("o", "write"), slot("lse", "write"))
 
 
-class CountedLoads(NamedTuple):
-    """q_outer's tile loads with their counting (see `_make_counted_loads`)."""
-
-    k: object  # load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
-    v: object  # load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
-    kv: object  # load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt)
-    q: object  # load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt)
-
-
-def _make_counted_loads(BC, COUNT, mk) -> CountedLoads:
-    """The micro-kernel mk's loads of K_j, V_j, both, and Q_i, each adding the elements it
-    moved to its counter slot when COUNT."""
-    load_Q_i, load_K_j, load_V_j = mk.load_q, mk.load_k, mk.load_v
-
-    @inlined
-    def load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt):
-        """K_j (keys key0 .. key0 + Bc - 1, fewer at the tail) into K buffer `stage`, counted;
-        every thread calls it."""
-        # K_j: reloaded from HBM by every query block
-        moved = load_K_j(buf, k, bh, key0, min(BC, n_k - key0), stage)
-        if COUNT:
-            cnt[K_R] += moved
-
-    @inlined
-    def load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt):
-        """V_j, as load_K_j_counted."""
-        # V_j: reloaded from HBM by every query block
-        moved = load_V_j(buf, v, bh, key0, min(BC, n_k - key0), stage)
-        if COUNT:
-            cnt[V_R] += moved
-
-    @inlined
-    def load_KV_j(buf, k, v, bh, key0, n_k, stage, cnt):
-        """K_j and V_j into K/V buffer `stage`, counted; every thread calls it."""
-        load_K_j_counted(buf, k, bh, key0, n_k, stage, cnt)
-        load_V_j_counted(buf, v, bh, key0, n_k, stage, cnt)
-
-    @inlined
-    def load_Q_i_counted(buf, q, bh, row0, n_rows, scale_log2, cnt):
-        """Q_i into its tile, counted; every thread calls it."""
-        # Q_i: read from HBM once, stays in shared memory for every K/V block
-        moved = load_Q_i(buf, q, bh, row0, n_rows, scale_log2)
-        if COUNT:
-            cnt[Q_R] += moved
-
-    return CountedLoads(load_K_j_counted, load_V_j_counted, load_KV_j, load_Q_i_counted)
-
-
-def _make_fold_tiles(BC, mk, loads: CountedLoads):
-    """fold_tiles(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt): the K/V
-    loop of q_outer's kernel over the micro-kernel mk, staggered (`stream_kv_staggered`) where
-    mk.STAGGERED, else `stream_kv`."""
-    RM, STAGES = mk.RM, mk.STAGES
-    SPANS = 2 * RM  # (first, end) of the keys each row of the thread sees
-    weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
-    online_update, wait_loads = mk.online_update, mk.wait_loads
-    load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
-
-    @inlined
-    def stream_kv(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt):
-        """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc), in one K/V buffer or
-        (STAGES 2) two, K_j+1, V_j+1 landing in the other while K_j, V_j are folded in."""
-        if STAGES > 1 and j0 < j1:
-            # K_j0, V_j0 ahead of the loop: each later pair lands under the previous one's
-            # arithmetic
-            load_KV_j(buf, k, v, bh, j0 * BC, n_k, 0, cnt)
-        for j in range(j0, j1):
-            key0 = j * BC
-            bc = min(BC, n_k - key0)
-            if STAGES == 1:
-                cuda.syncthreads()  # every thread is done with the previous K_j, V_j and P_ij
-                load_KV_j(buf, k, v, bh, key0, n_k, 0, cnt)
-            wait_loads()
-            # K_j, V_j (and Q_i) are in shared memory for all threads; double-buffered, every
-            # thread is also done with the other buffer (K_j-1, V_j-1)
-            cuda.syncthreads()
-            if STAGES > 1 and j + 1 < j1:
-                # the other buffer
-                load_KV_j(buf, k, v, bh, key0 + BC, n_k, (j - j0 + 1) % STAGES, cnt)
-            online_update(buf, bc, key0, diag0, m_i, l_i, acc, scale_log2, (j - j0) % STAGES)
-
-    @cuda.jit(device=True, inline="always")
-    def stream_kv_staggered(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
-                            cnt):
-        """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) in one K and one V buffer,
-        their loads staggered: V_j lands while S_ij is computed, K_j+1 while P_ij V_j is
-        (K_j0 from the kernel, before Q_i)."""
-        vis = cuda.local.array(SPANS, int32)  # the span of keys each row of the thread sees
-        for j in range(j0, j1):
-            key0 = j * BC
-            bc = min(BC, n_k - key0)
-            wait_loads()
-            # K_j (and Q_i) are in shared memory; every thread is done with V_j-1 and P_ij-1
-            cuda.syncthreads()
-            load_V_j_counted(buf, v, bh, key0, n_k, 0, cnt)  # lands under S_ij
-            weigh(buf, bc, key0, diag0, m_i, l_i, acc, vis)
-            wait_loads()
-            # P_ij and V_j are in shared memory; every thread is done with K_j
-            cuda.syncthreads()
-            if j + 1 < j1:
-                load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
-            fold(buf, acc, vis)
-
-    return stream_kv_staggered if mk.STAGGERED else stream_kv
-
-
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`; GROUP 1)
@@ -190,9 +83,9 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     wait_loads = mk.wait_loads
     store_O_i, store_lse = mk.store_o, mk.store_lse
     start = make_online_start(NACC, RM, COUNT, mk.clear)
-    loads = _make_counted_loads(BC, COUNT, mk)
+    loads = make_counted_loads(BC, COUNT, mk)
     load_K_j_counted, load_Q_i_counted = loads.k, loads.q
-    fold_tiles = _make_fold_tiles(BC, mk, loads)
+    fold_tiles = make_fold_tiles(BC, mk, loads)
     flush_counts = counts_flusher()
     block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
     kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
