@@ -1,6 +1,6 @@
 """Grouped-query decode on a GPU: packed against per-query-head loop orders, beside SDPA.
 
-    python -m experiments.bench_gqa_decode [--out DIR] [--quick]      # needs torch there
+    python -m experiments.bench_gqa_decode [--out DIR] [--quick] [--block-k 32,64,128]
 
 One query (n_q = 1, causal: it sees every key) against n_k in {4096 ... 65536} keys, H_q = 32
 query heads over H_kv = 8 K/V heads (Llama-3-8B's grouping), d = 128, float16, batch 1 and 4:
@@ -9,7 +9,9 @@ once), beside torch SDPA with enable_gqa=True (the flash backend where it takes 
 the one torch picks; the row names it) in the same run. Every point is checked against the
 float64 reference (K/V repeated over the groups) before it is timed, and its counted traffic
 against the model. Times: the kernels alone (launches back to back between CUDA events,
-`bench_runtime.time_launches`) and the public call `lo.attention` on torch tensors.
+`bench_runtime.time_launches`) and the public call `lo.attention` on torch tensors. The tiles
+are 64 x 64 (clamped to the query rows); `--block-k` adds packed split_kv rows at other K/V
+block sizes (a split's blocks are fewer and larger, its CTAs' shared memory larger).
 
 Writes bench_gqa_decode.csv (provider, shape, ms_kernel, ms_call, model and counted bytes of K
 and V and of everything, achieved GB/s, error, status) with provenance.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +38,25 @@ SWEEP = {"n_k": [4096, 16384, 65536], "batch": [1, 4]}
 QUICK = {"n_k": [4096, 65536], "batch": [1]}
 PROVIDERS = [("split_kv", False), ("split_kv", True), ("q_outer", False), ("q_outer", True)]
 BLOCK_Q, BLOCK_K = 64, 64
+
+
+class Provider(NamedTuple):
+    """One of our rows: a schedule, per query head or packed, at K/V block size block_k."""
+
+    name: str
+    packed: bool
+    block_k: int = BLOCK_K
+
+    @property
+    def label(self) -> str:
+        label = f"{self.name} {'packed' if self.packed else 'per head'}"
+        return label if self.block_k == BLOCK_K else f"{label}, block_k {self.block_k}"
+
+
+def providers(block_ks: list[int]) -> list[Provider]:
+    """PROVIDERS at BLOCK_K, then packed split_kv at each other block_k asked for."""
+    return [Provider(name, packed) for name, packed in PROVIDERS] + [
+        Provider("split_kv", True, bk) for bk in block_ks if bk != BLOCK_K]
 
 
 class Point:
@@ -66,17 +88,17 @@ class Point:
         return err
 
 
-def problem(name: str, point: Point, packed: bool) -> lo.Problem:
-    return lo.make_problem(name, n_q=1, n_k=point.n_k, d=D, batch=point.batch, heads=H_Q,
-                           kv_heads=H_KV, block_q=BLOCK_Q, block_k=BLOCK_K, causal=True,
-                           dtype="float16", pack_gqa=packed)
+def problem(who: Provider, point: Point) -> lo.Problem:
+    return lo.make_problem(who.name, n_q=1, n_k=point.n_k, d=D, batch=point.batch,
+                           heads=H_Q, kv_heads=H_KV, block_q=BLOCK_Q, block_k=who.block_k,
+                           causal=True, dtype="float16", pack_gqa=who.packed)
 
 
-def bench_ours(name: str, packed: bool, point: Point) -> dict:
+def bench_ours(who: Provider, point: Point) -> dict:
     import torch
 
-    sched = lo.get_schedule(name)
-    p = problem(name, point, packed)
+    sched = lo.get_schedule(who.name)
+    p = problem(who, point)
     kind = KINDS["torch"]
     qv = kind.view(point.q).reshape(p.bh, p.n_q, D)
     kv, vv = (kind.view(x).reshape(p.bh_kv, p.n_k, D) for x in (point.k, point.v))
@@ -86,14 +108,14 @@ def bench_ours(name: str, packed: bool, point: Point) -> dict:
     ms_kernel = time_launches(run.launch)
 
     def public(_i):
-        lo.attention(point.q, point.k, point.v, schedule=name, block_q=BLOCK_Q,
-                     block_k=BLOCK_K, causal=True, pack_gqa=packed)
+        lo.attention(point.q, point.k, point.v, schedule=who.name, block_q=BLOCK_Q,
+                     block_k=who.block_k, causal=True, pack_gqa=who.packed)
 
     kv_elems = run.model.read("k") + run.model.read("v")
     return {"ms_kernel": ms_kernel, "ms_call": time_launches(public),
             "kv_bytes": 2 * kv_elems, "model_bytes": run.model.bytes(2),
             "counted_bytes": run.counted.bytes(2), "rel_error": err,
-            "splits": sched.resolved_options(p).get("splits", "")}
+            "splits": sched.resolved_options(p).get("splits", ""), "block_k": p.block_k}
 
 
 def bench_sdpa(point: Point) -> dict:
@@ -124,6 +146,7 @@ def bench_sdpa(point: Point) -> dict:
 def row(provider: str, point: Point, **values) -> dict:
     base = {"provider": provider, "n_q": 1, "n_k": point.n_k, "batch": point.batch,
             "heads": H_Q, "kv_heads": H_KV, "d": D, "dtype": "float16", "splits": "",
+            "block_k": "",
             "ms_kernel": "", "ms_call": "", "kv_bytes": "", "model_bytes": "",
             "counted_bytes": "", "gbps": "", "rel_error": "", "backend": "", "status": "ok"}
     base.update(values)
@@ -139,21 +162,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--block-k", default=str(BLOCK_K),
+                        help="comma-separated K/V block sizes of packed split_kv rows")
     args = parser.parse_args(argv)
     sweep = QUICK if args.quick else SWEEP
     shapes = list(itertools.product(sweep["n_k"], sweep["batch"]))
+    ours = providers([int(x) for x in args.block_k.split(",")])
     first = Point(4096, 1, 0)
-    warm([Job(name, problem(name, first, packed), count)
-          for name, packed in PROVIDERS for count in (False, True)])
+    warm([Job(who.name, problem(who, first), count) for who in ours for count in (False, True)])
     rows = []
     for i, (n_k, batch) in enumerate(shapes):
         point = Point(n_k, batch, i + 1)
-        for name, packed in PROVIDERS:
-            label = f"{name} {'packed' if packed else 'per head'}"
+        for who in ours:
             try:
-                rows.append(row(label, point, **bench_ours(name, packed, point)))
+                rows.append(row(who.label, point, **bench_ours(who, point)))
             except (ValueError, AssertionError) as exc:
-                rows.append(row(label, point, status=f"failed: {str(exc)[:160]}"))
+                rows.append(row(who.label, point, status=f"failed: {str(exc)[:160]}"))
             print(rows[-1], flush=True)
         rows.append(row("torch sdpa enable_gqa", point, **bench_sdpa(point)))
         print(rows[-1], flush=True)
