@@ -216,14 +216,14 @@ _CALLS: OrderedDict = OrderedDict()
 
 
 def grad_problem(sched, n_q, n_k, d, dv, batch, heads, kv_heads, dtype, causal, options,
-                 window, pack_gqa):
+                 window, pack_gqa, precision="ieee"):
     """problem(block_q, block_k): the Problem of a gradient call (lse saved) with those
     tiles."""
     def problem(block_q: int, block_k: int) -> Problem:
         return make_problem(sched, n_q=n_q, n_k=n_k, d=d, dv=dv, batch=batch, heads=heads,
                             block_q=block_q, block_k=block_k, causal=causal, save_lse=True,
                             dtype=dtype, options=options, window=window, kv_heads=kv_heads,
-                            pack_gqa=pack_gqa)
+                            pack_gqa=pack_gqa, precision=precision)
 
     return problem
 
@@ -236,13 +236,13 @@ def check_grad_launch(sched, bwd, p: Problem, count: bool, host: bool) -> None:
 
 
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
-                 timed, window=(-1, -1), pack_gqa=False) -> GradCall:
+                 timed, window=(-1, -1), pack_gqa=False, precision="ieee") -> GradCall:
     """Every check of `attention_grad`, in the order the error messages promise (a call
     key seen before skips them). `do` None: the caller gives the output's gradient later,
     of the output's shape and dtype (the torch op: autograd guarantees it)."""
     arrays_in = (q, k, v) if do is None else (q, k, v, do)
     key = call_key(schedule, arrays_in, (block_q, block_k, causal, scale, count, timed, window,
-                                         pack_gqa), options)
+                                         pack_gqa, precision), options)
     if key is not None:
         call = _CALLS.get(key)
         if call is not None:
@@ -252,7 +252,8 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     bwd = backward_of(sched)
     inp = check_inputs(q, k, v, **({} if do is None else {"do": do}))
     problem = grad_problem(sched, inp.n_q, inp.n_k, inp.d, inp.dv, inp.batch, inp.heads,
-                           inp.kv_heads, inp.dtype, causal, options, window, pack_gqa)
+                           inp.kv_heads, inp.dtype, causal, options, window, pack_gqa,
+                           precision)
     p = problem(*named_tiles(block_q, block_k))
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count, timed = _check_bool("count", count), _check_bool("timed", timed)
@@ -273,7 +274,8 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
                    block_k: int | None = None, causal: bool = False, scale: float | None = None,
                    options: dict | None = None, count: bool = False,
                    timed: bool = False, window: tuple = (-1, -1),
-                   pack_gqa: bool = False, cu_seqlens_q=None, cu_seqlens_k=None) -> GradResult:
+                   pack_gqa: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
+                   precision: str = "ieee") -> GradResult:
     """Attention's forward pass in the loop order `schedule`, then the gradients of
     sum(O * do) with respect to q, k, v in its backward loop order (`backward_schedule_names`;
     options such as {"dq": "separate"} choose among a backward's variants).
@@ -285,12 +287,14 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
     Tiles as for `attention`, the forward's and the backward's kernels both fitting when
     chosen. With fewer K/V heads than query heads (grouped-query attention) dk and dv have
     k's and v's heads; `pack_gqa` and `cu_seqlens_q`, `cu_seqlens_k` (varlen: do packed like
-    the output, dq, dk, dv like q, k, v) as for `attention`.
+    the output, dq, dk, dv like q, k, v) as for `attention`. `precision` ("tf32", "tf32x3":
+    float32 inputs) as for `attention`, for both passes: the backward's five products on TF32
+    tensor cores (3xTF32: about float32's accuracy) instead of float32 FMA.
     """
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return VARLEN["attention_grad"](q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule,
                                         block_q, block_k, causal, scale, options, count,
-                                        timed, window, pack_gqa)
+                                        timed, window, pack_gqa, precision)
     call = prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options,
-                        count, timed, window, pack_gqa)
+                        count, timed, window, pack_gqa, precision)
     return call(q, k, v, do)

@@ -241,14 +241,14 @@ def _measure(args, p):
     q, k, v = _random_inputs(args, np.random.default_rng(args.seed))
     kwargs = {"schedule": args.schedule, "block_q": args.block_q, "block_k": args.block_k,
               "causal": args.causal, "window": tuple(args.window), "options": _options(args),
-              "count": True, "pack_gqa": args.pack_gqa}
+              "count": True, "pack_gqa": args.pack_gqa, "precision": p.precision}
     if args.backward:
         from .api_grad import attention_grad
 
         do = _random_array(args, np.random.default_rng(args.seed),
                            tuple(q.shape[:-1]) + (v.shape[-1],))
         return attention_grad(q, k, v, do, **kwargs).counts_backward
-    return attention(q, k, v, save_lse=p.save_lse, precision=p.precision, **kwargs).counts
+    return attention(q, k, v, save_lse=p.save_lse, **kwargs).counts
 
 
 def _varlen_traffic(args) -> int:
@@ -265,14 +265,12 @@ def _varlen_traffic(args) -> int:
     cu = {"cu_seqlens_q": args.cu_seqlens_q, "cu_seqlens_k": args.cu_seqlens_k}
     kw = {"schedule": args.schedule, "block_q": args.block_q, "block_k": args.block_k,
           "causal": args.causal, "window": tuple(args.window), "options": _options(args),
-          "pack_gqa": args.pack_gqa, **cu}
-    # the forward's precision (the backward runs exact float32 or 16-bit, as attention_grad)
-    precision = {} if args.backward else {"precision": args.precision}
+          "pack_gqa": args.pack_gqa, "precision": args.precision, **cu}
     dv = args.d if args.dv is None else args.dv
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     model = predict_traffic(n=None, d=args.d, dv=dv, heads=args.heads, kv_heads=kv_heads,
                             backward=args.backward, save_lse=args.save_lse or args.backward,
-                            dtype=args.dtype, **precision, **kw)
+                            dtype=args.dtype, **kw)
     print(f"{'backward of ' if args.backward else ''}{args.schedule}: "
           f"{len(args.cu_seqlens_q) - 1} packed sequences, queries "
           f"{np.diff(args.cu_seqlens_q).tolist()}, keys {np.diff(args.cu_seqlens_k).tolist()}")
@@ -285,8 +283,7 @@ def _varlen_traffic(args) -> int:
         (total_q, args.heads, args.d), (total_k, kv_heads, args.d), (total_k, kv_heads, dv),
         (total_q, args.heads, dv)))
     measured = (attention_grad(q, k, v, do, count=True, **kw).counts_backward if args.backward
-                else attention(q, k, v, count=True, save_lse=args.save_lse, **precision,
-                               **kw).counts)
+                else attention(q, k, v, count=True, save_lse=args.save_lse, **kw).counts)
     verdict = "equal to the model" if measured == model else "DIFFERS from the model"
     print(f"measured on {runtime.backend_name()} ({verdict}):\n{measured}")
     return 0 if measured == model else 1

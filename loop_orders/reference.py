@@ -230,6 +230,19 @@ def tf32_tolerance(q, k, v, ref, *, scale: float | None = None, causal: bool = F
                                               + PRODUCT_LOSS[precision]) * ratio
 
 
+def tf32_grad_tolerance(q, k, *, precision: str, scale: float | None = None,
+                        causal: bool = False, mask: Mask | None = None) -> float:
+    """Largest acceptable `relative_error` of a gradient of a float32 call at a TF32
+    `precision`, where no cancellation shrinks it below its terms (as `grad_tolerance`).
+
+    Each gradient is at most three products deep (S = Q K^T gives P; dP = dO V^T gives dS;
+    then dS K, dS^T Q or P^T dO), each losing at most PRODUCT_LOSS of its terms, and P moves
+    by at most a factor expm1(2 D) with the score shift D (`tf32_score_shift`): 3 (PRODUCT_LOSS
+    + expm1(2 D)) of the terms' size, over float32's own."""
+    shift = tf32_score_shift(q, k, scale=scale, causal=causal, precision=precision, mask=mask)
+    return FLOAT32_TOLERANCE + 3 * (PRODUCT_LOSS[precision] + math.expm1(2 * shift))
+
+
 def grad_tolerance(dtype, roundings: int) -> float:
     """Largest acceptable `relative_error` of a gradient (dQ, dK or dV) where no cancellation
     shrinks it below its terms (see `grad_tolerances` for the bound that holds for any inputs).

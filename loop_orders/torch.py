@@ -109,26 +109,27 @@ def _tile(block: int) -> int | None:
 
 
 def _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window, pack_gqa,
-          count) -> GradCall:
+          precision, count) -> GradCall:
     """The prepared call of these arguments, counted or not (`prepare_grad` keeps it)."""
     if count and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("counting(): a CUDA graph is being captured; its replays run no "
                            "Python, so their passes could not be counted: count without CUDA "
                            "graphs (mode='reduce-overhead')")
     return prepare_grad(q, k, v, None, schedule, _tile(block_q), _tile(block_k), causal, scale,
-                        decode_options(options), count, False, tuple(window), pack_gqa)
+                        decode_options(options), count, False, tuple(window), pack_gqa,
+                        precision)
 
 
 def _forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str,
                   options: str, causal: bool, block_q: int, block_k: int, scale: float | None,
-                  window: list[int], pack_gqa: bool
+                  window: list[int], pack_gqa: bool, precision: str
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The forward pass: O, lse, and the schedule's workspace where its backward reads it
     (`READS_FORWARD_WORKSPACE`; none otherwise: split_kv's partial outputs, which its
     unvisited splits leave unwritten, are neither kept nor compared by torch's checks)."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
-                 pack_gqa, collected is not None)
+                 pack_gqa, precision, collected is not None)
     saved = call.forward(q, k, v)
     _record(call, "forward", saved.counts, collected)
     kind = call.inputs.kind
@@ -141,7 +142,7 @@ _forward = torch.library.custom_op("loop_orders::attention", mutates_args=())(_f
 
 @_forward.register_fake
 def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
-                    pack_gqa):
+                    pack_gqa, precision):
     # The sizes as ints: a workspace's shape may depend on them beyond arithmetic (split_kv's
     # splits="auto"), so a dynamic-shape trace specialises on them, as the kernels do.
     (*lead, n_q, d), n_k, dv = map(int, q.shape), int(k.shape[-2]), int(v.shape[-1])
@@ -150,7 +151,7 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
     problem = grad_problem(sched, n_q, n_k, d, dv, batch, heads,
                            int(k.shape[-3]) if lead else None,
                            str(q.dtype).removeprefix("torch."), causal, decode_options(options),
-                           tuple(window), pack_gqa)
+                           tuple(window), pack_gqa, precision)
     tiles, count = (_tile(block_q), _tile(block_k)), _collecting is not None
     # the tiles the call will run with, chosen as `_call` chooses them (counted builds take
     # a little more shared memory)
@@ -167,12 +168,12 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
 def _backward_pass(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, kept: list[torch.Tensor],
                    schedule: str, options: str, causal: bool, block_q: int, block_k: int,
-                   scale: float | None, window: list[int], pack_gqa: bool
+                   scale: float | None, window: list[int], pack_gqa: bool, precision: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The schedule's backward loop order: dq, dk, dv from the forward's outputs."""
     collected = _collecting
     call = _call(q, k, v, schedule, options, causal, block_q, block_k, scale, window,
-                 pack_gqa, collected is not None)
+                 pack_gqa, precision, collected is not None)
     dq, dk, dv, ledger = call.backward(call.resume(out, lse, kept), q, k, v, do)
     _record(call, "backward", ledger, collected)
     return dq, dk, dv
@@ -232,9 +233,9 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, *args):
-        call = varlen.prepare_grad(q, k, v, None, cu_q, cu_k, *args[:-1],
+        call = varlen.prepare_grad(q, k, v, None, cu_q, cu_k, *args[:-2],
                                    count=_collecting is not None, timed=False,
-                                   window=args[-1], pack_gqa=False)
+                                   window=args[-2], pack_gqa=False, precision=args[-1])
         saved = call.forward(q, k, v)
         _record_varlen(call, "forward", saved.counts)
         kind = call.packed.kind
@@ -249,9 +250,9 @@ class _VarlenAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         do = grad_out.contiguous()
         cu_q, cu_k, *args = ctx.args
-        call = varlen.prepare_grad(q, k, v, do, cu_q, cu_k, *args[:-1],
+        call = varlen.prepare_grad(q, k, v, do, cu_q, cu_k, *args[:-2],
                                    count=_collecting is not None, timed=False,
-                                   window=args[-1], pack_gqa=False)
+                                   window=args[-2], pack_gqa=False, precision=args[-1])
         kind = call.packed.kind
         saved = varlen.VarlenSaved(out, kind.view(out), lse, kind.view(lse), ctx.kept, None,
                                    None)
@@ -272,7 +273,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
               options: dict | None = None, scale: float | None = None,
               window: tuple = (-1, -1), pack_gqa: bool = False,
               cu_seqlens_q: torch.Tensor | None = None,
-              cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+              cu_seqlens_k: torch.Tensor | None = None, precision: str = "ieee") -> torch.Tensor:
     """softmax(scale q k^T) v in the loop order `schedule`, differentiable (the schedule's
     backward loop order computes the gradients; `options` may choose its variant, e.g.
     {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
@@ -281,7 +282,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     are chosen as `loop_orders.attention_grad` chooses them (64 x 64 where its forward and
     backward fit); the op carries such a tile as 0. Arguments are checked as
     `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
-    contiguous first (torch's copy, outside the ledgers).
+    contiguous first (torch's copy, outside the ledgers). `precision` ("tf32", "tf32x3":
+    float32 inputs) runs both passes on TF32 tensor cores, as `loop_orders.attention_grad`.
 
     With `cu_seqlens_q`, `cu_seqlens_k` (int32 prefix sums) q, k, v are packed sequences
     (total, heads, d), as `loop_orders.attention` takes them; eager mode only (under
@@ -295,11 +297,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
             raise ValueError("pack_gqa: with cu_seqlens use pack_gqa=False (per query head)")
         return _VarlenAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
                                       cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k,
-                                      causal, scale, options, tuple(check_window(window)))
+                                      causal, scale, options, tuple(check_window(window)),
+                                      precision)
     tiles = [0 if b is None else _check_int(name, b, 1) for name, b in
              (("block_q", block_q), ("block_k", block_k))]
     args = (q.contiguous(), k.contiguous(), v.contiguous(), schedule, encode_options(options),
-            causal, *tiles, scale, list(check_window(window)), bool(pack_gqa))
+            causal, *tiles, scale, list(check_window(window)), bool(pack_gqa), precision)
     if torch.compiler.is_compiling():  # the custom op, which the compiler traces
         return _forward(*args)[0]
     return _EagerAttention.apply(*args)
@@ -322,11 +325,12 @@ def _refuse_unsupported(query, key, attn_mask, dropout_p, enable_gqa) -> None:
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  schedule="q_outer", block_q=None, block_k=None, pack_gqa=False,
-                                 **options):
+                                 precision="ieee", **options):
     """`torch.nn.functional.scaled_dot_product_attention`'s signature, computed in the loop
     order `schedule` with tiles `block_q` x `block_k` and the schedule's `options` (as
     `attention`'s dict); with enable_gqa, fewer key/value heads than query heads run per
-    query head, or packed with `pack_gqa`. Refused with a ValueError naming the argument: a
+    query head, or packed with `pack_gqa`; float32 on TF32 tensor cores with `precision`
+    ("tf32", "tf32x3", as `attention`). Refused with a ValueError naming the argument: a
     mask tensor, dropout_p != 0, fewer key/value heads without enable_gqa, is_causal with
     fewer or more keys than queries (SDPA aligns that mask top-left, FlashAttention
     bottom-right: we do not guess).
@@ -336,7 +340,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"is_causal: needs as many queries as keys, got {query.shape[-2]} "
                          f"and {key.shape[-2]}")
     args = dict(schedule=schedule, causal=is_causal, block_q=block_q, block_k=block_k,
-                options=options or None, scale=scale, pack_gqa=pack_gqa)
+                options=options or None, scale=scale, pack_gqa=pack_gqa, precision=precision)
     if query.dim() in (2, 4):
         return attention(query, key, value, **args)
     lead = query.shape[:-2]
@@ -347,7 +351,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 @contextlib.contextmanager
 def use(schedule: str = "q_outer", *, block_q: int | None = None, block_k: int | None = None,
-        **options):
+        precision: str = "ieee", **options):
     """Inside the block, `torch.nn.functional.scaled_dot_product_attention` is
     `scaled_dot_product_attention` in the loop order `schedule`: an unmodified model's
     attention (its calls of F.scaled_dot_product_attention, torch.nn.MultiheadAttention's
@@ -365,7 +369,8 @@ def use(schedule: str = "q_outer", *, block_q: int | None = None, block_k: int |
                enable_gqa=False):
         return scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            schedule=schedule, block_q=block_q, block_k=block_k, **options)
+            schedule=schedule, block_q=block_q, block_k=block_k, precision=precision,
+            **options)
 
     functional = torch.nn.functional
     previous = functional.scaled_dot_product_attention

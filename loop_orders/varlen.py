@@ -407,7 +407,8 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k, c
 
 
 def prepare_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k,
-                 causal, scale, options, count, timed, window, pack_gqa) -> VarlenGrad:
+                 causal, scale, options, count, timed, window, pack_gqa,
+                 precision="ieee") -> VarlenGrad:
     """`attention_grad`'s checks, in its order, and the call ready to run (do may be None:
     the torch op checks the forward's arguments before any output gradient exists)."""
     sched = get_schedule(schedule)
@@ -422,7 +423,7 @@ def prepare_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, blo
 
     problems = sequence_problems(sched, packed, block_q, block_k, check, causal=causal,
                                  save_lse=True, options=options, window=window,
-                                 pack_gqa=pack_gqa)
+                                 pack_gqa=pack_gqa, precision=precision)
     check_total(sched, problems, lambda p: {
         **api.memory_need(sched, p, count, packed.host),
         **{f"backward {k}": v for k, v in backward_memory(bwd, p, count, packed.host).items()}},
@@ -431,10 +432,12 @@ def prepare_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, blo
 
 
 def attention_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k,
-                   causal, scale, options, count, timed, window, pack_gqa) -> GradResult:
+                   causal, scale, options, count, timed, window, pack_gqa,
+                   precision="ieee") -> GradResult:
     """`lo.attention_grad` with cu_seqlens."""
     return prepare_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, block_k,
-                        causal, scale, options, count, timed, window, pack_gqa)(q, k, v, do)
+                        causal, scale, options, count, timed, window, pack_gqa,
+                        precision)(q, k, v, do)
 
 
 api.VARLEN.update(attention=attention, attention_grad=attention_grad,

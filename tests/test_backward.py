@@ -1,6 +1,7 @@
 """Every backward schedule (and option) against the float64 gradients, with counters ==
 model == brute-force walk exactly; the API's and CLI's contracts for the backward pass."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -12,7 +13,13 @@ from hypothesis import strategies as st
 import loop_orders as lo
 from loop_orders.cli import main
 from loop_orders.core.schedule import backward_of, get_backward, grad_variants, per_head_ledger
-from loop_orders.reference import attention_grad_reference, grad_tolerance, relative_error
+from loop_orders.microkernel.tensor_cores import TensorCores
+from loop_orders.reference import (
+    attention_grad_reference,
+    grad_tolerance,
+    relative_error,
+    tf32_grad_tolerance,
+)
 
 # every schedule with a backward pass, every example value of its backward's options
 VARIANTS = [(v.schedule, v.options) for v in grad_variants(forwards=True)]
@@ -95,6 +102,33 @@ def test_flash_backwards_move_less_than_dense_and_scale_with_m(name):
         assert small.total < dense.total
         large = lo.predict_traffic(name, n=4096, d=64, block_q=64, block_k=128, backward=True)
         assert large.read("q") * 2 == small.read("q")
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+@pytest.mark.parametrize("variant", [v for v in grad_variants() if v.schedule != "dense"],
+                         ids=lambda v: v.label)
+def test_tf32_backward_runs_on_tensor_cores(variant, precision, rng):
+    """float32 at precision tf32 / tf32x3: the backward's five products on TF32 tensor cores
+    (tails, causal n_q > n_k, dv != d), within the TF32 gradient bound of float64, and the
+    same traffic as float32 FMA."""
+    n_q, n_k, d, dv = 21, 13, 12, 8
+    q, _, _ = random_qkv(rng, 1, 2, n_q, d, dv)
+    _, k, v = random_qkv(rng, 1, 2, n_k, d, dv)
+    do = rng.standard_normal((1, 2, n_q, dv)).astype(np.float32)
+    g = lo.attention_grad(q, k, v, do, schedule=variant.schedule, block_q=16, block_k=16,
+                          causal=True, options=variant.options, count=True,
+                          precision=precision)
+    bwd = backward_of(lo.get_schedule(variant.schedule))
+    assert bwd.tensor_cores(g.problem) == TensorCores(precision)
+    refs = attention_grad_reference(q, k, v, do, mask=g.problem.mask)
+    tol = tf32_grad_tolerance(q, k, precision=precision, mask=g.problem.mask)
+    for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
+        assert relative_error(got, ref) <= tol
+    assert g.counts_backward == lo.predict_traffic(
+        variant.schedule, n=n_q, n_k=n_k, d=d, dv=dv, heads=2, block_q=16, block_k=16,
+        causal=True, options=variant.options, backward=True)
+    ieee = dataclasses.replace(g.problem, precision="ieee")
+    assert bwd.tensor_cores(ieee) is None  # the default stays exact float32 FMA
 
 
 def test_backward_errors_before_launch(rng, monkeypatch):

@@ -50,6 +50,29 @@ def test_op_matches_torch_autograd_of_sdpa(schedule, options, causal):
         assert err <= 1e-5, (schedule, float(err))
 
 
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+def test_precision_reaches_both_passes_of_the_op(precision):
+    """float32 at a TF32 precision: forward and backward on TF32 tensor cores through the op,
+    within the TF32 bounds of torch's float64 attention (tails, dv != d)."""
+    from loop_orders.reference import tf32_grad_tolerance, tf32_tolerance
+
+    q, k = leaves((1, 2, 21, 12), n=2)
+    (v,) = leaves((1, 2, 21, 8), n=1, seed=1)
+    (w,) = leaves((1, 2, 21, 8), n=1, seed=2)
+    out = lot.attention(q, k, v, causal=True, block_q=16, block_k=16, precision=precision)
+    (out * w.detach()).sum().backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expect = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+    (expect * w.detach().double()).sum().backward()
+    host = [x.detach().cpu().numpy() for x in (q, k, v)]
+    err = float((out.double() - expect).abs().max() / expect.abs().max())
+    assert err <= tf32_tolerance(*host, expect.detach().cpu().numpy(), causal=True,
+                                 precision=precision)
+    tol = tf32_grad_tolerance(host[0], host[1], precision=precision, causal=True)
+    for got, want in zip((q, k, v), ref, strict=True):
+        assert float((got.grad.double() - want.grad).abs().max() / want.grad.abs().max()) <= tol
+
+
 def test_counting_collects_each_pass_and_equals_the_model():
     q, k, v = leaves((1, 2, 9, 4))
     with lot.counting() as calls:
@@ -139,10 +162,10 @@ def test_the_op_passes_torch_library_opcheck(schedule, options):
     workspace too) against the real one, autograd registration, a dynamic-shape trace."""
     q, k, v = leaves((1, 2, 6, 4))
     torch.library.opcheck(lot._forward, (q, k, v, schedule, options, True, 4, 4, None,
-                                          [-1, -1], False))
+                                          [-1, -1], False, "ieee"))
     (gq,) = leaves((1, 4, 6, 4), n=1)  # grouped-query: 4 query heads over 2 K/V heads
     torch.library.opcheck(lot._forward, (gq, k, v, schedule, options, False, 4, 4, None,
-                                          [-1, -1], True))
+                                          [-1, -1], True, "tf32x3"))
     assert lot.decode_options(lot.encode_options({"splits": 2, "dq": "separate"})) == {
         "dq": "separate", "splits": "2"}
 
@@ -153,7 +176,7 @@ def test_the_op_keeps_only_the_workspace_its_backward_reads(schedule, kept):
     """The forward op returns the workspace only where the backward reads it (kv_outer's l,
     m; dense's S, P): split_kv's partial outputs, some never written, are not outputs."""
     q, k, v = leaves((1, 2, 6, 4))
-    args = (q, k, v, schedule, "", True, 4, 4, None, [-1, -1], False)
+    args = (q, k, v, schedule, "", True, 4, 4, None, [-1, -1], False, "ieee")
     assert len(lot._forward(*args)[2]) == kept
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake = [mode.from_tensor(x) for x in (q, k, v)]

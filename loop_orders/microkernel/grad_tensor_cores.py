@@ -35,6 +35,14 @@ of the query block's statistics (base, inv, D). The operand fragments are those 
 P and dS are rounded to 16 bits before the products that read them (as FlashAttention-2
 does): one more rounding each, of 2^-11 (float16) or 2^-8 (bfloat16) of their magnitude
 (`TC_ROUNDINGS`).
+
+TF32 (float32 inputs at precision "tf32" or "tf32x3", `TensorCores("tf32")`): the same steps
+on m16n8k8 over float32 tiles (cp.async 4 floats a copy; rows padded for scalar fragment
+loads, `tc_grad_layout`), each fragment by plain shared loads (`make_tf32_smem_product`); the
+products whose A is P^T, dS^T or dS in registers read their accumulator fragment with k
+permuted (`make_tf32_reg_product`, as the forward's P V_j does). 3xTF32 splits each operand
+into a TF32 head and tail (`tensor_cores.make_tf32_mma`) and sums each step's register
+products from zero before adding them to dK_j, dV_j or dQ_i. P and dS stay float32.
 """
 
 from __future__ import annotations
@@ -58,16 +66,24 @@ from ..device.intrinsics import (
     widen,
 )
 from ..device.runtime import cuda, inlined
-from .tensor_cores import WARP_ROWS, TensorCores, _tile_type, _up, make_tc_tile_loader
-from .tiles import LOG2E, make_clear, make_visible
+from .tensor_cores import (
+    WARP_ROWS,
+    TensorCores,
+    _tile_type,
+    _up,
+    make_tc_tile_loader,
+    make_tf32_mma,
+)
+from .tiles import LOG2E, make_clear, make_visible, unrolled
 
 
 def tc_backward_spec(p) -> TensorCores | None:
-    """The tensor-core build a backward runs for Problem p: 16-bit inputs, under any mask (the
-    tile steps take each row's keys from `core.mask`), else None (float32: CUDA cores)."""
-    if p.dtype not in ("float16", "bfloat16"):
-        return None
-    return TensorCores(p.dtype)
+    """The tensor-core build a backward runs for Problem p, under any mask (the tile steps
+    take each row's keys from `core.mask`): 16-bit inputs, and float32 ones at precision
+    "tf32" or "tf32x3"; else None (float32 FMA on CUDA cores)."""
+    if p.dtype in ("float16", "bfloat16"):
+        return TensorCores(p.dtype)
+    return None if p.precision == "ieee" else TensorCores(p.precision)
 
 
 # The extra roundings to 16 bits on tensor cores that a gradient sees: P (dV's operand) and
@@ -121,11 +137,16 @@ class TcGradLayout(NamedTuple):
 
 @cache
 def tc_grad_layout(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
-                   STAGES: int = 1) -> TcGradLayout:
+                   STAGES: int = 1, TF32: bool = False) -> TcGradLayout:
     """The buffer of a tensor-core backward CTA; WITH_O: an O_i tile (kv_outer computes D_i
-    per visited pair); STAGES buffers of Q_i, dO_i and the stats rows."""
+    per visited pair); STAGES buffers of Q_i, dO_i and the stats rows. TF32: float32 tiles,
+    rows 4 floats over whole 32s (lane 4 g + t reads row g, column t of a row-major operand
+    in 32 different banks, and rows 2 t, 2 t + 1 of a k x n one in 32 too)."""
     rows, keys = _up(BR, WARP_ROWS), _up(BC, WARP_ROWS)
-    ks, vs, dss = _up(D, 16) + 8, _up(DV, 16) + 8, rows + 8
+    if TF32:
+        ks, vs, dss = _up(D, 32) + 4, _up(DV, 32) + 4, rows + 8
+    else:
+        ks, vs, dss = _up(D, 16) + 8, _up(DV, 16) + 8, rows + 8
     k = 0
     v = k + keys * ks
     q = v + keys * vs
@@ -133,7 +154,7 @@ def tc_grad_layout(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
     o = do + STAGES * rows * vs
     ds = o + (rows * vs if WITH_O else 0)
     elements = ds + keys * dss
-    stats = _up(-(-elements // 2), 4)  # float offset, 16-byte aligned
+    stats = _up(elements if TF32 else -(-elements // 2), 4)  # float offset, 16-byte aligned
     return TcGradLayout(k, v, q, do, o, ds, ks, vs, dss, rows, keys, stats,
                         stats + STAGES * 3 * rows, STAGES)
 
@@ -152,7 +173,9 @@ def make_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS
     n-tile n in acc[4 n .. 4 n + 3]) += A B, A 16 x 16 MK and B 16 MK x 8 NN from shared
     tiles at element offsets a_at, b_at, rows AS and BS elements apart. A is stored m x k
     (row-major), or k x m where A_TRANS; B is stored n x k (a row per output column, as K_j
-    for Q K^T), or k x n where B_TRANS (as V_j for P V)."""
+    for Q K^T), or k x n where B_TRANS (as V_j for P V). TF32: `make_tf32_smem_product`."""
+    if SPEC.tf32:
+        return make_tf32_smem_product(MK, NN, AS, A_TRANS, BS, B_TRANS, SPEC.split)
     mma = mma_bf16 if SPEC.dtype == "bfloat16" else mma_f16
     A_STEP = 16 * AS if A_TRANS else 16  # elements between A's k-steps
     B_KSTEP, B_NSTEP = (16 * BS, 16) if B_TRANS else (16, 16 * BS)
@@ -199,7 +222,10 @@ def make_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS
 def make_reg_product(MK: int, NN: int, BS: int, SPEC: TensorCores):
     """reg_product(tile, acc, s, b_at, lane): acc (16 x 8 NN) += A B with A (16 x 16 MK) the
     accumulator fragment s (2 MK n-tiles of 8 columns) rounded to 16 bits, which is A's
-    fragment as it stands, and B stored k x n at b_at, rows BS apart (ldmatrix.trans)."""
+    fragment as it stands, and B stored k x n at b_at, rows BS apart (ldmatrix.trans). TF32:
+    `make_tf32_reg_product`."""
+    if SPEC.tf32:
+        return make_tf32_reg_product(MK, NN, BS, SPEC.split)
     BF16 = SPEC.dtype == "bfloat16"
     mma = mma_bf16 if BF16 else mma_f16
     pack = pack_bf16x2 if BF16 else pack_f16x2
@@ -221,6 +247,95 @@ def make_reg_product(MK: int, NN: int, BS: int, SPEC: TensorCores):
                     acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma(
                         a0, a1, a2, a3, b[2 * h], b[2 * h + 1],
                         acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+
+    return reg_product
+
+
+@cache
+def make_tf32_smem_product(MK: int, NN: int, AS: int, A_TRANS: bool, BS: int, B_TRANS: bool,
+                           SPLIT: bool):
+    """`make_smem_product` on m16n8k8 TF32 (2 MK k-steps of 8), the fragments by plain
+    shared loads: lane 4 g + t takes A's rows g, g + 8 and B's column g, each at k = t and
+    t + 4 of the step (`tensor_cores.make_tf32_mma`'s operands; SPLIT: 3xTF32)."""
+    tm = make_tf32_mma(SPLIT)
+    tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
+    A_M, A_K = (1, AS) if A_TRANS else (AS, 1)  # elements between A's rows, A's k
+    B_K, B_N = (BS, 1) if B_TRANS else (1, BS)  # elements between B's k, B's columns
+
+    @inlined
+    def ntile(n, a0, a1, a2, a3, tile, acc, b_at):
+        """acc's n-tile n += the A fragment times B's columns 8 n .. 8 n + 7 (b_at: the
+        lane's column g, k = t of the step)."""
+        b = b_at + uint64(8 * n * B_N)
+        acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma_f32(
+            a0, a1, a2, a3, tf32_operand(tile[b]), tf32_operand(tile[b + uint64(4 * B_K)]),
+            acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+
+    # the n-tiles in straight-line code (acc is indexed by n: a loop left rolled would send
+    # it to local memory)
+    ntiles = unrolled(ntile, NN, 7, NN)
+
+    @inlined
+    def smem_product(tile, acc, a_at, b_at, lane):
+        g, t = lane >> uint32(2), lane & uint32(3)
+        a_lane = a_at + uint64(g) * uint64(A_M) + uint64(t) * uint64(A_K)
+        b_lane = b_at + uint64(g) * uint64(B_N) + uint64(t) * uint64(B_K)
+        for kk in range(2 * MK):
+            a = a_lane + uint64(8 * kk * A_K)
+            a0 = tf32_operand(tile[a])
+            a1 = tf32_operand(tile[a + uint64(8 * A_M)])
+            a2 = tf32_operand(tile[a + uint64(4 * A_K)])
+            a3 = tf32_operand(tile[a + uint64(8 * A_M + 4 * A_K)])
+            ntiles(a0, a1, a2, a3, tile, acc, b_lane + uint64(8 * kk * B_K))
+
+    return smem_product
+
+
+@cache
+def make_tf32_reg_product(MK: int, NN: int, BS: int, SPLIT: bool):
+    """`make_reg_product` on m16n8k8 TF32: A's k-step of 8 is an 8-column n-tile of the
+    accumulator fragment s, read in the order the lanes hold it (k-index t is column 2 t,
+    t + 4 is 2 t + 1: a sum over k in any order), and B's rows follow (2 t, 2 t + 1, column
+    g; B stored k x n, rows BS apart). 3xTF32 (SPLIT) sums the call's products from zero and
+    adds them to acc in float32, as the forward's P V_j does (`accumulate_tf32`): acc carries
+    a whole loop's sum, which the mma's own accumulation would let drift."""
+    tm = make_tf32_mma(SPLIT)
+    tf32_operand, mma_f32 = tm.tf32_operand, tm.mma_f32
+    NACC = 4 * NN
+
+    @inlined
+    def ntile(n, p0, p1, p2, p3, tile, acc, b_at):
+        """acc's n-tile n (columns 8 n ..) += the A fragment p0 .. p3 times B's rows of its
+        8 k (b_at: the lane's row 2 t, column g of them)."""
+        b = b_at + uint64(8 * n)
+        acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3] = mma_f32(
+            p0, p1, p2, p3, tf32_operand(tile[b]), tf32_operand(tile[b + uint64(BS)]),
+            acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+
+    ntiles = unrolled(ntile, NN, 7, NN)  # acc is indexed by n
+
+    @inlined
+    def kstep(kk, tile, s, acc, b_row):
+        """acc += s's columns 8 kk .. 8 kk + 7 times B's rows of them."""
+        p0, p1 = tf32_operand(s[4 * kk]), tf32_operand(s[4 * kk + 2])
+        p2, p3 = tf32_operand(s[4 * kk + 1]), tf32_operand(s[4 * kk + 3])
+        ntiles(p0, p1, p2, p3, tile, acc, b_row + uint64(8 * kk) * uint64(BS))
+
+    ksteps = unrolled(kstep, 2 * MK, 4, 2 * MK)  # s is indexed by kk
+
+    @cuda.jit(device=True, inline="always")
+    def reg_product(tile, acc, s, b_at, lane):
+        g, t = lane >> uint32(2), lane & uint32(3)
+        b_row = b_at + uint64(2 * t) * uint64(BS) + uint64(g)
+        if SPLIT:
+            part = cuda.local.array(NACC, float32)  # this call's products alone
+            for e in range(NACC):
+                part[e] = float32(0.0)
+            ksteps(tile, s, part, b_row)
+            for e in range(NACC):
+                acc[e] += part[e]
+        else:
+            ksteps(tile, s, acc, b_row)
 
     return reg_product
 
@@ -248,8 +363,8 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
     """The buffer `tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)` for NT threads: cleared,
     its tiles loaded from HBM, the stats rows from the forward's lse and the preprocess's
     delta."""
-    sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)
-    ELEMENT = _tile_type(SPEC.dtype)
+    sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES, SPEC.tf32)
+    ELEMENT = _tile_type("float32" if SPEC.tf32 else SPEC.dtype)
     BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
     STATS_STAGE = sm.stats_stage  # (a plain int: device code reads no NamedTuple property)
     clear = make_clear(sm.size, NT)
@@ -376,7 +491,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
     `q_step` for a Q-outer one (see the module docstring), over the buffer
     `tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)` (`q_step` and `row_dot` read buffer 0);
     a row sees the keys of the tile `tiles.make_visible(MASK)` gives it."""
-    sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES)
+    sm = tc_grad_layout(BR, BC, D, DV, WITH_O, STAGES, SPEC.tf32)
     RP, KP = sm.rows, sm.keys
     DT, DVT, QT, KT = _up(D, 16) // 8, _up(DV, 16) // 8, RP // 8, KP // 8  # 8-wide n-tiles
     NSQ, NSK = 4 * QT, 4 * KT  # a thread's scores: K/V-outer (RP queries), Q-outer (KP keys)

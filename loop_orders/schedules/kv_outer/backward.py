@@ -329,7 +329,8 @@ class KVOuterBackward(GradTileBackward):
     def shared_bytes(self, p: Problem) -> int:
         """Dynamic shared bytes of the kernel (without the counters)."""
         if self.tensor_cores(p) is not None:
-            return tc.tc_shared_bytes(p.block_q, p.block_k, p.d, p.dv)
+            return tc.tc_shared_bytes(p.block_q, p.block_k, p.d, p.dv,
+                                      self.tensor_cores(p).tf32)
         return grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, True, True).bytes
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:

@@ -43,8 +43,8 @@ def tc_threads(block_k: int) -> int:
     return 32 * tc_grad_warps(block_k)
 
 
-def tc_shared_bytes(block_q: int, block_k: int, d: int, dv: int) -> int:
-    return tc_grad_layout(block_q, block_k, d, dv, True).bytes
+def tc_shared_bytes(block_q: int, block_k: int, d: int, dv: int, tf32: bool = False) -> int:
+    return tc_grad_layout(block_q, block_k, d, dv, True, 1, tf32).bytes
 
 
 def _make_zero_grads(D, DV, NT, COUNT):
@@ -74,10 +74,10 @@ def _make_zero_grads(D, DV, NT, COUNT):
     return zero_grads
 
 
-def _make_stats(BR, BC, D, DV, NT, COUNT):
+def _make_stats(BR, BC, D, DV, NT, COUNT, TF32):
     """visit_stats(buf, l_hbm, m_hbm, bh, row0, n_rows, cnt): base = m_i, inv = 1 / l_i of the
     visited query block into the stats rows, counted (line 8)."""
-    sm = tc_grad_layout(BR, BC, D, DV, True)
+    sm = tc_grad_layout(BR, BC, D, DV, True, 1, TF32)
     BASE, INV = sm.stats, sm.stats + sm.rows
     L_R, M_R = slot("l", "read"), slot("m", "read")
 
@@ -132,7 +132,7 @@ def make_tc_kernel(BR, BC, D, DV, MASK, SPEC, COUNT, GROUP):
     store_dk, store_dv = io.store_dk, io.store_dv
     kv_step, dq_partial, row_dot = st.kv_step, st.dq_partial, st.row_dot
     zero_grads = _make_zero_grads(D, DV, NT, COUNT)
-    visit_stats = _make_stats(BR, BC, D, DV, NT, COUNT)
+    visit_stats = _make_stats(BR, BC, D, DV, NT, COUNT, SPEC.tf32)
     update_dq = _make_dq_update(D)
     NCNT = counter_slots(COUNT)
     flush_counts = counts_flusher()

@@ -495,14 +495,14 @@ class QOuterBackward(GradTileBackward):
         sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask)
         if spec is not None:
             stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
-            if 2 * tc.tc_shared_bytes(*sizes[:4], stages) > SHARED_BYTES_PER_SM:
+            if 2 * tc.tc_shared_bytes(*sizes[:4], stages, spec.tf32) > SHARED_BYTES_PER_SM:
                 stages = 1
             return MainKernels(
                 tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count, p.group),
                 tc.tc_kv_threads(p.block_k),
                 tc.make_tc_q_kernel(*sizes, spec, count, p.group) if separate else None,
-                tc.tc_q_threads(p.block_q), tc.tc_shared_bytes(*sizes[:4], stages),
-                tc.tc_shared_bytes(*sizes[:4], 1))
+                tc.tc_q_threads(p.block_q), tc.tc_shared_bytes(*sizes[:4], stages, spec.tf32),
+                tc.tc_shared_bytes(*sizes[:4], 1, spec.tf32))
         threads = grad_layout(p.block_q, p.block_k).threads
         shared = grad_shared_layout(*sizes[:4], False, False).bytes
         return MainKernels(make_kv_kernel(*sizes, not separate, count, p.group), threads,

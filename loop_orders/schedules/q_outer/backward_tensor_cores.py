@@ -57,8 +57,9 @@ def tc_q_threads(block_q: int) -> int:
     return 32 * tc_grad_warps(block_q)
 
 
-def tc_shared_bytes(block_q: int, block_k: int, d: int, dv: int, stages: int) -> int:
-    return tc_grad_layout(block_q, block_k, d, dv, False, stages).bytes
+def tc_shared_bytes(block_q: int, block_k: int, d: int, dv: int, stages: int,
+                    tf32: bool = False) -> int:
+    return tc_grad_layout(block_q, block_k, d, dv, False, stages, tf32).bytes
 
 
 def _make_block_loads(BR, BC, D, DV, SPEC, NT, STAGES, COUNT):
