@@ -271,8 +271,10 @@ def run_sweep(out_dir: Path, sweep: dict, only: set | None, rng,
 
 
 BACKWARD_SWEEP = {"n": [1024, 4096, 16384], "d": [64], "causal": [False, True]}
+# SDPA's backends timed beside ours, per torch dtype (a TF32 label's is float32)
 BACKWARD_TORCH = [("torch_sdpa_efficient", "float32", "efficient"),
-                  ("torch_sdpa_flash", "float16", "flash")]
+                  *((f"torch_sdpa_{backend}", dtype, backend)
+                    for dtype in ("float16", "bfloat16") for backend in ("flash", "cudnn"))]
 
 
 def backward_providers(only: set[str] | None = None) -> list[tuple[str, dict | None]]:
@@ -304,7 +306,7 @@ def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
 
     def op(_i):
         out = lot.attention(tq, tk, tv, schedule=name, causal=p.causal, block_q=p.block_q,
-                            block_k=p.block_k, options=options)
+                            block_k=p.block_k, options=options, precision=p.precision)
         out.backward(tdo)
 
     return fwd, bwd, time_launches(op), err
@@ -318,8 +320,8 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
     q, k, v = (torch.randn(p.batch, p.heads, p.n_q, p.d, device="cuda", dtype=tdt)
                .requires_grad_() for _ in range(3))
     do = torch.randn(p.batch, p.heads, p.n_q, p.dv, device="cuda", dtype=tdt)
-    chosen = {"efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    chosen = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
 
     def launch(_i):
         with sdpa_kernel(chosen):
@@ -332,11 +334,12 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                  dtypes: tuple = ("float32", "float16")) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
-    shapes, B H N fixed), gradients checked against float64 on two heads first."""
-    rows, last = [], {}
+    shapes, B H N fixed), gradients checked against float64 on two heads first. dtypes are
+    labels (`input_kind`: "tf32x3" is float32 at that precision, beside SDPA's float32)."""
+    rows, last, timed = [], {}, set()
     warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
                                 block_q=64, block_k=64, causal=causal, save_lse=True,
-                                dtype=dtype, options=options), True)
+                                options=options, **input_kind(dtype)), True)
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
          for dtype in dtypes for name, options in backward_providers(only))
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
@@ -345,7 +348,7 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
             for name, options in backward_providers(only):
                 p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
                                     block_q=64, block_k=64, causal=causal, save_lse=True,
-                                    dtype=dtype, options=options)
+                                    options=options, **input_kind(dtype))
                 label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
                 row = {"provider": label, "dtype": dtype, "batch": batch, "heads": heads,
                        "n": n, "d": d, "causal": causal, "block_q": 64, "block_k": 64,
@@ -372,18 +375,24 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
                       flush=True)
             for provider, tdtype, backend in BACKWARD_TORCH:
-                if tdtype != dtype:
+                point = (provider, d, causal, n)
+                if tdtype != input_kind(dtype)["dtype"] or point in timed:
                     continue
+                timed.add(point)
                 p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
-                                    block_q=64, block_k=64, causal=causal, dtype=dtype)
-                ms = bench_torch_grad(backend, dtype, p, rng)
-                rows.append({"provider": provider, "dtype": dtype, "batch": batch,
-                             "heads": heads, "n": n, "d": d, "causal": causal, "block_q": "",
-                             "block_k": "", "ms_forward": "", "ms_backward": "",
-                             "ms_total": round(ms, 4), "ms_torch_op": "", "rel_error": "",
-                             "status": "ok"})
-                print(f"backward {provider:22s} {dtype} d={d} causal={causal!s:5} N={n:6d}: "
-                      f"{ms:.4f} ms forward + backward", flush=True)
+                                    block_q=64, block_k=64, causal=causal, dtype=tdtype)
+                row = {"provider": provider, "dtype": tdtype, "batch": batch, "heads": heads,
+                       "n": n, "d": d, "causal": causal, "block_q": "", "block_k": "",
+                       "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
+                       "rel_error": "", "status": "ok"}
+                try:
+                    row["ms_total"] = round(bench_torch_grad(backend, tdtype, p, rng), 4)
+                except RuntimeError as exc:  # a backend that does not take the shape
+                    row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
+                rows.append(row)
+                print(f"backward {provider:22s} {tdtype} d={d} causal={causal!s:5} N={n:6d}: "
+                      f"{row['ms_total']} ms forward + backward {row['status'][:40]}",
+                      flush=True)
             write_csv(out_dir / "bench_backward.csv", rows, PROV)
     return rows
 

@@ -59,6 +59,12 @@ class BackwardSchedule(ABC):
         """Threads of a CTA of the main kernel (on the shared backward tile:
         `microkernel.grad_tiles.GradTileBackward` says)."""
 
+    @staticmethod
+    def tensor_cores(p: Problem):
+        """The tensor-core build (`microkernel.tensor_cores.TensorCores`) p's main kernels run,
+        or None: CUDA cores, unless a backward order says otherwise."""
+        return None
+
     def loop_nest(self) -> str:
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
 
