@@ -105,8 +105,7 @@ def test_flash_backwards_move_less_than_dense_and_scale_with_m(name):
 
 
 @pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
-@pytest.mark.parametrize("variant", [v for v in grad_variants() if v.schedule != "dense"],
-                         ids=lambda v: v.label)
+@pytest.mark.parametrize("variant", grad_variants(), ids=lambda v: v.label)
 def test_tf32_backward_runs_on_tensor_cores(variant, precision, rng):
     """float32 at precision tf32 / tf32x3: the backward's five products on TF32 tensor cores
     (tails, causal n_q > n_k, dv != d), within the TF32 gradient bound of float64, and the

@@ -94,8 +94,7 @@ def test_tensor_cores_take_the_mask(schedule, rng):
 TC_CASES = [(21, 13, 8, 16, 16, 16, True, (-1, -1)), (19, 23, 8, 8, 16, 16, False, (3, 2))]
 
 
-@pytest.mark.parametrize("variant", [v for v in grad_variants() if v.schedule != "dense"],
-                         ids=lambda v: v.label)
+@pytest.mark.parametrize("variant", grad_variants(), ids=lambda v: v.label)
 @pytest.mark.parametrize("case", TC_CASES, ids=str)
 def test_tensor_core_backward_takes_the_mask(variant, case, rng):
     n_q, n_k, d, dv, bq, bk, causal, window = case

@@ -19,13 +19,15 @@ d; P read twice (kernels 2 and 3), dP written once and read once, dS written onc
 twice (kernels 3 and 4), each N_q N_k; dQ, dK, dV written once. A causal mask reduces none of
 it (masked entries are zeros of P and dS, still moved), as in the forward. This is
 Theta(N d + N^2) for fixed tiles: Theorem 5's standard-attention baseline. The products share
-the flash backward's device functions (grad_tiles), so the baseline is not slowed by a
+the flash backward's device functions (grad_tiles; on tensor cores for 16-bit inputs and TF32,
+`backward_tensor_cores`, the same loop nests and traffic), so the baseline is not slowed by a
 naive inner loop.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 from numba import float32, int64
@@ -36,6 +38,7 @@ from ...core.schedule import Kernel, Problem, register, rows
 from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
+    SIMULATOR,
     cuda,
     device_empty,
     dynamic_shared_limit,
@@ -43,6 +46,7 @@ from ...device.runtime import (
     kernel_options,
     launch,
 )
+from ...microkernel.grad_tensor_cores import TC_ROUNDINGS, tc_backward_spec
 from ...microkernel.grad_tiles import (
     GradTileBackward,
     acc_layout,
@@ -51,6 +55,7 @@ from ...microkernel.grad_tiles import (
     make_dkdv_epilogue,
     make_grad_tile,
 )
+from ...microkernel.tensor_cores import TensorCores, check_aligned
 from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
@@ -59,8 +64,17 @@ from ...microkernel.tiles import (
     make_tile_storer,
 )
 from ...microkernel.tiles import zero_counts as zero
+from . import backward_tensor_cores as tc
 
 DS_MAX_THREADS = 128
+
+
+class MatmulKernels(NamedTuple):
+    """Kernels 1, 3 and 4 of one build, with their threads and dynamic shared bytes."""
+
+    fns: tuple
+    threads: tuple
+    shared: tuple
 
 
 def ds_threads(n_k: int) -> int:
@@ -334,6 +348,21 @@ class DenseBackward(GradTileBackward):
     def forward_saves(self) -> str:
         return "P (the forward's workspace)"
 
+    @staticmethod
+    def tensor_cores(p: Problem) -> TensorCores | None:
+        """The tensor-core build kernels 1, 3 and 4 run for p (16-bit inputs, or float32 at a
+        TF32 precision), or None (CUDA cores)."""
+        return tc_backward_spec(p)
+
+    def threads(self, p: Problem) -> int:
+        if self.tensor_cores(p) is not None:
+            return max(tc.tc_threads(p.block_q, p.block_k))
+        return super().threads(p)
+
+    def output_roundings(self, p: Problem) -> int:
+        # tensor cores round P and dS to the operand type for the products that read them
+        return 1 + (TC_ROUNDINGS if self.tensor_cores(p) is not None else 0)
+
     def model(self, p: Problem) -> Ledger:
         scores = p.n_q * p.n_k
         per_head = {
@@ -404,25 +433,47 @@ class DenseBackward(GradTileBackward):
 
     def kernels(self, p: Problem, count: bool) -> list[Kernel]:
         counters = 8 * counter_slots(True) if count else 0
-        tiles = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
-        fns = [make_dp_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group),
-               make_ds_kernel(ds_threads(p.n_k), count),
-               make_dkdv_kernel(p.block_q, p.block_k, p.d, p.dv, count),
-               make_dq_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group)]
-        shared = [tiles, ds_shared_bytes(p.n_k), tiles, tiles]
+        plan = self._plan(p, count)
+        shared = [plan.shared[0], ds_shared_bytes(p.n_k), *plan.shared[1:]]
+        fns = [plan.fns[0], make_ds_kernel(ds_threads(p.n_k), count), *plan.fns[1:]]
         return [Kernel(fn.py_func.__name__, fn, b + counters, dynamic_shared_limit())
                 for fn, b in zip(fns, shared, strict=True)]
+
+    def _plan(self, p: Problem, count: bool) -> MatmulKernels:
+        """Kernels 1, 3 and 4 for p, with their threads and dynamic shared bytes: on tensor
+        cores (`tensor_cores`) or on the CUDA-core backward tile."""
+        spec = self.tensor_cores(p)
+        if spec is not None:
+            return MatmulKernels(
+                (tc.make_tc_dp_kernel(p.block_q, p.block_k, p.dv, spec, count, p.group),
+                 tc.make_tc_dkdv_kernel(p.block_q, p.block_k, p.d, p.dv, spec, count),
+                 tc.make_tc_dq_kernel(p.block_q, p.block_k, p.d, spec, count, p.group)),
+                tc.tc_threads(p.block_q, p.block_k),
+                tc.tc_shared_bytes(p.block_q, p.block_k, p.d, p.dv, spec))
+        threads = grad_layout(p.block_q, p.block_k).threads
+        tiles = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
+        return MatmulKernels(
+            (make_dp_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group),
+             make_dkdv_kernel(p.block_q, p.block_k, p.d, p.dv, count),
+             make_dq_kernel(p.block_q, p.block_k, p.d, p.dv, count, p.group)),
+            (threads,) * 3, (tiles,) * 3)
 
     def launch(self, p, q, k, v, o, do, lse, dq, dk, dv, counts, *, scale, count,
                forward_workspace, workspace=None):
         _, p_hbm = forward_workspace  # the forward's (S, P): P stays in HBM for the backward
         dp_hbm, ds_hbm = workspace or self.allocate_workspace(p)
+        spec = self.tensor_cores(p)
+        if spec is not None and not SIMULATOR:  # cp.async copies: before any launch
+            check_aligned(**{name: x for name, x, width in (
+                ("q", q, p.d), ("k", k, p.d), ("v", v, p.dv), ("do", do, p.dv))
+                if spec.copies_rows(width)})
         dp_k, ds_k, dkdv_k, dq_k = (kern.fn for kern in self.kernels(p, count))
-        threads = grad_layout(p.block_q, p.block_k).threads
-        tiles = grad_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, False).bytes
+        plan = self._plan(p, count)
+        threads, shared = plan.threads, plan.shared
         tau = np.float32(scale)
-        launch(dp_k, (p.tr, p.bh), threads, tiles, do, v, dp_hbm, counts)
+        launch(dp_k, (p.tr, p.bh), threads[0], shared[0], do, v, dp_hbm, counts)
         launch(ds_k, (p.n_q, p.bh), ds_threads(p.n_k), ds_shared_bytes(p.n_k), p_hbm, dp_hbm,
                ds_hbm, counts)
-        launch(dkdv_k, (p.tc, p.bh), threads, tiles, p_hbm, ds_hbm, q, do, dk, dv, counts, tau)
-        launch(dq_k, (p.tr, p.bh), threads, tiles, ds_hbm, k, dq, counts, tau)
+        launch(dkdv_k, (p.tc, p.bh), threads[1], shared[1], p_hbm, ds_hbm, q, do, dk, dv,
+               counts, tau)
+        launch(dq_k, (p.tr, p.bh), threads[2], shared[2], ds_hbm, k, dq, counts, tau)
