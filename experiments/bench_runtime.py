@@ -375,7 +375,7 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
                       flush=True)
             for provider, tdtype, backend in BACKWARD_TORCH:
-                point = (provider, d, causal, n)
+                point = (provider, tdtype, d, causal, n)
                 if tdtype != input_kind(dtype)["dtype"] or point in timed:
                     continue
                 timed.add(point)

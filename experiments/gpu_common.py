@@ -183,9 +183,9 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
     grads_host = [host_values(g) for g in grads_host]
     refs = attention_grad_reference(q[sub], k[sub], v[sub], do[sub], causal=p.causal)
     bwd = backward_of(sched)
+    # a TF32 forward's rounding reaches every backward (through lse and O), on any cores
     tol = (tf32_grad_tolerance(q[sub], k[sub], precision=p.precision, causal=p.causal)
-           if p.precision != "ieee" and bwd.tensor_cores(p) is not None
-           else grad_tolerance(p.dtype, bwd.output_roundings(p)))
+           if p.precision != "ieee" else grad_tolerance(p.dtype, bwd.output_roundings(p)))
     errs = [relative_error(g[sub], r) for g, r in zip(grads_host, refs, strict=True)]
     if not all(np.isfinite(g).all() for g in grads_host) or max(errs) > tol:
         raise AssertionError(f"{sched.name} backward: errors {errs} > {tol:.2e} for "

@@ -111,8 +111,7 @@ def plot_tensor_cores(rows: list[dict], out: Path) -> list[Path]:
     left.set_yscale("log")
     left.set_ylim(top=200)  # room for the legend above the bars
     left.set_ylabel("runtime (ms, median, log scale)")
-    left.set_title("float16 inputs, N = 4096, B·H·N = 262144 (split_kv: CUDA cores)",
-                   fontsize=9)
+    left.set_title("float16 inputs, N = 4096, B·H·N = 262144", fontsize=9)
     bars(right, [("q_outer float16", "q_outer", "float16"),
                  ("q_outer bfloat16", "q_outer", "bfloat16"),
                  ("q_outer TF32", "q_outer", "tf32"),

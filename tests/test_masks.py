@@ -90,8 +90,10 @@ def test_tensor_cores_take_the_mask(schedule, rng):
 
 
 # 16-bit inputs: the tensor-core backward under bottom-right causal with rows that see no key
-# (n_q > n_k), and a window on both sides with n_q < n_k; tails of both tiles
-TC_CASES = [(21, 13, 8, 16, 16, 16, True, (-1, -1)), (19, 23, 8, 8, 16, 16, False, (3, 2))]
+# (n_q > n_k; query block 0 sees no key at n_q = 30, n_k = 9), a window on both sides with
+# n_q < n_k, and one that no query of K/V block 0 sees (n_q = 13, n_k = 40); tails of both tiles
+TC_CASES = [(21, 13, 8, 16, 16, 16, True, (-1, -1)), (19, 23, 8, 8, 16, 16, False, (3, 2)),
+            (30, 9, 8, 8, 16, 16, True, (-1, -1)), (13, 40, 8, 8, 16, 16, False, (2, 0))]
 
 
 @pytest.mark.parametrize("variant", grad_variants(), ids=lambda v: v.label)

@@ -1,4 +1,5 @@
-"""The backward pass's tensor-core micro-kernel for 16-bit inputs, shared by the backward
+"""The backward pass's tensor-core micro-kernel for 16-bit inputs (and float32 on TF32, below),
+shared by the backward
 orders: FlashAttention-2's five products on mma.sync m16n8k16 (float32 accumulators), with P
 and dS rounded to the input type for the products that read them.
 
@@ -141,7 +142,8 @@ def tc_grad_layout(BR: int, BC: int, D: int, DV: int, WITH_O: bool,
     """The buffer of a tensor-core backward CTA; WITH_O: an O_i tile (kv_outer computes D_i
     per visited pair); STAGES buffers of Q_i, dO_i and the stats rows. TF32: float32 tiles,
     rows 4 floats over whole 32s (lane 4 g + t reads row g, column t of a row-major operand
-    in 32 different banks, and rows 2 t, 2 t + 1 of a k x n one in 32 too)."""
+    in 32 different banks, and rows 2 t, 2 t + 1 of a k x n one in 32 too; K_j read k x n by
+    dQ's product, row t column g, meets 2-way conflicts: no one stride serves both)."""
     rows, keys = _up(BR, WARP_ROWS), _up(BC, WARP_ROWS)
     if TF32:
         ks, vs, dss = _up(D, 32) + 4, _up(DV, 32) + 4, rows + 8

@@ -89,6 +89,8 @@ FILLED, WITHIN = 0.8, 0.85
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL)  # CUDA or tensor cores
+    # the staggered K/V loop needs K_j0 loaded by the caller; split_kv (KV_STAGES 1) has none
+    assert not mk.STAGGERED, "split_kv: a staggered K/V loop needs K_j0 loaded first"
     MASKED = MASK.bounded
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
     # Numba compiles closure variables as constants: take the device functions by name

@@ -312,7 +312,8 @@ class KVOuterBackward(GradTileBackward):
 
     def output_roundings(self, p: Problem) -> int:
         # dQ_i is stored in the input dtype after every K/V block that visits it; tensor
-        # cores round P and dS to it too, for the products that read them
+        # cores round P and dS to a 16-bit input's type too, for the products that read them
+        # (TF32 keeps them float32; float32's tolerance counts no roundings)
         tc_roundings = TC_ROUNDINGS if self.tensor_cores(p) is not None else 0
         return int(p.visible_kv_blocks().max()) + tc_roundings
 

@@ -1,5 +1,6 @@
-"""kv_outer's backward on tensor cores (16-bit inputs): Algorithm 4's loop nest of `backward`
-(the same traffic) over the tensor-core tile steps of `microkernel.grad_tensor_cores`.
+"""kv_outer's backward on tensor cores (16-bit inputs, float32 at a TF32 precision):
+Algorithm 4's loop nest of `backward` (the same traffic) over the tensor-core tile steps of
+`microkernel.grad_tensor_cores`.
 
     for each (batch, head):                                   # one CTA, W = ceil(Bc / 16) warps
         write dQ = 0, dK = 0, dV = 0                          # line 4, in HBM

@@ -484,12 +484,13 @@ class QOuterBackward(GradTileBackward):
         return super().threads(p)
 
     def output_roundings(self, p: Problem) -> int:
-        # tensor cores round P and dS to the input dtype for the products that read them
+        # tensor cores round P and dS to 16-bit inputs' type for the products that read them
+        # (TF32 keeps them float32; float32's tolerance counts no roundings)
         return 1 + (TC_ROUNDINGS if self.tensor_cores(p) is not None else 0)
 
     def main_kernels(self, p: Problem, count: bool) -> MainKernels:
         """The K/V-outer kernel and (separate) the Q-outer dQ kernel: on tensor cores for
-        16-bit inputs, else on CUDA cores."""
+        16-bit inputs and TF32, else on CUDA cores."""
         separate = p.option("dq") == "separate"
         spec = self.tensor_cores(p)
         sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask)

@@ -1,6 +1,6 @@
-"""q_outer's backward kernels on tensor cores (16-bit inputs): the loop nests of `backward`
-(the same preprocess and convert kernels, the same traffic) over the tensor-core tile steps
-of `microkernel.grad_tensor_cores`.
+"""q_outer's backward kernels on tensor cores (16-bit inputs, float32 at a TF32 precision):
+the loop nests of `backward` (the same preprocess and convert kernels, the same traffic) over
+the tensor-core tile steps of `microkernel.grad_tensor_cores`.
 
     K/V-outer, per (batch, head), K/V block j in parallel:   # W = ceil(Bc / 16) warps
         load K_j, V_j                                         # once, cp.async
@@ -162,6 +162,8 @@ def make_tc_kv_kernel(BR, BC, D, DV, MASK, ATOMIC, SPEC, STAGES, COUNT, GROUP):
             i0, i1 = q_blocks(key0, bc, n_q, n_k)  # the query blocks that see block j
         if i0 < i1:
             load_block(q, do, lse, delta, bh, i0 * BR, min(BR, n_q - i0 * BR), 0, buf, cnt)
+        if MASKED and i0 >= i1:
+            wait_loads()  # no query block sees block j: K_j, V_j's copies land before exit
         for i in range(i0, i1):
             row0 = i * BR
             n_rows = min(BR, n_q - row0)
@@ -249,6 +251,8 @@ def make_tc_q_kernel(BR, BC, D, DV, MASK, SPEC, COUNT, GROUP):
         j0, j1 = 0, (n_k + BC - 1) // BC  # no mask: block i sees every K/V block
         if MASKED:
             j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)  # the K/V blocks block i sees
+            if j0 >= j1:
+                wait_loads()  # block i sees no key: Q_i, dO_i's copies land before exit
         for j in range(j0, j1):
             key0 = j * BC
             bc = min(BC, n_k - key0)
