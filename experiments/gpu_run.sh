@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call running GPU stages in order, each under its own time limit:
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
-# STAGE: tests (each named as it ends: a run cut short still says which failed), host, fuzz,
+# STAGE: tests (TESTS: files, TEST_K: a -k expression; each named as it ends: a run cut
+# short still says which failed), host, fuzz,
 # gqa, window, fagrid, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
@@ -30,10 +31,10 @@ for arg in "$@"; do
   stage=${arg%%:*}; T=${STAGE_TIMEOUT:-300}; [ "$stage" != "$arg" ] && T=${arg#*:}
   case "$stage" in
   tests)    run tests "$T" python3 -m pytest -v -rf -p no:cacheprovider -n 8 -s \
-              ${TESTS:-tests/test_gpu.py tests/test_torch.py} ;;
+              ${TESTS:-tests/test_gpu.py tests/test_torch.py} ${TEST_K:+-k "$TEST_K"} ;;
   host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
   fuzz)     run fuzz "$T" python3 -m experiments.gpu_fuzz --out "$W/fuzz" ${FUZZ_ARGS:-} ;;
-  gqa)      run gqa "$T" python3 -m experiments.bench_gqa_decode --out "$W/gqa" ;;
+  gqa)      run gqa "$T" python3 -m experiments.bench_gqa_decode --out "$W/gqa" ${GQA_ARGS:-} ;;
   window)   run window "$T" python3 -m experiments.bench_window --out "$W/window" ${WINDOW_ARGS:-} ;;
   fagrid)   run fagrid "$T" python3 -m experiments.fa_grid --out "$W/fagrid" ;;
   decode)   run decode "$T" python3 -m experiments.bench_decode --out "$W/decode" ${DECODE_ARGS:-} ;;
