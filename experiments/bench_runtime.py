@@ -300,9 +300,13 @@ def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
     fwd = time_launches(bufs.launch)
     bwd = time_launches(bufs.launch_backward)
     shape = (p.batch, p.heads)
-    tq, tk, tv = (torch.from_numpy(x.reshape(*shape, *x.shape[1:])).cuda().requires_grad_()
-                  for x in bufs.host[0])
-    tdo = torch.from_numpy(bufs.do_host.reshape(*shape, *bufs.do_host.shape[1:])).cuda()
+
+    def tensor(x):  # bfloat16 host arrays hold its bits as uint16
+        t = torch.from_numpy(x.reshape(*shape, *x.shape[1:])).cuda()
+        return t.view(torch.bfloat16) if p.dtype == "bfloat16" else t
+
+    tq, tk, tv = (tensor(x).requires_grad_() for x in bufs.host[0])
+    tdo = tensor(bufs.do_host)
 
     def op(_i):
         out = lot.attention(tq, tk, tv, schedule=name, causal=p.causal, block_q=p.block_q,
