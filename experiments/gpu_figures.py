@@ -207,16 +207,23 @@ def plot_gqa_decode(rows: list[dict], out: Path) -> list[Path]:
 
 def plot_backward(rows: list[dict], out: Path) -> list[Path]:
     """Forward + backward time per provider (stacked forward and backward for ours), one
-    group per (N, dtype), beside SDPA's forward + backward."""
+    panel per (N, d, inputs, causal), beside SDPA's forward + backward timed in the same
+    process."""
     plt = common.pyplot()
     ok = [r for r in rows if r["status"].startswith("ok")]
-    groups = sorted(dict.fromkeys((r["n"], r["dtype"], r["causal"]) for r in ok),
-                    key=lambda g: (g[2], int(g[0]), g[1]))
+    groups = sorted(dict.fromkeys((r["n"], r["d"], r["dtype"], r["causal"]) for r in ok
+                                  if r["block_q"]),
+                    key=lambda g: (g[3], int(g[0]), int(g[1]), g[2]))
     providers = list(dict.fromkeys(r["provider"] for r in ok if r["block_q"]))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.4), squeeze=False)
-    for ax, (n, dtype, causal) in zip(axes[0], groups, strict=True):
-        sel = {r["provider"]: r for r in ok if (r["n"], r["dtype"], r["causal"]) ==
-               (n, dtype, causal)}
+    for ax, (n, d, dtype, causal) in zip(axes[0], groups, strict=True):
+        tdtype = "float32" if dtype.startswith("tf32") else dtype
+        ours = [r for r in ok if r["block_q"] and (r["n"], r["d"], r["dtype"], r["causal"]) ==
+                (n, d, dtype, causal)]
+        run = ours[0]["date"]  # SDPA's rows from the same process
+        sel = {r["provider"]: r for r in ours}
+        sel.update({r["provider"]: r for r in ok if not r["block_q"] and r["date"] == run
+                    and (r["n"], r["d"], r["dtype"], r["causal"]) == (n, d, tdtype, causal)})
         labels, fwd, bwd = [], [], []
         for name in providers + [p for p in sel if p.startswith("torch")]:
             if name not in sel:
@@ -231,7 +238,7 @@ def plot_backward(rows: list[dict], out: Path) -> list[Path]:
                 bwd.append(0.0)
         ax.bar(labels, fwd, color="tab:blue", label="forward")
         ax.bar(labels, bwd, bottom=fwd, color="tab:orange", label="backward")
-        ax.set_title(f"N = {n}, {dtype}, causal = {causal}", fontsize=9)
+        ax.set_title(f"N = {n}, d = {d}, {dtype}, causal = {causal}", fontsize=9)
         ax.set_ylabel("ms (kernels alone)")
         ax.tick_params(axis="x", rotation=60, labelsize=7)
         ax.legend(fontsize=7)

@@ -565,40 +565,118 @@ def decode_summary(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+# The SDPA backend each input kind of bench_backward.csv is held to (a TF32 label is float32
+# at that precision, beside SDPA's float32 efficient backend), and the next mark beside it
+BACKWARD_BASELINE = {"float16": "torch_sdpa_flash", "bfloat16": "torch_sdpa_flash",
+                     "float32": "torch_sdpa_efficient", "tf32": "torch_sdpa_efficient",
+                     "tf32x3": "torch_sdpa_efficient"}
+BACKWARD_NEXT = {"float16": "torch_sdpa_cudnn", "bfloat16": "torch_sdpa_cudnn"}
+
+
+def _torch_dtype(label: str) -> str:
+    return "float32" if label.startswith("tf32") else label
+
+
+def _beside(rows: list[dict], r: dict, provider: str | None) -> dict | None:
+    """`provider`'s row timed in the same process as r (same date), at r's shape."""
+    key = ("n", "d", "causal", "date")
+    return next((x for x in rows if provider and x["provider"] == provider
+                 and x["dtype"] == _torch_dtype(r["dtype"])
+                 and all(x[k] == r[k] for k in key)), None)
+
+
+def _backward_model(r: dict):
+    """The backward pass's modelled traffic of a bench_backward.csv row of ours (a Ledger)."""
+    name, *opts = r["provider"].split()
+    dtype = _torch_dtype(r["dtype"])
+    return lo.predict_traffic(
+        name, int(r["n"]), int(r["d"]), batch=int(r["batch"]), heads=int(r["heads"]),
+        block_q=int(r["block_q"]), block_k=int(r["block_k"]), causal=r["causal"] == "True",
+        save_lse=True, options=dict(o.split("=") for o in opts) or None, dtype=dtype,
+        precision=r["dtype"] if dtype != r["dtype"] else "ieee", backward=True)
+
+
+def _fa_tflops(r: dict, ms: float) -> float:
+    """Forward + backward TFLOP/s by FlashAttention's count: 3.5 times the forward's
+    4 B H N^2 d, halved under a causal mask."""
+    flops = 3.5 * 4 * int(r["batch"]) * int(r["heads"]) * int(r["n"]) ** 2 * int(r["d"])
+    return flops / (2 if r["causal"] == "True" else 1) / ms / 1e9
+
+
+def _speedup(theirs: dict | None, ms: float) -> str:
+    """Their forward + backward time over ours (ms): above 1, ours is faster."""
+    return f"{float(theirs['ms_total']) / ms:.3f}×" if theirs else "—"
+
+
+def backward_verdicts(rows: list[dict]) -> list[dict]:
+    """Per (n, d, causal, input kind) of bench_backward.csv: the fastest of our orders, its
+    ms and the baselines timed beside it."""
+    ours = [r for r in rows if r["status"].startswith("ok") and r["block_q"]]
+    best = {}
+    for r in ours:
+        key = (int(r["n"]), int(r["d"]), r["causal"], r["dtype"])
+        if key not in best or float(r["ms_total"]) < float(best[key]["ms_total"]):
+            best[key] = r
+    return [{"row": r, "ms": float(r["ms_total"]),
+             "baseline": _beside(rows, r, BACKWARD_BASELINE.get(r["dtype"])),
+             "next": _beside(rows, r, BACKWARD_NEXT.get(r["dtype"]))}
+            for _, r in sorted(best.items())]
+
+
+def backward_summary(results_dir: Path) -> str:
+    """The training verdict: per shape and input kind, the fastest backward order's forward +
+    backward against SDPA's same-dtype backend (and cuDNN) timed in the same process."""
+    path = results_dir / "bench_backward.csv"
+    rows = _rows(path)
+    if rows is None:
+        return _missing(path)
+    lines = ["| N | d | causal | inputs | fastest order | forward + backward ms | vs SDPA "
+             "(flash; efficient for float32) | vs SDPA cuDNN | TFLOP/s | GPU, commit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in backward_verdicts(rows):
+        r = v["row"]
+        base = v["baseline"]
+        theirs = f" ({_ms(base['ms_total'])} ms)" if base else ""
+        lines.append(f"| {r['n']} | {r['d']} | {'yes' if r['causal'] == 'True' else 'no'} | "
+                     f"{r['dtype']} | {r['provider']} | {v['ms']:.2f} | "
+                     f"{_speedup(base, v['ms'])}{theirs}"
+                     f" | {_speedup(v['next'], v['ms'])} | {_fa_tflops(r, v['ms']):.0f} | "
+                     f"{r['device'].replace('NVIDIA ', '')}, {r['git_sha']} |")
+    return "\n".join(lines)
+
+
 def backward_bench(results_dir: Path) -> str:
+    """Every order's forward + backward in bench_backward.csv, beside the SDPA rows of the
+    same process, with the backward's modelled HBM bytes and the rate they would take."""
     path = results_dir / "bench_backward.csv"
     rows = _rows(path)
     if rows is None:
         return _missing(path)
     ok = [r for r in rows if r["status"].startswith("ok")]
-    ref = [r for r in ok if (r["n"], r["dtype"], r["causal"]) == ("4096", "float32", "False")]
-    ours = [r for r in ref if not r["provider"].startswith("torch")]
-    sdpa = next((r for r in ref if r["provider"] == "torch_sdpa_efficient"), None)
-    head = []
-    if ours and sdpa:
-        best = min(ours, key=lambda r: float(r["ms_total"]))
-        head = [f"Reference shape (B = 4, H = 16, N = 4096, d = 64, float32, not causal): the "
-                f"fastest order, {best['provider']}, {float(best['ms_total']):.2f} ms forward + "
-                f"backward (backward {float(best['ms_backward']):.2f} ms, "
-                f"{float(best['ms_backward']) / float(best['ms_forward']):.1f}× its forward) "
-                f"against SDPA efficient's {float(sdpa['ms_total']):.2f} ms: "
-                f"**{float(sdpa['ms_total']) / float(best['ms_total']):.3f}×**.", ""]
-    lines = head + ["| causal | N | B·H | dtype | provider | forward ms | backward ms | "
-                    "total ms | torch op ms | vs SDPA | gradient error |",
-                    "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| causal | N | d | B·H | inputs | provider | forward ms | backward ms | total ms | "
+             "torch op ms | vs SDPA | vs cuDNN | backward model GB | model GB / backward ms "
+             "(TB/s) | gradient error |", "|---|" * 15]
+    lines[-1] = lines[-1].replace("||", "|")
     order = {name: i for i, name in enumerate(dict.fromkeys(r["provider"] for r in ok))}
-    for r in sorted(ok, key=lambda r: (r["causal"], int(r["n"]), r["dtype"],
+    for r in sorted(ok, key=lambda r: (r["causal"], int(r["n"]), int(r["d"]), r["dtype"],
                                        order[r["provider"]])):
-        sdpa = next((x for x in ok if x["provider"].startswith("torch") and
-                     (x["n"], x["dtype"], x["causal"]) == (r["n"], r["dtype"], r["causal"])),
-                    None)
-        ratio = (f"{float(sdpa['ms_total']) / float(r['ms_total']):.3f}×"
-                 if sdpa and not r["provider"].startswith("torch") else "")
-        lines.append(f"| {'yes' if r['causal'] == 'True' else 'no'} | {r['n']} | "
+        mine = bool(r["block_q"])
+        vs = vs_next = model = rate = "—"
+        if mine:
+            total = float(r["ms_total"])
+            vs = _speedup(_beside(ok, r, BACKWARD_BASELINE.get(r["dtype"])), total)
+            vs_next = _speedup(_beside(ok, r, BACKWARD_NEXT.get(r["dtype"])), total)
+            itemsize = 2 if r["dtype"] in ("float16", "bfloat16") else 4
+            gb = _backward_model(r).bytes(itemsize) / 1e9
+            model, rate = f"{gb:.2f}", f"{gb / float(r['ms_backward']):.2f}"
+        lines.append(f"| {'yes' if r['causal'] == 'True' else 'no'} | {r['n']} | {r['d']} | "
                      f"{int(r['batch']) * int(r['heads'])} | {r['dtype']} | "
                      f"{r['provider']} | {_ms(r['ms_forward'])} | {_ms(r['ms_backward'])} | "
-                     f"{_ms(r['ms_total'])} | {_ms(r['ms_torch_op'])} | {ratio} | "
-                     f"{r['rel_error'] or '—'} |")
+                     f"{_ms(r['ms_total'])} | {_ms(r['ms_torch_op'])} | {vs} | {vs_next} | "
+                     f"{model} | {rate} | {r['rel_error'] or '—'} |")
+    runs = sorted({(r["device"], r["git_sha"], r["date"]) for r in ok})
+    lines += ["", "Runs (each row's SDPA baseline is from its own run): " + "; ".join(
+        f"{dev} at {sha}, {date}" for dev, sha, date in runs) + "."]
     return "\n".join(lines)
 
 
@@ -861,6 +939,7 @@ def blocks(results_dir: Path) -> dict[str, str]:
             "q-outer-profile": q_outer_profile(results_dir),
             "decode-summary": decode_summary(results_dir),
             "backward-bench": backward_bench(results_dir),
+            "backward-summary": backward_summary(results_dir),
             "train-summary": train_summary(results_dir), "fig2-setting": fig2_table(results_dir),
             "host-overhead": host_overhead(results_dir),
             "ptxas-kernels": ptxas_kernels(results_dir), "sass-loops": sass_loops(results_dir),

@@ -7,8 +7,9 @@
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
-# stage writes under $OUT/work/<stage>/; at the end all of it is packed into $OUT/work.tgz
-# (a device call returns at most 8 files), with the stages' log tails in $OUT/summary.log.
+# stage writes under $OUT/work/<stage>/; after each stage all of it is packed into
+# $OUT/work.tgz (a device call returns at most 8 files), with the stages' log tails in
+# $OUT/summary.log.
 # A stage that fails or runs out of time leaves what it wrote, and the next one runs.
 set -u
 export PYTHONUNBUFFERED=1 LOOP_ORDERS_GIT_SHA=${LOOP_ORDERS_GIT_SHA:-unknown}
@@ -26,6 +27,7 @@ run() {  # run STAGE TIMEOUT COMMAND...: the command's output in $W/STAGE/log
   echo "== $stage: exit $rc after $((SECONDS - t0)) s (124: stopped at ${limit} s)" \
     | tee -a "$OUT/summary.log"
   tail -n "${TAIL:-25}" "$W/$stage/log" | tee -a "$OUT/summary.log"
+  tar czf "$OUT/work.tgz" -C "$W" .  # after every stage: a call cut short returns what ended
 }
 for arg in "$@"; do
   stage=${arg%%:*}; T=${STAGE_TIMEOUT:-300}; [ "$stage" != "$arg" ] && T=${arg#*:}

@@ -184,6 +184,7 @@ def test_this_rounds_notes_blocks_read_the_committed_results():
 
     committed = gpu_notes.blocks(REPO_ROOT / "results")
     assert "Target shape (N_q = 1, B·H = 16, N_k = 65536" in committed["decode-summary"]
-    assert "Reference shape" in committed["backward-bench"]
+    assert "backward model GB" in committed["backward-bench"]
+    assert "| 4096 | 64 | no | float16 | q_outer" in committed["backward-summary"]
     assert "Model = counted in 24 of 24 rows" in committed["fig2-setting"]
     assert "SDPA" in committed["train-summary"] and "cache" in committed["host-overhead"]
