@@ -2,7 +2,7 @@
 
     python -m experiments.sass_loops [--schedule q_outer] [--n 4096] [--d 64 128]
         [--block-q 128] [--block-k 64] [--causal no|yes|both] [--dtype float32 ...]
-        [--count] [--out results/sass_loops.json]
+        [--count] [--backward] [--option dq=separate] [--out results/sass_loops.json]
 
 On a machine without a GPU (as `ptx_check`: libNVVM and ptxas from the CUDA toolkit) each
 kernel of each problem's forward call (B = 4, H = 16, dv = d) is built for sm_90a and
@@ -16,6 +16,11 @@ issues, so this prints, per kernel:
              to register-bank conflicts on its FFMAs (`bank_conflicts`)
     copies:  each basic block holding cp.async (LDGSTS) instructions: its instructions per
              copy, the address arithmetic a tile load costs
+
+On tensor-core kernels (16-bit inputs, TF32) a loop row also counts its HMMA (mma.sync),
+LDSM (ldmatrix), shared stores, barriers and global atomics, and the instructions a trip
+issues per HMMA (`per_hmma`); --backward reports the backward's kernels instead of the
+forward's.
 
 Counts are static (one trip of a loop, both sides of a branch); a trip's share of FFMA is the
 issue-slot bound of that loop. With --out the rows go to a JSON file with provenance.
@@ -69,6 +74,11 @@ class Loop(NamedTuple):
     shared_loads: int
     nested: int
     bank_conflicts: int  # `bank_conflicts` of a trip
+    hmma: int  # tensor-core products (HMMA: mma.sync on 16-bit inputs or TF32)
+    ldsm: int  # ldmatrix loads
+    shared_stores: int
+    barriers: int  # BAR (__syncthreads and named barriers)
+    atomics: int  # RED / ATOM to global memory
 
 
 def parse(sass: str) -> tuple[list[Instruction], dict[str, int], list[Block]]:
@@ -130,7 +140,9 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]
         ops = Counter(i.opcode for i in body)
         nested = sum(1 for s, e in spans if (s, e) != (start, end) and start <= s and e <= end)
         found.append(Loop(start, end, len(body), ops["FFMA"], ops["LDS"], nested,
-                          bank_conflicts(body)))
+                          bank_conflicts(body), ops["HMMA"], ops["LDSM"], ops["STS"],
+                          ops["BAR"], sum(n for op, n in ops.items()
+                                          if op.startswith(("RED", "ATOM")))))
     return found
 
 
@@ -174,8 +186,9 @@ def report(kernel, args) -> dict:
     return {"kernel": kernel.py_func.__name__, "registers": built["registers"],
             "spill_stores": built["spill_stores"], "instructions": len(instructions),
             "loops": [{**lp._asdict(), "start": f"{lp.start:#x}", "end": f"{lp.end:#x}",
-                       "ffma_share": round(lp.ffma / lp.instructions, 3)}
-                      for lp in loops(instructions, labels) if lp.ffma],
+                       "ffma_share": round(lp.ffma / lp.instructions, 3),
+                       "per_hmma": round(lp.instructions / lp.hmma, 2) if lp.hmma else None}
+                      for lp in loops(instructions, labels) if lp.ffma or lp.hmma],
             "copies": copy_blocks(blocks)}
 
 
@@ -191,23 +204,31 @@ def main(argv=None) -> int:
                         help="float32, float16, bfloat16, or tf32, tf32x3 (float32 at that "
                         "precision)")
     parser.add_argument("--count", action="store_true", help="the counted builds")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward's kernels (tiles --block-q x --block-k)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a schedule option, e.g. dq=separate (repeatable)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
     from experiments import ptx_check  # first: it sets up compiling without a device
 
     lo, sched = ptx_check.lo, ptx_check.lo.get_schedule(args.schedule)
+    options = dict(o.split("=", 1) for o in args.option) or None
     rows = []
     for dtype in args.dtype:
         for d in args.d:
             for causal in {"no": [False], "yes": [True], "both": [False, True]}[args.causal]:
                 p = lo.make_problem(args.schedule, n_q=args.n, d=d, block_q=args.block_q,
                                     block_k=args.block_k, causal=causal, batch=4, heads=16,
-                                    **ptx_check.input_kind(dtype))
-                for kernel, *_, launch_args in ptx_check.recorded(sched, p, args.count, False):
+                                    options=options, **ptx_check.input_kind(dtype))
+                launches = ptx_check.recorded(sched, p, args.count, args.backward)
+                if args.backward:  # the forward's launches come first
+                    launches = launches[len(sched.kernels(p, args.count)):]
+                for kernel, *_, launch_args in launches:
                     row = {"schedule": args.schedule, "n": args.n, "d": d, "dtype": dtype,
-                           "causal": causal, "count": args.count,
-                           **report(kernel, launch_args)}
+                           "causal": causal, "count": args.count, "backward": args.backward,
+                           "options": options, **report(kernel, launch_args)}
                     print_row(row)
                     rows.append(row)
     if args.out:
@@ -223,7 +244,10 @@ def print_row(row: dict) -> None:
           f"{row['registers']} registers, {row['spill_stores']} B spilled, "
           f"{row['instructions']} instructions")
     for lp in row["loops"]:
-        print(f"  loop {lp['start']}-{lp['end']}: {lp['instructions']} instructions, "
+        tensor = (f"{lp['hmma']} HMMA ({lp['per_hmma']} instructions each), {lp['ldsm']} "
+                  f"LDSM, {lp['shared_stores']} STS, {lp['barriers']} BAR, {lp['atomics']} "
+                  f"RED/ATOM, " if lp["hmma"] else "")
+        print(f"  loop {lp['start']}-{lp['end']}: {lp['instructions']} instructions, {tensor}"
               f"{lp['ffma']} FFMA ({lp['ffma_share']:.0%}), {lp['shared_loads']} LDS, "
               f"{lp['nested']} nested, {lp['bank_conflicts']} bank-conflict cycles")
     for cp in row["copies"]:

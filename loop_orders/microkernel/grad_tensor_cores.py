@@ -51,7 +51,7 @@ from __future__ import annotations
 from functools import cache
 from typing import NamedTuple
 
-from numba import float32, uint32, uint64
+from numba import float32, int32, int64, uint32, uint64
 
 from ..core.mask import Mask
 from ..device.intrinsics import (
@@ -462,14 +462,16 @@ def make_row_store(WIDTH: int):
 def make_sees(MASK: Mask):
     """visible(row, key, n_rows, first, end): does query `row` of the block see `key` of the
     tile, of which it sees [first, end) (`tiles.make_visible`)? Rows past the block see none;
-    with no left bound `first` is 0 and goes untested."""
+    with no left bound `first` is 0 and goes untested. Compared in 32 bits: every operand is
+    a row or key within one tile (the span clamped to [0, n_keys])."""
     LEFT_BOUNDED = MASK.left >= 0
 
     @inlined
     def visible(row, key, n_rows, first, end):
+        row, key = int32(row), int32(key)
         if LEFT_BOUNDED:
-            return row < n_rows and first <= key and key < end
-        return row < n_rows and key < end
+            return row < int32(n_rows) and int32(first) <= key and key < int32(end)
+        return row < int32(n_rows) and key < int32(end)
 
     return visible
 
@@ -522,7 +524,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
         tile = tiles()
         q_at = uint64(sm.q) + uint64(stage) * uint64(Q_STAGE)
         do_at = uint64(sm.do) + uint64(stage) * uint64(DO_STAGE)
-        stats = stage * STATS_STAGE
+        stats = uint64(stage) * uint64(STATS_STAGE)
         w, lane = coords()
         g, t2 = lane >> uint32(2), uint32(2) * (lane & uint32(3))
         s = cuda.local.array(NSQ, float32)
@@ -535,13 +537,16 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
         dp_t(tile, dp, uint64(sm.v) + keys_at * uint64(sm.vs), do_at, lane)
         for n in range(QT):
             for c in range(2):
-                r = int(uint32(8 * n + c) + t2)  # the query of this column
-                base = buf[stats + BASE + r]
-                inv = buf[stats + INV + r]
-                delta = buf[stats + DELTA + r]
+                # the query of this column: unsigned to index, signed to compare (Numba
+                # compares uint64 with int64 in float64)
+                ru = uint64(8 * n + c) + uint64(t2)
+                r = int64(ru)
+                base = buf[stats + uint64(BASE) + ru]
+                inv = buf[stats + uint64(INV) + ru]
+                delta = buf[stats + uint64(DELTA) + ru]
                 first, end = span(diag0 + r, key0, n_keys)  # the keys query r sees
                 for a in range(2):
-                    key = int(keys_at + uint64(g)) + 8 * a
+                    key = int64(keys_at + uint64(g)) + 8 * a
                     e = 4 * n + 2 * a + c
                     p = float32(0.0)
                     if visible(r, key, n_rows, first, end):
@@ -582,12 +587,14 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
         s_q(tile, s, uint64(sm.q) + rows_at * uint64(sm.ks), uint64(sm.k), lane)
         dp_q(tile, dp, uint64(sm.do) + rows_at * uint64(sm.vs), uint64(sm.v), lane)
         for a in range(2):
-            r = int(rows_at + uint64(g)) + 8 * a
-            base, inv, delta = buf[BASE + r], buf[INV + r], buf[DELTA + r]
+            ru = rows_at + uint64(g) + uint64(8 * a)  # unsigned to index, signed to compare
+            r = int64(ru)
+            base, inv = buf[uint64(BASE) + ru], buf[uint64(INV) + ru]
+            delta = buf[uint64(DELTA) + ru]
             first, end = span(diag0 + r, key0, n_keys)  # the keys row r sees
             for n in range(KT):
                 for c in range(2):
-                    key = int(uint32(8 * n + c) + t2)
+                    key = int64(uint32(8 * n + c) + t2)
                     e = 4 * n + 2 * a + c
                     p = float32(0.0)
                     if visible(r, key, n_rows, first, end):
