@@ -62,3 +62,21 @@ def test_bank_conflicts_count_sources_sharing_a_bank_past_the_reuse_cache():
     # in a row, the third finds R5 in slot 1's cache (R2 and R7 apart: 0); the fourth does
     # not (the third did not mark it .reuse), and the MOV empties the cache before the sixth
     assert bank_conflicts(instructions) == 2 + 2 + 0 + 2 + 2
+
+
+def test_tensor_core_loops_count_mma_ldmatrix_stores_barriers_and_atomics():
+    """A loop of HMMA is reported by its tensor-core instructions even without an FFMA."""
+    listing = """
+.L_x_0:
+        /*0000*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0010*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0020*/                   HMMA.16816.F32 R12, R4, R7, R12 ;
+        /*0030*/                   STS [R3], R8 ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   REDG.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R14.64], R9 ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
+"""
+    instructions, labels, _ = parse(listing)
+    (loop,) = loops(instructions, labels)
+    assert (loop.instructions, loop.hmma, loop.ldsm, loop.shared_stores, loop.barriers,
+            loop.atomics, loop.ffma) == (7, 2, 1, 1, 1, 1, 0)
