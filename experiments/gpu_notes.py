@@ -611,15 +611,16 @@ def _speedup(theirs: dict | None, ms: float) -> str:
 def backward_verdicts(rows: list[dict]) -> list[dict]:
     """Per (n, d, causal, input kind) of bench_backward.csv: the fastest of our orders, its
     ms and the baselines timed beside it."""
-    ours = [r for r in rows if r["status"].startswith("ok") and r["block_q"]]
+    ok = [r for r in rows if r["status"].startswith("ok")]
+    ours = [r for r in ok if r["block_q"]]
     best = {}
     for r in ours:
         key = (int(r["n"]), int(r["d"]), r["causal"], r["dtype"])
         if key not in best or float(r["ms_total"]) < float(best[key]["ms_total"]):
             best[key] = r
     return [{"row": r, "ms": float(r["ms_total"]),
-             "baseline": _beside(rows, r, BACKWARD_BASELINE.get(r["dtype"])),
-             "next": _beside(rows, r, BACKWARD_NEXT.get(r["dtype"]))}
+             "baseline": _beside(ok, r, BACKWARD_BASELINE.get(r["dtype"])),
+             "next": _beside(ok, r, BACKWARD_NEXT.get(r["dtype"]))}
             for _, r in sorted(best.items())]
 
 

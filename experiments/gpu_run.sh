@@ -27,7 +27,8 @@ run() {  # run STAGE TIMEOUT COMMAND...: the command's output in $W/STAGE/log
   echo "== $stage: exit $rc after $((SECONDS - t0)) s (124: stopped at ${limit} s)" \
     | tee -a "$OUT/summary.log"
   tail -n "${TAIL:-25}" "$W/$stage/log" | tee -a "$OUT/summary.log"
-  tar czf "$OUT/work.tgz" -C "$W" .  # after every stage: a call cut short returns what ended
+  # after every stage (a call cut short returns what ended), renamed whole into place
+  tar czf "$OUT/work.tgz.part" -C "$W" . && mv "$OUT/work.tgz.part" "$OUT/work.tgz"
 }
 for arg in "$@"; do
   stage=${arg%%:*}; T=${STAGE_TIMEOUT:-300}; [ "$stage" != "$arg" ] && T=${arg#*:}

@@ -43,6 +43,7 @@ LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH_TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 GUARD = re.compile(r"^@!?U?P[T0-9]+\s+")
 REGISTER = re.compile(r"^[-|]*R(\d+)(\.reuse)?")
+GLOBAL_ATOMICS = ("RED", "REDG", "ATOM", "ATOMG")  # not ATOMS (shared) or REDUX (a warp's)
 
 
 class Instruction(NamedTuple):
@@ -141,8 +142,7 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[Loop]
         nested = sum(1 for s, e in spans if (s, e) != (start, end) and start <= s and e <= end)
         found.append(Loop(start, end, len(body), ops["FFMA"], ops["LDS"], nested,
                           bank_conflicts(body), ops["HMMA"], ops["LDSM"], ops["STS"],
-                          ops["BAR"], sum(n for op, n in ops.items()
-                                          if op.startswith(("RED", "ATOM")))))
+                          ops["BAR"], sum(ops[op] for op in GLOBAL_ATOMICS)))
     return found
 
 

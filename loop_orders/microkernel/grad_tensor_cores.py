@@ -355,6 +355,7 @@ class TcGradIO(NamedTuple):
     load_o: object  # load_o(...): O_i (WITH_O)
     wait_loads: object  # wait_loads(): this thread's copies have landed
     lse_stats: object  # lse_stats(buf, lse, delta, bh, row0, n_rows, stage) -> rows loaded
+    row_stats: object  # row_stats(buf, at) -> (base, inv, delta) of the stats row at `at`
     store_dk: object  # store_dk(dst, bh, row0, n_rows, acc, factor, w, lane): `store_rows`
     store_dv: object  # store_dv(...): the same for dv wide rows
 
@@ -428,8 +429,14 @@ def make_tc_grad_io(BR: int, BC: int, D: int, DV: int, WITH_O: bool, SPEC: Tenso
             loaded += 1
         return loaded
 
+    @inlined
+    def row_stats(buf, at):
+        """The stats row at `at` (a stage's offset plus the row; unsigned, so indexing adds
+        no negative-index wraparound, and a mixed-sign compare none of float64)."""
+        return buf[at + uint64(BASE)], buf[at + uint64(INV)], buf[at + uint64(DELTA)]
+
     return TcGradIO(clear, tiles, coords, load_k, load_v, load_q, load_do, load_o, wait_loads,
-                    lse_stats, make_row_store(D), make_row_store(DV))
+                    lse_stats, row_stats, make_row_store(D), make_row_store(DV))
 
 
 @cache
@@ -500,10 +507,10 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
     DT, DVT, QT, KT = _up(D, 16) // 8, _up(DV, 16) // 8, RP // 8, KP // 8  # 8-wide n-tiles
     NSQ, NSK = 4 * QT, 4 * KT  # a thread's scores: K/V-outer (RP queries), Q-outer (KP keys)
     NDQ = 4 * DT  # a thread's accumulators of 16 rows of dQ_i
-    BASE, INV, DELTA = sm.stats, sm.stats + sm.rows, sm.stats + 2 * sm.rows
+    DELTA = sm.stats + 2 * sm.rows  # row_dot's D_i row
     Q_STAGE, DO_STAGE, STATS_STAGE = sm.q_stage, sm.do_stage, sm.stats_stage  # plain ints
     io = make_tc_grad_io(BR, BC, D, DV, WITH_O, SPEC, NT, STAGES)
-    tiles, coords = io.tiles, io.coords
+    tiles, coords, row_stats = io.tiles, io.coords, io.row_stats
     # K/V-outer: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (16 keys x RP queries a warp)
     s_t = make_smem_product(DT // 2, QT, sm.ks, False, sm.ks, False, SPEC)
     dp_t = make_smem_product(DVT // 2, QT, sm.vs, False, sm.vs, False, SPEC)
@@ -537,13 +544,10 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
         dp_t(tile, dp, uint64(sm.v) + keys_at * uint64(sm.vs), do_at, lane)
         for n in range(QT):
             for c in range(2):
-                # the query of this column: unsigned to index, signed to compare (Numba
-                # compares uint64 with int64 in float64)
+                # the query of this column: unsigned to index, signed to compare
                 ru = uint64(8 * n + c) + uint64(t2)
                 r = int64(ru)
-                base = buf[stats + uint64(BASE) + ru]
-                inv = buf[stats + uint64(INV) + ru]
-                delta = buf[stats + uint64(DELTA) + ru]
+                base, inv, delta = row_stats(buf, stats + ru)
                 first, end = span(diag0 + r, key0, n_keys)  # the keys query r sees
                 for a in range(2):
                     key = int64(keys_at + uint64(g)) + 8 * a
@@ -589,8 +593,7 @@ def make_tc_grad_steps(BR: int, BC: int, D: int, DV: int, MASK: Mask, WITH_O: bo
         for a in range(2):
             ru = rows_at + uint64(g) + uint64(8 * a)  # unsigned to index, signed to compare
             r = int64(ru)
-            base, inv = buf[uint64(BASE) + ru], buf[uint64(INV) + ru]
-            delta = buf[uint64(DELTA) + ru]
+            base, inv, delta = row_stats(buf, ru)
             first, end = span(diag0 + r, key0, n_keys)  # the keys row r sees
             for n in range(KT):
                 for c in range(2):
