@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import common, plot_bench
+from .gpu_common import input_kind
 
 NAME = "gpu"
 
@@ -217,7 +218,7 @@ def plot_backward(rows: list[dict], out: Path) -> list[Path]:
     providers = list(dict.fromkeys(r["provider"] for r in ok if r["block_q"]))
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.4), squeeze=False)
     for ax, (n, d, dtype, causal) in zip(axes[0], groups, strict=True):
-        tdtype = "float32" if dtype.startswith("tf32") else dtype
+        tdtype = input_kind(dtype)["dtype"]  # SDPA's rows: a TF32 label's torch dtype
         ours = [r for r in ok if r["block_q"] and (r["n"], r["d"], r["dtype"], r["causal"]) ==
                 (n, d, dtype, causal)]
         run = ours[0]["date"]  # SDPA's rows from the same process

@@ -16,6 +16,8 @@ from pathlib import Path
 import loop_orders as lo
 from loop_orders.core.schedule import backward_of
 
+from .gpu_common import input_kind
+
 REFERENCE = {"n": "4096", "d": "64", "causal": "False"}  # the issue's B=4, H=16 shape
 # Before and after issue 16's micro-kernel changes: (log, thread tile, batch), same tiles
 PROFILE_LOGS = [("gpu_logs/ncu_profile_q_outer_7b8c691.txt", 64, "8 × 4", 4),
@@ -272,11 +274,10 @@ def _row_ms(r: dict | None) -> str:
     return f"{float(r['ms_median']):.3f}" if r else "—"
 
 
-def _ratio(slow: dict | None, fast: dict | None) -> str:
-    """How many times faster `fast` runs than `slow` (slow's ms over fast's; — where either
-    row is missing)."""
-    return f"{float(slow['ms_median']) / float(fast['ms_median']):.3f}×" if slow and fast \
-        else "—"
+def _ratio(slow: dict | None, fast: dict | None, key: str = "ms_median") -> str:
+    """How many times faster `fast` runs than `slow` (slow's ms over fast's, in column key;
+    — where either row is missing)."""
+    return f"{float(slow[key]) / float(fast[key]):.3f}×" if slow and fast else "—"
 
 
 def tensor_cores(results_dir: Path) -> str:
@@ -573,27 +574,22 @@ BACKWARD_BASELINE = {"float16": "torch_sdpa_flash", "bfloat16": "torch_sdpa_flas
 BACKWARD_NEXT = {"float16": "torch_sdpa_cudnn", "bfloat16": "torch_sdpa_cudnn"}
 
 
-def _torch_dtype(label: str) -> str:
-    return "float32" if label.startswith("tf32") else label
-
-
 def _beside(rows: list[dict], r: dict, provider: str | None) -> dict | None:
     """`provider`'s row timed in the same process as r (same date), at r's shape."""
     key = ("n", "d", "causal", "date")
     return next((x for x in rows if provider and x["provider"] == provider
-                 and x["dtype"] == _torch_dtype(r["dtype"])
+                 and x["dtype"] == input_kind(r["dtype"])["dtype"]
                  and all(x[k] == r[k] for k in key)), None)
 
 
 def _backward_model(r: dict):
     """The backward pass's modelled traffic of a bench_backward.csv row of ours (a Ledger)."""
     name, *opts = r["provider"].split()
-    dtype = _torch_dtype(r["dtype"])
     return lo.predict_traffic(
         name, int(r["n"]), int(r["d"]), batch=int(r["batch"]), heads=int(r["heads"]),
         block_q=int(r["block_q"]), block_k=int(r["block_k"]), causal=r["causal"] == "True",
-        save_lse=True, options=dict(o.split("=") for o in opts) or None, dtype=dtype,
-        precision=r["dtype"] if dtype != r["dtype"] else "ieee", backward=True)
+        save_lse=True, options=dict(o.split("=") for o in opts) or None, backward=True,
+        **input_kind(r["dtype"]))
 
 
 def _fa_tflops(r: dict, ms: float) -> float:
@@ -601,11 +597,6 @@ def _fa_tflops(r: dict, ms: float) -> float:
     4 B H N^2 d, halved under a causal mask."""
     flops = 3.5 * 4 * int(r["batch"]) * int(r["heads"]) * int(r["n"]) ** 2 * int(r["d"])
     return flops / (2 if r["causal"] == "True" else 1) / ms / 1e9
-
-
-def _speedup(theirs: dict | None, ms: float) -> str:
-    """Their forward + backward time over ours (ms): above 1, ours is faster."""
-    return f"{float(theirs['ms_total']) / ms:.3f}×" if theirs else "—"
 
 
 def backward_verdicts(rows: list[dict]) -> list[dict]:
@@ -640,8 +631,8 @@ def backward_summary(results_dir: Path) -> str:
         theirs = f" ({_ms(base['ms_total'])} ms)" if base else ""
         lines.append(f"| {r['n']} | {r['d']} | {'yes' if r['causal'] == 'True' else 'no'} | "
                      f"{r['dtype']} | {r['provider']} | {v['ms']:.2f} | "
-                     f"{_speedup(base, v['ms'])}{theirs}"
-                     f" | {_speedup(v['next'], v['ms'])} | {_fa_tflops(r, v['ms']):.0f} | "
+                     f"{_ratio(base, r, 'ms_total')}{theirs}"
+                     f" | {_ratio(v['next'], r, 'ms_total')} | {_fa_tflops(r, v['ms']):.0f} | "
                      f"{r['device'].replace('NVIDIA ', '')}, {r['git_sha']} |")
     return "\n".join(lines)
 
@@ -664,9 +655,8 @@ def backward_bench(results_dir: Path) -> str:
         mine = bool(r["block_q"])
         vs = vs_next = model = rate = "—"
         if mine:
-            total = float(r["ms_total"])
-            vs = _speedup(_beside(ok, r, BACKWARD_BASELINE.get(r["dtype"])), total)
-            vs_next = _speedup(_beside(ok, r, BACKWARD_NEXT.get(r["dtype"])), total)
+            vs = _ratio(_beside(ok, r, BACKWARD_BASELINE.get(r["dtype"])), r, "ms_total")
+            vs_next = _ratio(_beside(ok, r, BACKWARD_NEXT.get(r["dtype"])), r, "ms_total")
             itemsize = 2 if r["dtype"] in ("float16", "bfloat16") else 4
             gb = _backward_model(r).bytes(itemsize) / 1e9
             model, rate = f"{gb:.2f}", f"{gb / float(r['ms_backward']):.2f}"

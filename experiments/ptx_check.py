@@ -65,6 +65,11 @@ def backward_variants(sched) -> list:
     return [v.options for v in grad_variants() if v.schedule == sched.BACKWARD]
 
 
+def backward_launches(sched, p, count: bool) -> list:
+    """The recorded launches of p's backward alone (a gradient call's forward comes first)."""
+    return recorded(sched, p, count, True)[len(sched.kernels(p, count)):]
+
+
 def ptxas(ptx: str, cubin: Path | None = None) -> dict:
     """Registers, stack and spills from `ptxas -arch=sm_90a -v` on ptx; the built cubin is
     kept at `cubin` when given (for a disassembler)."""
@@ -149,8 +154,7 @@ def main(argv=None) -> int:
                     for opt in backward_variants(sched):
                         g = lo.make_problem(name, block_q=GRAD_TILES[d][0],
                                             block_k=GRAD_TILES[d][1], options=opt, **sizes)
-                        forward_launches = len(sched.kernels(g, count))
-                        launches += recorded(sched, g, count, True)[forward_launches:]
+                        launches += backward_launches(sched, g, count)
                 for index, (kernel, *launch, launch_args) in enumerate(launches):
                     key = (kernel, runtime._args_key(launch_args))
                     if key in seen:

@@ -222,9 +222,8 @@ def main(argv=None) -> int:
                 p = lo.make_problem(args.schedule, n_q=args.n, d=d, block_q=args.block_q,
                                     block_k=args.block_k, causal=causal, batch=4, heads=16,
                                     options=options, **ptx_check.input_kind(dtype))
-                launches = ptx_check.recorded(sched, p, args.count, args.backward)
-                if args.backward:  # the forward's launches come first
-                    launches = launches[len(sched.kernels(p, args.count)):]
+                launches = (ptx_check.backward_launches(sched, p, args.count) if args.backward
+                            else ptx_check.recorded(sched, p, args.count, False))
                 for kernel, *_, launch_args in launches:
                     row = {"schedule": args.schedule, "n": args.n, "d": d, "dtype": dtype,
                            "causal": causal, "count": args.count, "backward": args.backward,
