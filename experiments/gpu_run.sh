@@ -35,7 +35,7 @@ for arg in "$@"; do
   case "$stage" in
   tests)    run tests "$T" python3 -m pytest -v -rf -p no:cacheprovider -n 8 -s \
               ${TESTS:-tests/test_gpu.py tests/test_torch.py} ${TEST_K:+-k "$TEST_K"} ;;
-  host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ;;
+  host)     run host "$T" python3 -m experiments.host_overhead --out "$W/host" ${HOST_ARGS:-} ;;
   fuzz)     run fuzz "$T" python3 -m experiments.gpu_fuzz --out "$W/fuzz" ${FUZZ_ARGS:-} ;;
   gqa)      run gqa "$T" python3 -m experiments.bench_gqa_decode --out "$W/gqa" ${GQA_ARGS:-} ;;
   window)   run window "$T" python3 -m experiments.bench_window --out "$W/window" ${WINDOW_ARGS:-} ;;

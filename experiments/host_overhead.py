@@ -16,8 +16,9 @@
    through the torch op at a shape no process has seen (it compiles), then another fresh
    process's first call at that shape (it loads from the cache), the first call again with
    its kernels compiled one after another (LOOP_ORDERS_COMPILE_AHEAD=0: no
-   `warm.compile_ahead`), and two processes filling an empty cache at once (both right, the
-   entries whole).
+   `warm.compile_ahead`), two processes filling an empty cache at once (both right, the
+   entries whole), and a fresh process's cold start taken apart (`COLD_PARTS`).
+4. With --profile, cProfile of the tiny calls' host paths (host_profile.txt).
 
 Writes host_overhead.json with provenance.
 """
@@ -57,6 +58,43 @@ t5 = time.perf_counter()
 ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 print(json.dumps({"import_torch_s": t1 - t0, "import_s": t2 - t1, "first_forward_s": t4 - t3,
                   "first_call_s": t5 - t3, "max_abs_error": float((out - ref).abs().max())}))
+"""
+# A fresh process's cold start taken apart: its imports, the CUDA context, then each kernel
+# build of the first call's forward + backward compiled one after another (Numba's typing,
+# lowering and NVVM), linked into a cubin (the driver's JIT, in this process's context) and
+# written to the disk cache: where `warm.compile_ahead`'s workers spend their time.
+COLD_PARTS = """
+import json, time
+t = [time.perf_counter()]
+import loop_orders
+from loop_orders.api_grad import grad_problem
+from loop_orders.core.schedule import get_schedule
+from loop_orders.device import kernel_cache, runtime
+from loop_orders.warm import recorded_launches
+t.append(time.perf_counter())
+from numba import cuda
+cuda.current_context()
+t.append(time.perf_counter())
+parts = {"import_s": t[1] - t[0], "cuda_context_s": t[2] - t[1], "builds": []}
+sched = get_schedule("q_outer")
+p = grad_problem(sched, 512, 512, 64, 64, 2, 4, 4, "float16", True, None, (-1, -1),
+                 False)(64, 64)
+seen = set()
+for kernel, _, _, shared, args in recorded_launches(sched, p, False, True):
+    key = runtime.build_key(kernel, args)
+    if key in seen:
+        continue
+    seen.add(key)
+    t0 = time.perf_counter()
+    compiled = kernel.compile(key[1])
+    t1 = time.perf_counter()
+    compiled._codelibrary.get_cufunc()
+    t2 = time.perf_counter()
+    kernel_cache.store(runtime._FACTORY_KEYS[kernel], key[1], compiled)
+    t3 = time.perf_counter()
+    parts["builds"].append({"kernel": kernel.py_func.__name__, "compile_s": t1 - t0,
+                            "link_s": t2 - t1, "store_s": t3 - t2})
+print(json.dumps(parts))
 """
 IMPORT_ALONE = "import time; t = time.perf_counter(); import loop_orders; " \
     "print(time.perf_counter() - t)"
@@ -186,6 +224,49 @@ def fresh_process(cache: Path, **env_vars) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def profile(path: Path, limit: int = 35) -> None:
+    """cProfile of the host paths of `tiny_calls` (lo.attention, the torch op's forward and
+    forward + backward on torch CUDA tensors), each's top `limit` functions by own time,
+    written to `path`: where a call's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    import loop_orders as lo
+    import loop_orders.torch as lot
+
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda") for _ in range(3))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    text = io.StringIO()
+    for name, fn in (("lo.attention", lambda: lo.attention(q, k, v)),
+                     ("loop_orders.torch.attention", lambda: lot.attention(q, k, v)),
+                     ("forward+backward", lambda: lot.attention(*leaves).sum().backward())):
+        for _ in range(WARMUP):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(CALLS // 4):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        text.write(f"=== {name}: {CALLS // 4} calls\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(limit)
+    path.write_text(text.getvalue())
+
+
+def cold_parts(cache: Path) -> dict:
+    """`COLD_PARTS` run in a fresh process with an empty cache at `cache`."""
+    env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", COLD_PARTS], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def compile_cache() -> dict:
     from loop_orders.device import kernel_cache
 
@@ -204,17 +285,20 @@ def compile_cache() -> dict:
         raced = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1])
                  for p in procs]
         after = fresh_process(racing)
+        parts = cold_parts(Path(tmp) / "parts")
     alone = [float(subprocess.run([sys.executable, "-c", IMPORT_ALONE], capture_output=True,
                                   text=True, check=True).stdout) for _ in range(3)]
     return {"first_process": first, "second_process": second, "entries": entries,
             "first_process_compiling_serially": serial,
-            "racing_processes": raced, "after_the_race": after,
+            "racing_processes": raced, "after_the_race": after, "cold_parts": parts,
             "import_loop_orders_alone_s": alone, "where": str(kernel_cache.cache_dir())}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--profile", action="store_true", help="also write "
+                        "host_profile.txt: cProfile of the tiny calls' host paths")
     args = parser.parse_args(argv)
     from loop_orders.device import runtime
     from loop_orders.results import atomic_write_json, provenance
@@ -229,6 +313,8 @@ def main(argv=None) -> int:
               "n1024_causal_ms": n1024(True),
               "compile_cache": compile_cache(), "calls": CALLS}
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        profile(args.out / "host_profile.txt")
     atomic_write_json(args.out / "host_overhead.json", result)
     print(json.dumps({k: v for k, v in result.items() if k != "provenance"}, indent=1))
     return 0
