@@ -5,8 +5,9 @@ message starts with the argument's name and states the allowed range.
 
 A call's checks, kernels and buffers depend only on what the inputs look like (kind, shapes,
 dtypes, layout) and on the arguments, so they are worked out once per such key (`_Call`) and
-kept: a repeated call only allocates its outputs, views its inputs and launches (host time
-per call: results/host_overhead.json).
+kept, with the launches its first run made (`runtime.Taped`): a repeated call only allocates
+its outputs, views its inputs and launches those again on them (host time per call:
+results/host_overhead.json).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .core.schedule import (
     get_schedule,
 )
 from .device import arrays, runtime
+from .microkernel import tuning
 from .microkernel.group_sum import group_sum_traffic
 
 
@@ -413,6 +415,7 @@ class _Call:
         self.need = sum(memory_need(sched, p, count, inputs.host).values())
         self.recheck = self.need > runtime.memory_limit()[0] // 4  # a big call: check each time
         self._scratch: dict = {}  # stream -> (workspace, placeholder lse, placeholder counts)
+        self.taped = runtime.Taped()  # the launches, replayed after the first call
 
     def scratch(self, stream: int):
         """Buffers this key's launches reuse on one stream (stream order makes that safe)."""
@@ -427,36 +430,45 @@ class _Call:
         p, kind = self.p, self.inputs.kind
         if self.recheck:
             check_launch(self.sched, p, self.count, self.inputs.host)
-        qv, kv, vv = (kx.view_as(x, (heads, n, width)) for kx, x, heads, n, width in
-                      zip(self.inputs.kinds, (q, k, v), (p.bh, p.bh_kv, p.bh_kv),
-                          (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=False))
+        operands = operands_of(self.inputs, q, k, v)
         stream = kind.stream(q)
         workspace, no_lse, no_counts = self.scratch(stream)
-        out, out_k = kind.empty(q, self.out_shape, self.dtype, (p.bh, p.n_q, p.dv))
-        if p.save_lse:
-            lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32, (p.bh, p.n_q))
-        else:
-            lse, lse_dev = None, no_lse
+        out = kind.alloc(q, self.out_shape, self.dtype)
+        lse = kind.alloc(q, self.out_shape[:-1], np.float32) if p.save_lse else None
         counts = runtime.device_zeros(n_slots(), np.int64) if self.count else no_counts
-        if self.timed or runtime.SIMULATOR:
-            with runtime.on_stream(stream), runtime.launching(), \
-                    runtime.Timer(self.timed, stream) as timer:
-                self.sched.launch(p, qv, kv, vv, out_k, lse_dev, counts, scale=self.scale,
-                                  count=self.count, workspace=workspace)
+        slots = (*operands, out, no_lse if lse is None else lse, counts, *workspace)
+
+        def launches():  # the kernels' views are made here: a replay needs the addresses only
+            self.sched.launch(p, *kernel_views(p, self.inputs.kinds, operands),
+                              kind.as_kernel(out, (p.bh, p.n_q, p.dv)),
+                              no_lse if lse is None else kind.as_kernel(lse, (p.bh, p.n_q)),
+                              counts, scale=self.scale, count=self.count, workspace=workspace)
+
+        if self.timed:
+            with runtime.Timer(True, stream) as timer:
+                self.taped.run(stream, slots, launches, tuning.current())
             ms = timer.ms
-        else:  # the host path a user's loop takes: nothing but the launches
-            previous = runtime.set_stream(stream)
-            try:
-                self.sched.launch(p, qv, kv, vv, out_k, lse_dev, counts, scale=self.scale,
-                                  count=self.count, workspace=workspace)
-            finally:
-                runtime.set_stream(previous)
+        else:  # the host path a user's loop takes: after the first call, the tape's launches
+            self.taped.run(stream, slots, launches, tuning.current())
             ms = None
         ledger = (Ledger.from_array(runtime.to_host(counts), self.sched.ledger_tensors())
                   if self.count else None)
         return Result(out=kind.finish(out), lse=kind.finish(lse) if p.save_lse else None,
                       counts=ledger, problem=p, schedule=self.sched.name,
                       backend=runtime.BACKEND, ms=ms, clamped=self.clamped)
+
+
+def operands_of(inputs: Inputs, q, k, v) -> tuple:
+    """q, k, v as the device arrays the kernels read (`Kind.operand`: host arrays copied)."""
+    kq, kk, kv = inputs.kinds[:3]  # a gradient call's do comes fourth
+    return kq.operand(q), kk.operand(k), kv.operand(v)
+
+
+def kernel_views(p: Problem, kinds: tuple, operands: tuple) -> tuple:
+    """The kernels' (heads, n, width) views of q, k, v's operands (`kinds`: theirs first)."""
+    (kq, kk, kv), (q, k, v) = kinds[:3], operands
+    return (kq.as_kernel(q, (p.bh, p.n_q, p.d)), kk.as_kernel(k, (p.bh_kv, p.n_k, p.d)),
+            kv.as_kernel(v, (p.bh_kv, p.n_k, p.dv)))
 
 
 _CALLS: OrderedDict = OrderedDict()

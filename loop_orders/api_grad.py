@@ -30,14 +30,17 @@ from .api import (
     check_simulator_budget,
     clamped_blocks,
     fitting_tiles,
+    kernel_views,
     make_problem,
     memory_need,
     named_tiles,
+    operands_of,
 )
 from .core.backward_schedule import BackwardSchedule
 from .core.ledger import Ledger, n_slots
 from .core.schedule import Problem, Schedule, backward_of, get_schedule
 from .device import arrays, runtime
+from .microkernel import tuning
 from .microkernel.group_sum import launch_group_sums
 from .warm import Job, compile_ahead
 
@@ -66,14 +69,12 @@ class GradResult:
 
 @dataclass
 class Saved:
-    """What a forward leaves for its backward: O, lse and the forward's workspace, each as
-    the caller's kind of array (`out`, `lse`, `kept`) and as the kernels see it (`out_dev`,
-    `lse_dev`, `workspace`)."""
+    """What a forward leaves for its backward: O, lse and the forward's workspace, O and lse
+    as device arrays of the caller's kind (`finish` hands them over), the workspace as the
+    kernels see it (`workspace`) and as the caller's arrays (`kept`)."""
 
     out: Any
-    out_dev: Any
     lse: Any
-    lse_dev: Any
     workspace: tuple
     counts: Ledger | None
     kept: tuple = ()
@@ -116,6 +117,9 @@ class GradCall:
         self.scale, self.count, self.timed, self.clamped = scale, count, timed, clamped or None
         self.out_shape = inputs.q_shape[:-1] + (p.dv,)
         self.dtype = p.kernel_dtype
+        # each pass's launches, replayed after the first call (`runtime.Taped`)
+        self.taped_forward, self.taped_backward = runtime.Taped(), runtime.Taped()
+        self._placeholder = None  # uncounted calls' counters (`_counts`)
 
     def _empty(self, like):
         kind = self.inputs.kind
@@ -135,70 +139,77 @@ class GradCall:
         return workspace, tuple(callers[id(dev)] for dev in workspace)
 
     def _counts(self, like):
-        """Zeroed counters when counting, else a placeholder the kernels never touch,
-        allocated like the outputs (torch's allocator for CUDA tensors, so that a CUDA
-        graph can capture the call)."""
+        """Zeroed counters when counting, else a placeholder the kernels never touch, this
+        key's one, allocated like the outputs at its first call (torch's allocator for CUDA
+        tensors, so that a CUDA graph can capture the call)."""
         if self.count:
             return runtime.device_zeros(n_slots(), np.int64)
-        return self.inputs.kind.empty(like, (1,), np.int64)[1]
+        if self._placeholder is None:
+            self._placeholder = self.inputs.kind.empty(like, (1,), np.int64)[1]
+        return self._placeholder
 
     def _ledger(self, counts, tensors) -> Ledger | None:
         return Ledger.from_array(runtime.to_host(counts), tensors) if self.count else None
 
-    def _views(self, q, k, v):
-        p = self.p
-        return tuple(kx.view_as(x, (heads, n, width)) for kx, x, heads, n, width in
-                     zip(self.inputs.kinds, (q, k, v), (p.bh, p.bh_kv, p.bh_kv),
-                         (p.n_q, p.n_k, p.n_k), (p.d, p.d, p.dv), strict=False))
-
     def forward(self, q, k, v) -> Saved:
         p, kind = self.p, self.inputs.kind
-        qv, kv, vv = self._views(q, k, v)
-        out, out_dev = kind.empty(q, self.out_shape, self.dtype)
-        lse, lse_dev = kind.empty(q, self.out_shape[:-1], np.float32)
+        operands = operands_of(self.inputs, q, k, v)
+        out = kind.alloc(q, self.out_shape, self.dtype)
+        lse = kind.alloc(q, self.out_shape[:-1], np.float32)
         workspace, kept = self._workspace(q)
         counts = self._counts(q)
-        runtime.launch_on(kind.stream(q), lambda: self.sched.launch(
-            p, qv, kv, vv, out_dev.reshape(p.bh, p.n_q, p.dv), lse_dev.reshape(p.bh, p.n_q),
-            counts, scale=self.scale, count=self.count, workspace=workspace))
-        return Saved(out, out_dev, lse, lse_dev, workspace,
-                     self._ledger(counts, self.sched.ledger_tensors()), kept)
+
+        def launches():  # the kernels' views are made here: a replay needs the addresses only
+            self.sched.launch(p, *kernel_views(p, self.inputs.kinds, operands),
+                              kind.as_kernel(out, (p.bh, p.n_q, p.dv)),
+                              kind.as_kernel(lse, (p.bh, p.n_q)), counts, scale=self.scale,
+                              count=self.count, workspace=workspace)
+
+        self.taped_forward.run(kind.stream(q), (*operands, out, lse, counts, *workspace),
+                               launches, tuning.current())
+        return Saved(out, lse, workspace, self._ledger(counts, self.sched.ledger_tensors()),
+                     kept)
 
     def resume(self, out, lse, kept) -> Saved:
         """A forward's Saved rebuilt from the caller's arrays it returned (out, lse and
         `Saved.kept`): how the torch op's backward, a separate op, picks up its forward."""
         kind = self.inputs.kind
-        return Saved(out, kind.view(out), lse, kind.view(lse),
-                     tuple(kind.view(x) for x in kept), None, tuple(kept))
+        return Saved(kind.operand(out), kind.operand(lse), tuple(kind.view(x) for x in kept),
+                     None, tuple(kept))
 
     def backward(self, saved: Saved, q, k, v, do):
         """(dq, dk, dv, backward ledger) as the caller's kind of array."""
-        p, kind = self.p, self.inputs.kind
-        qv, kv, vv = self._views(q, k, v)
-        dov = arrays.kind_of(do).view(do).reshape(p.bh, p.n_q, p.dv)
-        kv_lead = self.inputs.q_shape[:-3] + (self.inputs.kv_heads,) \
-            if len(self.inputs.q_shape) == 4 else ()
-        grads = [kind.empty(q, shape, self.dtype) for shape in
-                 (self.inputs.q_shape, kv_lead + (p.n_k, p.d), kv_lead + (p.n_k, p.dv))]
-        dqv, dkv, dvv = (dev.reshape(heads, n, width) for (_, dev), heads, n, width in
-                         zip(grads, (p.bh, p.bh_kv, p.bh_kv), (p.n_q, p.n_k, p.n_k),
-                             (p.d, p.d, p.dv), strict=True))
+        p, kind, inputs = self.p, self.inputs.kind, self.inputs
+        operands = operands_of(inputs, q, k, v)
+        do_kind = arrays.kind_of(do)
+        do = do_kind.operand(do)
+        kv_lead = inputs.q_shape[:-3] + (inputs.kv_heads,) if len(inputs.q_shape) == 4 else ()
+        grads = [kind.alloc(q, shape, self.dtype) for shape in
+                 (inputs.q_shape, kv_lead + (p.n_k, p.d), kv_lead + (p.n_k, p.dv))]
         # per query head under grouping: each head's dK, dV parts, summed below
-        parts = [kind.empty(q, (p.bh, p.n_k, width), self.dtype)[1] for width in (p.d, p.dv)] \
-            if p.group > 1 else [dkv, dvv]
+        parts = [kind.alloc(q, (p.bh, p.n_k, width), self.dtype) for width in (p.d, p.dv)] \
+            if p.group > 1 else []
         counts = self._counts(q)
+        workspace = self.bwd.allocate_workspace(p, self._empty(q))
 
-        def launches():
-            self.bwd.launch(p, qv, kv, vv, saved.out_dev.reshape(p.bh, p.n_q, p.dv), dov,
-                            saved.lse_dev.reshape(p.bh, p.n_q), dqv, *parts, counts,
-                            scale=self.scale, count=self.count,
-                            forward_workspace=saved.workspace,
-                            workspace=self.bwd.allocate_workspace(p, self._empty(q)))
+        def launches():  # the kernels' views are made here: a replay needs the addresses only
+            dq, dk, dv = (kind.as_kernel(g, shape) for g, shape in zip(grads, (
+                (p.bh, p.n_q, p.d), (p.bh_kv, p.n_k, p.d), (p.bh_kv, p.n_k, p.dv)), strict=True))
+            dk_parts, dv_parts = (kind.as_kernel(g, (p.bh, p.n_k, width)) for g, width in
+                                  zip(parts, (p.d, p.dv), strict=True)) if parts else (dk, dv)
+            self.bwd.launch(p, *kernel_views(p, inputs.kinds, operands),
+                            kind.as_kernel(saved.out, (p.bh, p.n_q, p.dv)),
+                            do_kind.as_kernel(do, (p.bh, p.n_q, p.dv)),
+                            kind.as_kernel(saved.lse, (p.bh, p.n_q)), dq, dk_parts, dv_parts,
+                            counts, scale=self.scale, count=self.count,
+                            forward_workspace=saved.workspace, workspace=workspace)
             if p.group > 1:
-                launch_group_sums(p, *parts, dkv, dvv, counts, self.count)
+                launch_group_sums(p, dk_parts, dv_parts, dk, dv, counts, self.count)
 
-        runtime.launch_on(kind.stream(q), launches)
-        dq, dk, dv = (kind.finish(user) for user, _ in grads)
+        slots = (*operands, saved.out, do, saved.lse, *grads, counts, *saved.workspace,
+                 *workspace, *parts)
+        self.taped_backward.run(kind.stream(q), slots, launches, tuning.current())
+        dq, dk, dv = (kind.finish(g) for g in grads)
         return dq, dk, dv, self._ledger(counts, self.bwd.ledger_tensors())
 
     def __call__(self, q, k, v, do) -> GradResult:

@@ -93,45 +93,46 @@ def _accepted(job: Job) -> Job | None:
 
 
 def _builds(jobs: list) -> list:
-    """(job, launch index) for each kernel build of `jobs` that the disk cache lacks, each
-    build once: calls at several lengths, counted calls beside uncounted ones, or a forward
-    call beside its gradient call share builds, and handed out by job several workers would
-    compile one build at the same time (a fuzz's 494 builds went to workers as 1258)."""
+    """(factory key, argument types) of each kernel build of `jobs` that the disk cache
+    lacks, each build once: calls at several lengths, counted calls beside uncounted ones,
+    or a forward call beside its gradient call share builds, and handed out by job several
+    workers would compile one build at the same time (a fuzz's 494 builds went to workers as
+    1258). Kernels no factory made are left out: they cannot be cached."""
     seen, builds = set(), []
     for job in jobs:
         launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
                                      job.backward)
-        for index, (kernel, _, _, _, args) in enumerate(launches):
+        for kernel, _, _, _, args in launches:
             key = runtime.build_key(kernel, args)
-            if key not in seen and not runtime.is_cached(kernel, args):
+            made_by = runtime.factory_key(kernel)
+            if made_by and key not in seen and not runtime.is_cached(kernel, args):
                 seen.add(key)
-                builds.append((job, index))
+                builds.append((made_by, key[1]))
     return builds
 
 
-_RECORDED: dict = {}  # a compile worker's recorded launches, per job
-
-
 def _compile_build(build: tuple) -> int:
-    """In a worker process: compile one (job, launch index) build into the disk cache
-    (`runtime._compile` stores what it compiles); 1 when done. A build that fails is
-    reported and skipped (0): the call that needs it compiles it again and raises there,
-    where its caller sees it."""
-    import sys
-
-    job, index = build
-    launches = _RECORDED.get(job)
-    if launches is None:
-        launches = _RECORDED[job] = recorded_launches(get_schedule(job.schedule), job.problem,
-                                                      job.count, job.backward)
-    kernel, _, _, shared, args = launches[index]
+    """In a worker process: compile one build, (factory key, argument types, compute
+    capability, cache environment), to PTX without a CUDA context and store it in the disk
+    cache (the process that loads it links it: `kernel_cache.load`); 1 when done. A build
+    that fails is reported and skipped (0): the call that needs it compiles it again and
+    raises there, where its caller sees it."""
+    made_by, sig, cc, env = build
     try:
-        runtime._compile(kernel, args, shared)
+        compiled = runtime.compile_without_a_device(runtime.kernel_of(made_by), sig, cc)
+        kernel_cache.store(made_by, sig, compiled, env)
         return 1
     except Exception as exc:  # reported; the sweep goes on
-        print(f"warm: {getattr(kernel, '__name__', kernel)} for {job.problem.describe()}: "
-              f"{exc}", file=sys.stderr, flush=True)
+        print(f"warm: {made_by[1]}{made_by[2]} for {sig}: {exc}", file=sys.stderr,
+              flush=True)
         return 0
+
+
+def _for_workers(builds: list) -> list:
+    """`builds` with what a worker without a device needs besides: this device's compute
+    capability and the disk cache's environment (the key of the process that loads them)."""
+    cc, env = runtime.compute_capability(), kernel_cache.environment()
+    return [(made_by, sig, cc, env) for made_by, sig in builds]
 
 
 def warm_cache(jobs: list, workers: int = 8) -> int:
@@ -145,18 +146,19 @@ def warm_cache(jobs: list, workers: int = 8) -> int:
     if not builds:
         return 0
     with mp.get_context("spawn").Pool(min(workers, len(builds))) as pool:
-        return sum(pool.imap_unordered(_compile_build, builds))
+        return sum(pool.imap_unordered(_compile_build, _for_workers(builds)))
 
 
 def compile_ahead(job: Job) -> int:
     """The first call of a new shape compiles its kernels at once rather than one after
     another as its passes reach them: when two or more of the job's kernel builds are
     neither on disk nor built in this process, each but the first is compiled in a fresh
-    Python process (`python -c`, so a script without a `__main__` guard is safe) while this
-    process compiles the first; it returns when all are done (the launches then load them
-    from the disk cache). Returns the builds compiled. Nothing on the simulator, with the
-    cache off, or with LOOP_ORDERS_COMPILE_AHEAD=0; a worker that fails leaves its kernel to
-    the launch that needs it, which compiles it again and raises there."""
+    Python process (`python -c`, so a script without a `__main__` guard is safe; it compiles
+    to PTX with no CUDA context, `_compile_build`) while this process compiles the first;
+    it returns when all are done (the launches then load them from the disk cache and link
+    them). Returns the builds compiled. Nothing on the simulator, with the cache off, or
+    with LOOP_ORDERS_COMPILE_AHEAD=0; a worker that fails leaves its kernel to the launch
+    that needs it, which compiles it again and raises there."""
     if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
             or os.environ.get("LOOP_ORDERS_COMPILE_AHEAD", "1") == "0"):
         return 0
@@ -166,16 +168,18 @@ def compile_ahead(job: Job) -> int:
     for i, (kernel, _, _, _, args) in enumerate(launches):
         if not runtime.is_built(kernel, args) and not runtime.is_cached(kernel, args):
             missing.setdefault(runtime.build_key(kernel, args), i)
-    missing = list(missing.values())
     if len(missing) < 2:
         return 0  # one build: compiling it here, at its launch, is as fast
+    first, *rest = missing.items()
+    others = _for_workers([(runtime.factory_key(kernel), sig) for (kernel, sig), _ in rest
+                           if runtime.factory_key(kernel)])
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for _ in missing[1:]]
-    for proc, index in zip(workers, missing[1:], strict=True):
-        proc.stdin.write(pickle.dumps((job, index)))
+               for _ in others]
+    for proc, build in zip(workers, others, strict=True):
+        proc.stdin.write(pickle.dumps(build))
         proc.stdin.close()
-    kernel, _, _, shared, args = launches[missing[0]]
+    kernel, _, _, shared, args = launches[first[1]]
     runtime._compile(kernel, args, shared)
     return 1 + sum(proc.wait() == 0 for proc in workers)
 
@@ -184,12 +188,9 @@ _WORKER = "import loop_orders.warm as w; w._compile_one()"
 
 
 def _compile_one() -> None:
-    """A `compile_ahead` worker: (job, index) pickled on stdin; compiles that launch's
-    kernel into the disk cache."""
-    job, index = pickle.loads(sys.stdin.buffer.read())
-    kernel, _, _, shared, args = recorded_launches(get_schedule(job.schedule), job.problem,
-                                                   job.count, job.backward)[index]
-    runtime._compile(kernel, args, shared)
+    """A `compile_ahead` worker: a build pickled on stdin (`_compile_build`'s); exits 1 if it
+    failed."""
+    sys.exit(0 if _compile_build(pickle.loads(sys.stdin.buffer.read())) else 1)
 
 
 def sweep_jobs(schedules, ds, dtypes, *, n: int = 1024, causal=(False, True), dv=None,

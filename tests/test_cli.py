@@ -140,9 +140,11 @@ def test_warm_records_every_kernel_of_a_forward_and_backward_call():
 
 def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_path):
     """A new shape's kernels not yet built: the first compiles here, each other in a worker
-    process of its own (the payload names the job and the launch), all before the call goes
-    on; one missing build, or LOOP_ORDERS_COMPILE_AHEAD=0, starts no process. The processes
-    and the compiler are stood in for (no GPU here): what is checked is who compiles what."""
+    process of its own (the payload names the build by its factory and argument types, with
+    the device's compute capability and the cache's environment: the worker has no CUDA
+    context), all before the call goes on; one missing build, or LOOP_ORDERS_COMPILE_AHEAD=0,
+    starts no process. The processes and the compiler are stood in for (no GPU here): what
+    is checked is who compiles what."""
     import io
     import pickle
 
@@ -163,21 +165,37 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
             return 0
 
     monkeypatch.setattr(runtime, "SIMULATOR", False)
+    monkeypatch.setattr(runtime, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(kernel_cache, "environment", lambda: ("env",))
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: False)
     monkeypatch.setattr(runtime, "_compile", lambda kernel, args, shared: here.append(kernel))
     monkeypatch.setattr(warm.subprocess, "Popen", Worker)
-    distinct = len({runtime.build_key(kernel, args) for kernel, _, _, _, args in launches})
-    assert warm.compile_ahead(job) == distinct > 2
+    builds = list(dict.fromkeys(runtime.build_key(kernel, args)
+                                for kernel, _, _, _, args in launches))
+    assert warm.compile_ahead(job) == len(builds) > 2
     assert here == [launches[0][0]]
-    assert [index for _, index in payloads] == list(range(1, distinct))
-    assert all(p == job for p, _ in payloads)
+    assert payloads == [(runtime.factory_key(kernel), sig, (9, 0), ("env",))
+                        for kernel, sig in builds[1:]]
 
     monkeypatch.setenv("LOOP_ORDERS_COMPILE_AHEAD", "0")
     assert warm.compile_ahead(job) == 0
     monkeypatch.delenv("LOOP_ORDERS_COMPILE_AHEAD")
     monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: kernel is not launches[1][0])
     assert warm.compile_ahead(job) == 0 and len(here) == 1
+
+
+def test_a_compile_worker_remakes_a_kernel_from_its_factory_key():
+    """What a worker is sent names the kernel: its factory, called again with the same
+    compile-time constants, gives the same kernel (the factories' cache)."""
+    from loop_orders import warm
+    from loop_orders.device import runtime
+
+    (job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+    for kernel, *_ in warm.recorded_launches(lo.get_schedule("q_outer"), job.problem, False,
+                                             True):
+        made_by = runtime.factory_key(kernel)
+        assert made_by is not None and runtime.kernel_of(made_by) is kernel
 
 
 def test_warm_drops_what_the_api_refuses():

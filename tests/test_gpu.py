@@ -6,6 +6,7 @@ import pytest
 from conftest import SCHEDULES, gpu, random_qkv
 
 import loop_orders as lo
+from loop_orders.api import backward_traffic
 from loop_orders.core.schedule import backward_of, grad_variants
 from loop_orders.microkernel import tuning
 from loop_orders.reference import (
@@ -512,3 +513,52 @@ def test_query_blocks_that_see_no_key_write_zeros(d, dtype):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, 256:].float(), k.float(), v.float(), is_causal=True)
         assert float((res.out[:, :, 256:].float() - ref).abs().max()) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("schedule, options", _backward_variants())
+def test_repeated_calls_replay_the_first_calls_launches(schedule, options, rng):
+    """A key's later calls launch its first call's tape (`runtime.Taped`) on their own
+    arrays: a second forward + backward on fresh float16 torch tensors (tails, causal,
+    grouped K/V heads) is right against float64, counted and not, and an input of another
+    alignment (`TAPE_ALIGNMENT`) takes the schedule's Python again."""
+    torch = pytest.importorskip("torch")
+    from loop_orders.api_grad import prepare_grad
+
+    b, h, h_kv, n, d = 1, 4, 2, 300, 64
+
+    def inputs():
+        q, k, v = (torch.from_numpy(x).cuda() for x in random_qkv(rng, b, h, n, d, d,
+                                                                  "float16"))
+        k, v = k[:, :h_kv].contiguous(), v[:, :h_kv].contiguous()
+        return q, k, v, torch.randn_like(q)
+
+    for count in (False, True):
+        args = dict(schedule=schedule, options=options, causal=True, count=count)
+        lo.attention_grad(*inputs(), **args)  # the key's first call: recorded
+        call = prepare_grad(*inputs(), schedule, None, None, True, None, options, count,
+                            False)
+        assert call.taped_forward.tape is not None and call.taped_backward.tape is not None
+        q, k, v, do = inputs()
+        g = lo.attention_grad(q, k, v, do, **args)
+        host = [x.float().cpu().numpy() for x in (q, k, v, do)]
+        refs = attention_grad_reference(*host, causal=True)
+        assert relative_error(g.out.float().cpu().numpy(),
+                              lo.attention_reference(*host[:3], causal=True)[0]) <= 2e-3
+        for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
+            assert relative_error(got.float().cpu().numpy(), ref) <= 1e-2
+        if count:
+            bwd = backward_of(lo.get_schedule(schedule))
+            assert g.counts_backward == backward_traffic(bwd, g.problem)
+    # an output gradient 2 bytes into its buffer: another alignment, the schedule's Python
+    # (16-bit tiles are copied 16 bytes at a time: refused, before anything runs)
+    q, k, v, do = inputs()
+    odd = torch.empty(do.numel() + 1, dtype=do.dtype, device="cuda")[1:].view_as(do)
+    odd.copy_(do)
+    try:
+        g = lo.attention_grad(q, k, v, odd, schedule=schedule, options=options, causal=True)
+    except ValueError as exc:
+        assert "aligned" in str(exc)
+    else:
+        assert relative_error(g.dq.float().cpu().numpy(), attention_grad_reference(
+            *(x.float().cpu().numpy() for x in (q, k, v, do)), causal=True)[0]) <= 1e-2

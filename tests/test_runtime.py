@@ -60,3 +60,59 @@ def test_launch_key_tells_apart_what_selects_a_compiled_kernel():
     assert key((a,)) != key((a.astype(np.float16),))
     assert key((a,)) != key((np.zeros((2, 4, 3), np.float32).transpose(0, 2, 1),))
     assert key((a, np.float32(1))) != key((a, 1.0))
+
+
+class _FakeLauncher:
+    """A `runtime._Launcher` stand-in: its parameter cells, and the launches it was asked
+    for (grid, block, shared bytes, stream, the cells' values then)."""
+
+    def __init__(self, args):
+        import ctypes
+
+        self.pointers = [(i, ctypes.c_uint64(0)) for i, a in enumerate(args)
+                         if runtime._is_array(a)]
+        self.scalars = [(i, ctypes.c_float(0)) for i, a in enumerate(args)
+                        if not runtime._is_array(a)]
+        self.started = []
+
+    def start(self, grid, block, shared, stream):
+        self.started.append((grid, block, shared, stream,
+                             [c.value for _, c in self.pointers],
+                             [c.value for _, c in self.scalars]))
+
+
+def _view(ptr, shape, dtype=np.float32):
+    from loop_orders.device.arrays import DeviceView
+
+    return DeviceView(ptr, shape, runtime.c_strides(shape, np.dtype(dtype).itemsize), dtype)
+
+
+def test_a_tape_replays_its_launches_on_other_arrays_at_the_same_offsets():
+    """A recorded call's array parameters are found in its slots (a view 64 bytes into its
+    output too); a replay writes the new slots' addresses at the same offsets and the
+    recorded scalars back, and refuses addresses of another alignment or another context."""
+    q, out = _view(1 << 20, (4, 8)), _view(2 << 20, (4, 8))
+    args = (q, _view((2 << 20) + 64, (16,)), np.float32(0.5))
+    launcher = _FakeLauncher(args)
+    context = object()
+    tape = runtime.Tape.of([(launcher, (2, 1, 1), 128, 0, args)], (q, out), context)
+    assert tape is not None
+    tape.replay(tape.pointers((_view(5 << 20, (4, 8)), _view(7 << 20, (4, 8))), context), 9)
+    grid, block, shared, stream, pointers, scalars = launcher.started[-1]
+    assert (grid, block, shared, stream) == ((2, 1, 1), 128, 0, 9)
+    assert pointers == [5 << 20, (7 << 20) + 64] and scalars == [0.5]
+    assert tape.pointers((_view((5 << 20) + 4, (4, 8)), _view(7 << 20, (4, 8))), context) \
+        is None  # q 4 bytes off: a kernel chosen by alignment may differ
+    assert tape.pointers((_view(5 << 20, (4, 8)), _view(7 << 20, (4, 8))), object()) is None
+
+
+def test_no_tape_where_slots_overlap_or_a_parameter_points_elsewhere():
+    """q passed as k too (a replay could not tell them apart), or an array the call did not
+    name (memory a schedule allocated itself): the call is not taped."""
+    q = _view(1 << 20, (4, 8))
+    args = (q, np.float32(1.0))
+    assert runtime.Tape.of([(_FakeLauncher(args), (1, 1, 1), 32, 0, args)], (q, q), None) \
+        is None
+    stray = (_view(9 << 20, (4, 8)), np.float32(1.0))
+    assert runtime.Tape.of([(_FakeLauncher(stray), (1, 1, 1), 32, 0, stray)], (q,), None) \
+        is None

@@ -26,6 +26,8 @@ import numpy as np
 from . import runtime
 from .runtime import c_strides
 
+_c_strides = functools.lru_cache(maxsize=256)(c_strides)  # a call's views: the same shapes
+
 
 class DeviceView:
     """A C-contiguous (or strided) GPU array as the kernels see it: data pointer, shape,
@@ -44,6 +46,14 @@ class DeviceView:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes from the first element to the end of the last (strided views too)."""
+        if 0 in self.shape:
+            return 0
+        return sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True)) \
+            + self.dtype.itemsize
 
     def reshape(self, *shape) -> DeviceView:
         """A view of another shape (a C-contiguous view only)."""
@@ -78,15 +88,30 @@ class Kind:
         """The array as the kernels get it."""
         return x
 
+    def operand(self, x):
+        """The device array whose memory the kernels read for input x: x itself for a
+        device array, a device copy of a host array. `as_kernel` views it; a call's taped
+        launches (`runtime.Tape`) read its address."""
+        return self.view(x)
+
+    def as_kernel(self, a, shape):
+        """The kernels' view of `a` (an `operand` or an `alloc`ed array) as `shape`."""
+        return a.reshape(shape)
+
     def view_as(self, x, shape):
         """The array as the kernels get it, as `shape` (x is C-contiguous: checked)."""
-        return self.view(x).reshape(shape)
+        return self.as_kernel(self.operand(x), shape)
+
+    def alloc(self, x, shape, dtype):
+        """A new device array of `shape` like x, of the caller's kind where it can be
+        (`finish` hands it to the caller)."""
+        return runtime.device_empty(shape, dtype)
 
     def empty(self, x, shape, dtype, kernel_shape=None):
         """(array the caller gets, array the kernels write) of `shape`, like x; the kernels'
         one viewed as `kernel_shape` when given."""
-        out = runtime.device_empty(shape, dtype)
-        return out, out if kernel_shape is None else out.reshape(kernel_shape)
+        out = self.alloc(x, shape, dtype)
+        return out, self.as_kernel(out, shape if kernel_shape is None else kernel_shape)
 
     def zeros(self, x, shape, dtype):
         """`empty`, filled with zeros (what no kernel writes: keys no query sees)."""
@@ -144,21 +169,23 @@ class TorchCudaKind(Kind):
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()),
                           torch_to_numpy_dtype(x.dtype), x)
 
-    def view_as(self, x, shape):
-        dtype = torch_to_numpy_dtype(x.dtype)  # one view, no reshape: host time per call
-        return DeviceView(x.data_ptr(), shape, c_strides(shape, dtype.itemsize), dtype, x)
+    def operand(self, x):
+        return x  # its address: x.data_ptr() (`runtime.data_pointer`)
 
-    def empty(self, x, shape, dtype, kernel_shape=None):
+    def as_kernel(self, a, shape):
+        dtype = torch_to_numpy_dtype(a.dtype)  # one view, no reshape: host time per call
+        return DeviceView(a.data_ptr(), shape, _c_strides(shape, dtype.itemsize), dtype, a)
+
+    def alloc(self, x, shape, dtype):
         import torch
 
-        out = torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
-        return out, self.view_as(out, shape if kernel_shape is None else kernel_shape)
+        return torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
 
     def zeros(self, x, shape, dtype):
         import torch
 
         out = torch.zeros(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
-        return out, self.view_as(out, shape)
+        return out, self.as_kernel(out, shape)
 
     def stream(self, x) -> int:
         import torch
@@ -177,13 +204,17 @@ class CupyKind(Kind):
     def view(self, x):
         return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
 
-    def empty(self, x, shape, dtype, kernel_shape=None):
+    def operand(self, x):
+        return x
+
+    def as_kernel(self, a, shape):
+        return self.view(a).reshape(shape)
+
+    def alloc(self, x, shape, dtype):
         import cupy
 
         with x.device:
-            out = cupy.empty(shape, dtype=dtype)
-        view = self.view(out)
-        return out, view if kernel_shape is None else view.reshape(kernel_shape)
+            return cupy.empty(shape, dtype=dtype)
 
     def zeros(self, x, shape, dtype):
         import cupy
@@ -217,6 +248,12 @@ class InterfaceKind(Kind):
         dtype = np.dtype(iface["typestr"])
         strides = iface.get("strides") or c_strides(iface["shape"], dtype.itemsize)
         return DeviceView(iface["data"][0], iface["shape"], strides, dtype, x)
+
+    def operand(self, x):
+        return x
+
+    def as_kernel(self, a, shape):
+        return self.view(a).reshape(shape)
 
     def stream(self, x) -> int:
         return int(x.__cuda_array_interface__.get("stream") or 0)

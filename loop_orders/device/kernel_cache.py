@@ -80,11 +80,18 @@ def _environment() -> tuple:
             tuple(versions))
 
 
-def entry_path(factory_key: tuple, sig: tuple) -> Path | None:
+def environment() -> tuple:
+    """What besides a build's own key its entry depends on (code, device, versions): what a
+    compile worker without a device of its own is told (`warm`)."""
+    return _environment()
+
+
+def entry_path(factory_key: tuple, sig: tuple, env: tuple | None = None) -> Path | None:
+    """Where the build's entry lives, for this process's environment or `env`."""
     directory = cache_dir()
     if directory is None:
         return None
-    text = repr((factory_key, tuple(str(t) for t in sig), _environment()))
+    text = repr((factory_key, tuple(str(t) for t in sig), env or _environment()))
     return directory / f"{hashlib.sha256(text.encode()).hexdigest()}.pkl"
 
 
@@ -98,20 +105,26 @@ def load(factory_key: tuple, sig: tuple):
     try:
         states = pickle.loads(path.read_bytes())
         compiled = _Kernel._rebuild(**states)
+        linked = bool(compiled._codelibrary._cubin_cache)
         compiled._codelibrary.get_cufunc()  # loads the cubin now, not at the first launch
     except Exception:  # a damaged or foreign entry: compile again
         with contextlib.suppress(OSError):
             path.unlink()
         return None
+    if not linked:  # a compile worker's PTX, linked here: kept with its cubin from now on
+        store(factory_key, sig, compiled)
     return compiled
 
 
-def store(factory_key: tuple, sig: tuple, compiled) -> Path | None:
-    """Write the compiled kernel (with its cubin for this device) under its key."""
-    path = entry_path(factory_key, sig)
+def store(factory_key: tuple, sig: tuple, compiled, env: tuple | None = None) -> Path | None:
+    """Write the compiled kernel under its key: with its cubin for this device, or, given
+    the `env` of the process that will load it (a compile worker, which has no CUDA
+    context), as PTX that the loading process links and stores again (`load`)."""
+    path = entry_path(factory_key, sig, env)
     if path is None:
         return None
-    compiled._codelibrary.get_cufunc()  # the cubin is in the library before it is pickled
+    if env is None:
+        compiled._codelibrary.get_cufunc()  # the cubin is in the library before it is pickled
     try:
         data = pickle.dumps(compiled._reduce_states(), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # not serialisable: keep it in memory only

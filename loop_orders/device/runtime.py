@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
+import math
 import os
 import sys
 import threading
@@ -273,6 +275,42 @@ _DYNAMIC_SHARED: dict = {}  # compiled function -> the dynamic shared bytes it i
 _BUILT: dict = {}  # (kernel, argument types) -> its build compiled or loaded in this process
 
 
+def compute_capability() -> tuple:
+    """The current device's (major, minor)."""
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def factory_key(kernel) -> tuple | None:
+    """(module, factory name, compile-time constants) of a factory-made kernel, else None."""
+    return _FACTORY_KEYS.get(kernel)
+
+
+def kernel_of(key: tuple):
+    """The kernel a `factory_key` names, made again by its factory (in a compile worker)."""
+    import importlib
+
+    module, qualname, args = key
+    factory = importlib.import_module(module)
+    for part in qualname.split("."):
+        factory = getattr(factory, part)
+    return factory(*args)
+
+
+def compile_without_a_device(kernel, sig: tuple, cc: tuple):
+    """`kernel` compiled to PTX for these argument types and compute capability `cc` with no
+    CUDA context (a compile worker's: creating one takes about a second, and a worker links
+    nothing; the process that loads the build links it). Numba asks the current device for
+    its compute capability as it compiles a kernel and as it turns its LLVM into PTX: in
+    this process both are told `cc` from now on."""
+    import types as pytypes
+
+    from numba.cuda import codegen, dispatcher
+
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+    codegen.CUDACodeLibrary._ensure_cc = lambda self, asked: cc if asked is None else asked
+    return dispatcher._Kernel(kernel.py_func, sig, **kernel.targetoptions)
+
+
 def build_key(kernel, args) -> tuple:
     """What one build of `kernel` is compiled for: the kernel and its arguments' types."""
     return kernel, tuple(_numba_type(a) for a in args)
@@ -333,6 +371,10 @@ class _Launcher:
             cell.value = data_pointer(args[i])
         for i, cell in self.scalars:
             cell.value = args[i]
+        self.start(grid, block, shared_bytes, stream)
+
+    def start(self, grid, block, shared_bytes: int, stream: int) -> None:
+        """cuLaunchKernel on the parameter block as it stands."""
         gx, gy, gz = grid
         err = self._launch(self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream,
                            self.address, None)
@@ -355,11 +397,18 @@ def _driver_launch():
 
 
 def data_pointer(a) -> int:
-    """Device address of a kernel's array argument (a DeviceView or a Numba array)."""
+    """Device address of an array: a kernel's argument (a DeviceView or a Numba array) or
+    a tape's slot (those, a torch tensor, any __cuda_array_interface__ object)."""
     ptr = getattr(a, "ptr", None)
     if ptr is not None:
         return ptr  # arrays.DeviceView
-    return a.device_ctypes_pointer.value or 0
+    data_ptr = getattr(a, "data_ptr", None)
+    if data_ptr is not None:
+        return data_ptr()  # torch
+    pointer = getattr(a, "device_ctypes_pointer", None)
+    if pointer is not None:
+        return pointer.value or 0  # Numba
+    return a.__cuda_array_interface__["data"][0]
 
 
 _launchers: dict = {}
@@ -427,7 +476,118 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     if launcher is None:
         launcher = _launchers[key] = _Launcher(_compile(kernel, args, shared_bytes), args)
     grid = grid if isinstance(grid, tuple) else (grid,)
-    launcher(grid + (1,) * (3 - len(grid)), block, shared_bytes, current_stream(), args)
+    grid = grid + (1,) * (3 - len(grid))
+    launcher(grid, block, shared_bytes, current_stream(), args)
+    taping = getattr(_stream, "taping", None)
+    if taping is not None:
+        taping.append((launcher, grid, block, shared_bytes, args))
+
+
+# --- Taped launches: a call's launches, recorded once, launched again with new arrays ------
+
+# A kernel may be chosen by its arrays' alignment (16-byte copies, `cuda_cores.launch_kernel`),
+# so a tape serves only arrays whose addresses agree with its recording's modulo this.
+TAPE_ALIGNMENT = 16
+
+
+def _extent(a) -> int:
+    """Bytes from an array's first element to the end of its last: a tape slot's `nbytes`
+    (C-contiguous arrays; a DeviceView's counts its strides), else from its
+    __cuda_array_interface__ (C-contiguous: checked for inputs)."""
+    nbytes = getattr(a, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    iface = a.__cuda_array_interface__
+    return math.prod(iface["shape"]) * np.dtype(iface["typestr"]).itemsize
+
+
+class Tape:
+    """The launches one call of a key made, each as its launcher, launch shape, scalars and,
+    for each array parameter, which of the call's arrays (its slot) it points into and at
+    what byte offset; `replay` launches them again on another call's arrays of the same
+    key. What a schedule's launch works out in Python (kernels, grids, views of its
+    arrays) depends on the key alone, and on the arrays only through their addresses'
+    alignment, which `pointers` checks."""
+
+    __slots__ = ("steps", "residues", "context")
+
+    def __init__(self, steps: tuple, residues: tuple, context):
+        self.steps, self.residues, self.context = steps, residues, context
+
+    @classmethod
+    def of(cls, recorded: list, slots: tuple, context) -> Tape | None:
+        """The tape of `recorded` launches over the call's arrays `slots`, or None where an
+        array parameter points into none of them, or two of them overlap (q passed as k
+        too: a replay could not tell them apart)."""
+        bases = [data_pointer(a) for a in slots]
+        spans = sorted((base, base + _extent(a)) for base, a in zip(bases, slots, strict=True))
+        if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(spans)):
+            return None
+        steps = []
+        for launcher, grid, block, shared, args in recorded:
+            sources = []
+            for i, _ in launcher.pointers:
+                ptr = data_pointer(args[i])
+                slot = next((j for j, (base, a) in enumerate(zip(bases, slots, strict=True))
+                             if base <= ptr < base + max(_extent(a), 1)), None)
+                if slot is None:
+                    return None
+                sources.append((slot, ptr - bases[slot]))
+            scalars = tuple(args[i] for i, _ in launcher.scalars)
+            steps.append((launcher, grid, block, shared, tuple(sources), scalars))
+        return cls(tuple(steps), tuple(b % TAPE_ALIGNMENT for b in bases), context)
+
+    def pointers(self, slots: tuple, context) -> list | None:
+        """The slots' addresses, or None if this tape cannot serve them (an address of
+        another alignment, or another kernel-choosing `context`)."""
+        if context is not self.context:
+            return None
+        bases = [data_pointer(a) for a in slots]
+        if any(b % TAPE_ALIGNMENT != r for b, r in zip(bases, self.residues, strict=True)):
+            return None
+        return bases
+
+    def replay(self, bases: list, stream: int) -> None:
+        for launcher, grid, block, shared, sources, scalars in self.steps:
+            for (_, cell), (slot, offset) in zip(launcher.pointers, sources, strict=True):
+                cell.value = bases[slot] + offset
+            for (_, cell), value in zip(launcher.scalars, scalars, strict=True):
+                cell.value = value
+            launcher.start(grid, block, shared, stream)
+
+
+class Taped:
+    """One call key's launches on the GPU: `run` makes them through the schedule's Python the
+    first time, recording a `Tape`, and replays the tape after (the host time of a call is
+    then its checks, allocations and cuLaunchKernel). Under the simulator, or while
+    launches are recorded for compiling (`recording_launches`), it always runs them."""
+
+    __slots__ = ("tape",)
+
+    def __init__(self):
+        self.tape: Tape | None = None
+
+    def run(self, stream: int, slots: tuple, launches, context=None) -> None:
+        """`launches()` on `stream`, whose array parameters all point into `slots` (the
+        call's arrays: inputs, outputs, workspace), or its tape's replay; `context`: what
+        besides the key chooses kernels (a tuning override), compared by identity."""
+        if SIMULATOR or _recording is not None:
+            launch_on(stream, launches)
+            return
+        tape = self.tape
+        if tape is not None:
+            bases = tape.pointers(slots, context)
+            if bases is not None:
+                tape.replay(bases, stream)
+                return
+        previous, taping = set_stream(stream), []
+        _stream.taping = taping
+        try:
+            launches()
+        finally:
+            _stream.taping = None
+            set_stream(previous)
+        self.tape = Tape.of(taping, slots, context)
 
 
 def launched_builds(kernel) -> list:
