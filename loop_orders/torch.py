@@ -305,6 +305,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
             causal, *tiles, scale, list(check_window(window)), bool(pack_gqa), precision)
     if torch.compiler.is_compiling():  # the custom op, which the compiler traces
         return _forward(*args)[0]
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                         or v.requires_grad)):
+        return _forward_pass(*args)[0]  # nothing to differentiate: no autograd node
     return _EagerAttention.apply(*args)
 
 
