@@ -1,6 +1,7 @@
 """Hardware-measured traffic: Nsight Compute bytes beside our counters and the model.
 
     python -m experiments.hw_traffic [--out DIR] [--quick] [--d D] [--n N ...] [--blocks 128x64]
+    python -m experiments.hw_traffic --backward --dtypes float16 ...   # the backward passes
 
 For every registered schedule and configuration (tiles, N, causal, dtype): the counted build gives
 the counters (model == counted is asserted); the uncounted build, the one we time, runs once
@@ -12,6 +13,13 @@ cache control), so DRAM bytes are those of a kernel starting from a cold L2.
 The tensor-core kernels copy their tiles with cp.async (LDGSTS), which ncu counts apart from
 plain loads: the run asks ncu which l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts metrics it
 has and adds them to the loads (the columns say which it used).
+
+With --backward each configuration's backward pass is measured instead (the forward runs
+first, unprofiled and uncounted; ncu sees the backward's kernels only): its counters against
+the backward's model and float64 gradients, then ncu's bytes. An atomic or reduction (q_outer's
+dQ accumulator, `red.global.add.f32`) reads and writes the element it updates: ncu reports
+the bytes a reduction carries once (l1tex ..._op_red), our ledgers count a read and a write,
+so the comparison takes ncu's reduction bytes twice (`logical_bytes`).
 
 Writes hw_traffic.csv; without a GPU or ncu it says so in one line and writes nothing.
 """
@@ -30,7 +38,16 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
-from experiments.gpu_common import Buffers, check_output, input_kind, runs, write_csv
+from experiments.gpu_common import (
+    Buffers,
+    GradBuffers,
+    check_gradients,
+    check_output,
+    input_kind,
+    runs,
+    write_csv,
+)
+from loop_orders.core.schedule import backward_of
 from loop_orders.device import runtime
 from loop_orders.results import provenance
 
@@ -66,38 +83,70 @@ def ldgsts_metrics(ncu: str) -> dict[str, str]:
 
 
 def configs(quick: bool, dtypes=None, schedules=None, d: int = D, ns=None,
-            blocks=None) -> list[dict]:
+            blocks=None, backward: bool = False, options=None) -> list[dict]:
     ns = ns or (SWEEP["n"][:2] if quick else SWEEP["n"])
     blocks = blocks or (SWEEP["blocks"][:1] if quick else SWEEP["blocks"])
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk,
-             "d": d}
+             "d": d, "backward": backward, "asked": options or {}}
             for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
-            if runs(lo.get_schedule(s), t)]
+            if runs(lo.get_schedule(s), t) and (not backward or lo.get_schedule(s).BACKWARD)]
+
+
+def measured(cfg: dict):
+    """The schedule whose kernels a configuration profiles: its forward, or its backward."""
+    sched = lo.get_schedule(cfg["schedule"])
+    return backward_of(sched) if cfg.get("backward") else sched
 
 
 def kernel_regex(cfgs: list[dict]) -> str:
-    """ncu's kernel filter: the names of every kernel the configurations launch (so a new
-    schedule's kernels are profiled with no edit here)."""
-    names = {kern.name for cfg in cfgs
-             for kern in lo.get_schedule(cfg["schedule"]).kernels(problem(cfg), False)}
+    """ncu's kernel filter: the names of every kernel the configurations measure (so a new
+    schedule's kernels are profiled with no edit here; a backward's names are its own)."""
+    names = {kern.name for cfg in cfgs for kern in measured(cfg).kernels(problem(cfg), False)}
     return "regex:" + "|".join(sorted(names))
 
 
 def problem(cfg) -> lo.Problem:
     return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=cfg["d"], batch=BATCH, heads=HEADS,
                            block_q=cfg["block_q"], block_k=cfg["block_k"],
-                           causal=cfg["causal"], **input_kind(cfg["dtype"]))
+                           causal=cfg["causal"], save_lse=cfg.get("backward", False),
+                           options=cfg.get("asked") or None, **input_kind(cfg["dtype"]))
 
 
 def launch_all(config_file: Path) -> None:
-    """Under ncu: one launch of the uncounted build per configuration, in file order."""
+    """Under ncu: one launch of the uncounted build per configuration, in file order (a
+    backward configuration: its forward, then the backward ncu profiles)."""
     rng = np.random.default_rng()
     for cfg in json.loads(config_file.read_text()):
         sched = lo.get_schedule(cfg["schedule"])
-        bufs = Buffers(sched, problem(cfg), rng)
-        bufs.launch(0)
+        if cfg.get("backward"):
+            GradBuffers(sched, problem(cfg), rng).launch_both(0)
+        else:
+            Buffers(sched, problem(cfg), rng).launch(0)
         runtime.synchronize()
+
+
+def counted_row(cfg: dict, rng) -> dict:
+    """A configuration's counted run (counters == model asserted, output or gradients
+    checked against float64) as a row, ncu's columns to come."""
+    sched, p = lo.get_schedule(cfg["schedule"]), problem(cfg)
+    if cfg.get("backward"):
+        bufs = GradBuffers(sched, p, rng)
+        bufs.launch(0)
+        bufs.launch_backward(0, count=True)
+        check_gradients(sched, p, *bufs.host[0], bufs.do_host,
+                        [runtime.to_host(g) for g in bufs.grads], rng)
+    else:
+        bufs = Buffers(sched, p, rng)
+        bufs.launch(0, count=True)
+        check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
+    counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
+    model = measured(cfg).model(p)
+    assert counted == model, f"counters != model for {cfg}"
+    return {**cfg, "dv": cfg["d"], "batch": BATCH, "heads": HEADS,
+            "options": json.dumps(sched.resolved_options(p), sort_keys=True),
+            "model_bytes": model.bytes(p.itemsize), "counted_bytes": counted.bytes(p.itemsize),
+            "kernels": len(measured(cfg).kernels(p, False))}
 
 
 def logical_bytes(row: dict) -> int:
@@ -168,6 +217,10 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", help="comma-separated BQxBK tiles, e.g. 128x64 (default: "
                         "the sweep's, or its first with --quick)")
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
+    parser.add_argument("--backward", action="store_true", help="measure the backward "
+                        "passes (the forward runs first, unprofiled)")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a schedule option for every configuration, e.g. dq=separate")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.launch:
@@ -184,28 +237,17 @@ def main(argv=None) -> int:
               if args.blocks else None)
     cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None,
                    args.schedules.split(",") if args.schedules else None, args.d, args.n,
-                   blocks)
+                   blocks, args.backward, dict(o.split("=", 1) for o in args.option))
     METRICS.update(ldgsts_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
-    rows = []
-    for cfg in cfgs:  # counted build: counters, checked against the model and the reference
-        sched, p = lo.get_schedule(cfg["schedule"]), problem(cfg)
-        bufs = Buffers(sched, p, rng)
-        bufs.launch(0, count=True)
-        counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
-        model = sched.model(p)
-        assert counted == model, f"counters != model for {cfg}"
-        check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
-        rows.append({**cfg, "dv": cfg["d"], "batch": BATCH, "heads": HEADS,
-                     "options": json.dumps(sched.resolved_options(p), sort_keys=True),
-                     "model_bytes": model.bytes(p.itemsize),
-                     "counted_bytes": counted.bytes(p.itemsize),
-                     "kernels": len(sched.kernels(p, False))})
+    # counted builds: counters, checked against the model and the reference
+    rows = [counted_row(cfg, rng) for cfg in cfgs]
     if not profile_rows(ncu, rows, cfgs, kernel_regex(cfgs), "experiments.hw_traffic",
                         args.out / f"{args.name}_ncu.log", 200000):
         return 1
     for row in rows:
-        print(f"{row['schedule']:9s} N={row['n']:5d} causal={row['causal']!s:5} "
+        print(f"{row['schedule']:9s}{' bwd' if row['backward'] else ''} N={row['n']:5d} "
+              f"causal={row['causal']!s:5} "
               f"{row['dtype']}: counted {row['counted_bytes']:>12,} ncu "
               f"{logical_bytes(row):>12,} dram "
               f"{row['dram_read_bytes'] + row['dram_write_bytes']:>12,}", flush=True)

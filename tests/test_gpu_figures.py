@@ -4,6 +4,7 @@ import csv
 
 import pytest
 
+import loop_orders as lo
 from experiments import gpu_figures, hw_traffic, plot_bench
 
 NCU_HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
@@ -188,3 +189,16 @@ def test_this_rounds_notes_blocks_read_the_committed_results():
     assert "| 4096 | 64 | no | float16 | q_outer" in committed["backward-summary"]
     assert "Model = counted in 24 of 24 rows" in committed["fig2-setting"]
     assert "SDPA" in committed["train-summary"] and "cache" in committed["host-overhead"]
+
+
+def test_hw_traffic_backward_configurations_profile_the_backward_kernels_only():
+    """With --backward ncu's filter names the backward's kernels, none of the forward's that
+    runs first, and a schedule option reaches every configuration's Problem."""
+    cfgs = hw_traffic.configs(True, ["float16"], ["q_outer"], backward=True,
+                              options={"dq": "separate"})
+    assert cfgs and all(cfg["backward"] for cfg in cfgs)
+    names = set(hw_traffic.kernel_regex(cfgs).removeprefix("regex:").split("|"))
+    forward = {kern.name for cfg in cfgs for kern in
+               lo.get_schedule("q_outer").kernels(hw_traffic.problem(cfg), False)}
+    assert names and not names & forward
+    assert all(hw_traffic.problem(cfg).option("dq") == "separate" for cfg in cfgs)
