@@ -57,9 +57,11 @@ def flops(p: lo.Problem) -> float:
 
 
 def random_inputs(p: lo.Problem, rng):
-    """Host q, k, v of shape (bh, n, d) with unit-variance entries (never zeros)."""
-    return tuple(host_array(rng.standard_normal((p.bh, n, w), dtype=np.float32), p)
-                 for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv)))
+    """Host q of shape (bh, n_q, d), k and v (bh_kv, n_k, .) with unit-variance entries
+    (never zeros)."""
+    return tuple(host_array(rng.standard_normal((heads, n, w), dtype=np.float32), p)
+                 for heads, n, w in ((p.bh, p.n_q, p.d), (p.bh_kv, p.n_k, p.d),
+                                     (p.bh_kv, p.n_k, p.dv)))
 
 
 def host_array(x, p: lo.Problem) -> np.ndarray:
@@ -67,17 +69,20 @@ def host_array(x, p: lo.Problem) -> np.ndarray:
     return bfloat16_bits(x) if p.dtype == "bfloat16" else x.astype(p.dtype)
 
 
-def reference_rows(q, k, v, heads, rows, causal):
-    """Float64 reference output for the given (head, rows): rows are independent."""
+def reference_rows(q, k, v, heads, rows, causal, group: int = 1):
+    """Float64 reference output for the given (head, rows): rows are independent. Query
+    head h reads K/V head h // group; causal is bottom-right aligned (query i sees keys
+    j <= i + n_k - n_q)."""
     q, k, v = (host_values(x) for x in (q, k, v))
     out = []
     for h in heads:
         qh = q[h, rows].astype(np.float64)
-        s = qh @ k[h].astype(np.float64).T / math.sqrt(q.shape[-1])
+        s = qh @ k[h // group].astype(np.float64).T / math.sqrt(q.shape[-1])
         if causal:
-            s = np.where(np.arange(k.shape[1])[None, :] <= rows[:, None], s, -np.inf)
+            diagonal = np.asarray(rows)[:, None] + k.shape[1] - q.shape[1]
+            s = np.where(np.arange(k.shape[1])[None, :] <= diagonal, s, -np.inf)
         s = np.exp(s - s.max(axis=1, keepdims=True))
-        out.append((s / s.sum(axis=1, keepdims=True)) @ v[h].astype(np.float64))
+        out.append((s / s.sum(axis=1, keepdims=True)) @ v[h // group].astype(np.float64))
     return np.stack(out)
 
 
@@ -89,7 +94,7 @@ def check_output(sched, p, q, k, v, out_host, rng) -> float:
         raise AssertionError(f"{sched.name}: non-finite output for {p.describe()}")
     rows = np.sort(rng.choice(p.n_q, size=min(CHECK_ROWS, p.n_q), replace=False))
     heads = sorted({0, p.bh - 1})
-    ref = reference_rows(q, k, v, heads, rows, p.causal)
+    ref = reference_rows(q, k, v, heads, rows, p.causal, p.group)
     got = np.stack([out_host[h, rows] for h in heads])
     err = relative_error(got, ref)
     if p.precision != "ieee":

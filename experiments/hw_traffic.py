@@ -2,6 +2,7 @@
 
     python -m experiments.hw_traffic [--out DIR] [--quick] [--d D] [--n N ...] [--blocks 128x64]
     python -m experiments.hw_traffic --backward --dtypes float16 ...   # the backward passes
+    python -m experiments.hw_traffic --gqa-decode --n 4096 16384 --name hw_traffic_gqa_decode
 
 For every registered schedule and configuration (tiles, N, causal, dtype): the counted build gives
 the counters (model == counted is asserted); the uncounted build, the one we time, runs once
@@ -93,6 +94,20 @@ def configs(quick: bool, dtypes=None, schedules=None, d: int = D, ns=None,
             if runs(lo.get_schedule(s), t) and (not backward or lo.get_schedule(s).BACKWARD)]
 
 
+def decode_configs(ns_k=None) -> list[dict]:
+    """Grouped-query decode as bench_gqa_decode runs it (n_q = 1, 32 query heads over 8 K/V
+    heads, d = 128, float16, causal, 64-key blocks), per query head and packed, for
+    split_kv and q_outer: where packing reads K/V a quarter as often."""
+    from experiments import bench_gqa_decode as decode
+
+    return [{"schedule": s, "n": 1, "n_k": n_k, "causal": True, "dtype": "float16",
+             "block_q": decode.BLOCK_Q, "block_k": 64, "d": decode.D, "backward": False,
+             "asked": {}, "batch": 1, "heads": decode.H_Q, "kv_heads": decode.H_KV,
+             "pack_gqa": packed}
+            for s in ("split_kv", "q_outer") for packed in (False, True)
+            for n_k in ns_k or (4096, 16384)]
+
+
 def measured(cfg: dict):
     """The schedule whose kernels a configuration profiles: its forward, or its backward."""
     sched = lo.get_schedule(cfg["schedule"])
@@ -107,7 +122,9 @@ def kernel_regex(cfgs: list[dict]) -> str:
 
 
 def problem(cfg) -> lo.Problem:
-    return lo.make_problem(cfg["schedule"], n_q=cfg["n"], d=cfg["d"], batch=BATCH, heads=HEADS,
+    return lo.make_problem(cfg["schedule"], n_q=cfg["n"], n_k=cfg.get("n_k"), d=cfg["d"],
+                           batch=cfg.get("batch", BATCH), heads=cfg.get("heads", HEADS),
+                           kv_heads=cfg.get("kv_heads"), pack_gqa=cfg.get("pack_gqa", False),
                            block_q=cfg["block_q"], block_k=cfg["block_k"],
                            causal=cfg["causal"], save_lse=cfg.get("backward", False),
                            options=cfg.get("asked") or None, **input_kind(cfg["dtype"]))
@@ -143,7 +160,7 @@ def counted_row(cfg: dict, rng) -> dict:
     counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
     model = measured(cfg).model(p)
     assert counted == model, f"counters != model for {cfg}"
-    return {**cfg, "dv": cfg["d"], "batch": BATCH, "heads": HEADS,
+    return {"batch": BATCH, "heads": HEADS, **cfg, "dv": cfg["d"],
             "options": json.dumps(sched.resolved_options(p), sort_keys=True),
             "model_bytes": model.bytes(p.itemsize), "counted_bytes": counted.bytes(p.itemsize),
             "kernels": len(measured(cfg).kernels(p, False))}
@@ -219,6 +236,8 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="hw_traffic", help="results file stem")
     parser.add_argument("--backward", action="store_true", help="measure the backward "
                         "passes (the forward runs first, unprofiled)")
+    parser.add_argument("--gqa-decode", action="store_true", help="grouped-query decode "
+                        "instead (`decode_configs`; --n: the key lengths)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a schedule option for every configuration, e.g. dq=separate")
     parser.add_argument("--launch", type=Path, help=argparse.SUPPRESS)
@@ -237,7 +256,8 @@ def main(argv=None) -> int:
               if args.blocks else None)
     cfgs = configs(args.quick, args.dtypes.split(",") if args.dtypes else None,
                    args.schedules.split(",") if args.schedules else None, args.d, args.n,
-                   blocks, args.backward, dict(o.split("=", 1) for o in args.option))
+                   blocks, args.backward, dict(o.split("=", 1) for o in args.option)) \
+        if not args.gqa_decode else decode_configs(args.n)
     METRICS.update(ldgsts_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     # counted builds: counters, checked against the model and the reference
@@ -246,7 +266,9 @@ def main(argv=None) -> int:
                         args.out / f"{args.name}_ncu.log", 200000):
         return 1
     for row in rows:
-        print(f"{row['schedule']:9s}{' bwd' if row['backward'] else ''} N={row['n']:5d} "
+        shape = f"N={row['n']:5d}" + (f" n_k={row['n_k']} packed={row['pack_gqa']}"
+                                      if "n_k" in row else "")
+        print(f"{row['schedule']:9s}{' bwd' if row['backward'] else ''} {shape} "
               f"causal={row['causal']!s:5} "
               f"{row['dtype']}: counted {row['counted_bytes']:>12,} ncu "
               f"{logical_bytes(row):>12,} dram "

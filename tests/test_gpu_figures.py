@@ -202,3 +202,22 @@ def test_hw_traffic_backward_configurations_profile_the_backward_kernels_only():
                lo.get_schedule("q_outer").kernels(hw_traffic.problem(cfg), False)}
     assert names and not names & forward
     assert all(hw_traffic.problem(cfg).option("dq") == "separate" for cfg in cfgs)
+
+
+def test_gqa_decode_configurations_and_their_reference():
+    """hw_traffic --gqa-decode: packed decode is one block of a group's rows with no mask
+    (K/V read once per group), per head keeps the grouping; the GPU check's reference reads
+    query head h's K/V head h // group, causal bottom-right aligned."""
+    import numpy as np
+
+    from experiments import gpu_common
+
+    problems = [hw_traffic.problem(cfg) for cfg in hw_traffic.decode_configs([4096])]
+    assert {(p.n_q, p.group, p.causal) for p in problems} == {(4, 1, False), (1, 4, True)}
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4, 3, 8))
+    k, v = rng.standard_normal((2, 5, 8)), rng.standard_normal((2, 5, 6))
+    got = gpu_common.reference_rows(q, k, v, [0, 3], np.arange(3), True, group=2)
+    for i, h in enumerate((0, 3)):
+        want, _ = lo.attention_reference(q[h], k[h // 2], v[h // 2], causal=True)
+        assert np.allclose(got[i], want)
