@@ -157,8 +157,8 @@ def compile_ahead(job: Job) -> int:
     to PTX with no CUDA context, `_compile_build`) while this process compiles the first;
     it returns when all are done (the launches then load them from the disk cache and link
     them). Returns the builds compiled. Nothing on the simulator, with the cache off, or
-    with LOOP_ORDERS_COMPILE_AHEAD=0; a worker that fails leaves its kernel to the launch
-    that needs it, which compiles it again and raises there."""
+    with LOOP_ORDERS_COMPILE_AHEAD=0; a worker's build that failed is compiled here, and
+    raises here if it fails again."""
     if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
             or os.environ.get("LOOP_ORDERS_COMPILE_AHEAD", "1") == "0"):
         return 0
@@ -170,18 +170,25 @@ def compile_ahead(job: Job) -> int:
             missing.setdefault(runtime.build_key(kernel, args), i)
     if len(missing) < 2:
         return 0  # one build: compiling it here, at its launch, is as fast
-    first, *rest = missing.items()
-    others = _for_workers([(runtime.factory_key(kernel), sig) for (kernel, sig), _ in rest
-                           if runtime.factory_key(kernel)])
+    first, *rest = missing.values()  # launch indices
+    handed = [i for i in rest if runtime.factory_key(launches[i][0])]
+    builds = _for_workers([(runtime.factory_key(launches[i][0]),
+                            runtime.build_key(launches[i][0], launches[i][4])[1])
+                           for i in handed])
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for _ in others]
-    for proc, build in zip(workers, others, strict=True):
+               for _ in builds]
+    for proc, build in zip(workers, builds, strict=True):
         proc.stdin.write(pickle.dumps(build))
         proc.stdin.close()
-    kernel, _, _, shared, args = launches[first[1]]
-    runtime._compile(kernel, args, shared)
-    return 1 + sum(proc.wait() == 0 for proc in workers)
+    done = 0
+    for proc, i in [(None, first), *zip(workers, handed, strict=True)]:
+        done += proc is None or proc.wait() == 0
+        # this process's build, then each worker's loaded and linked as it is done, while
+        # later ones still compile (a worker's failure: compiled here, raising here)
+        kernel, _, _, shared, args = launches[i]
+        runtime._compile(kernel, args, shared)
+    return done
 
 
 _WORKER = "import loop_orders.warm as w; w._compile_one()"
