@@ -155,8 +155,8 @@ def compile_ahead(job: Job) -> int:
     neither on disk nor built in this process, each but the first is compiled in a fresh
     Python process (`python -c`, so a script without a `__main__` guard is safe; it compiles
     to PTX with no CUDA context, `_compile_build`) while this process compiles the first;
-    it returns when all are done (the launches then load them from the disk cache and link
-    them). Returns the builds compiled. Nothing on the simulator, with the cache off, or
+    it loads and links each worker's build as the worker is done, and returns when all
+    are. Returns the builds compiled. Nothing on the simulator, with the cache off, or
     with LOOP_ORDERS_COMPILE_AHEAD=0; a worker's build that failed is compiled here, and
     raises here if it fails again."""
     if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
