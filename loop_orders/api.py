@@ -421,9 +421,10 @@ class _Call:
         """Buffers this key's launches reuse on one stream (stream order makes that safe)."""
         held = self._scratch.get(stream)
         if held is None:
-            held = self._scratch[stream] = (self.sched.allocate_workspace(self.p),
-                                            runtime.device_empty((1, 1), np.float32),
-                                            runtime.device_empty(1, np.int64))
+            held = self._scratch[stream] = (
+                self.sched.allocate_workspace(self.p),
+                *(arrays.resident(runtime.device_empty(shape, dtype))
+                  for shape, dtype in (((1, 1), np.float32), (1, np.int64))))
         return held
 
     def __call__(self, q, k, v) -> Result:
@@ -489,8 +490,8 @@ def call_key(schedule, inputs: tuple, args: tuple, options) -> tuple | None:
     try:
         frozen = None if options is None else tuple(sorted(
             (name, _hashable(value)) for name, value in options.items()))
-        key = (schedule, *map(_hashable, args), frozen,
-               *(arrays.kind_of(x).signature(x) for x in inputs))
+        key = (schedule, *[(type(a), a) for a in args], frozen,  # `_hashable`, inline
+               *[arrays.kind_of(x).signature(x) for x in inputs])
         hash(key)
     except (TypeError, AttributeError):
         return None

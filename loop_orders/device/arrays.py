@@ -162,7 +162,8 @@ class TorchCudaKind(Kind):
     name = "torch"
 
     def signature(self, x) -> tuple:
-        return (type(x), tuple(x.shape), x.dtype, x.device, x.is_contiguous())
+        # the device as its index, the shape as torch's Size (a tuple): host time per call
+        return (type(x), x.shape, x.dtype, x.get_device(), x.is_contiguous())
 
     def view(self, x):
         item = x.element_size()
@@ -177,9 +178,7 @@ class TorchCudaKind(Kind):
         return DeviceView(a.data_ptr(), shape, _c_strides(shape, dtype.itemsize), dtype, a)
 
     def alloc(self, x, shape, dtype):
-        import torch
-
-        return torch.empty(shape, dtype=numpy_to_torch_dtype(dtype), device=x.device)
+        return x.new_empty(shape, dtype=numpy_to_torch_dtype(dtype))  # on x's device
 
     def zeros(self, x, shape, dtype):
         import torch
@@ -278,6 +277,14 @@ def kind_of(x) -> Kind:
         return KINDS["cuda-array-interface"]
     raise TypeError(f"expected an array (NumPy, torch, CuPy, Numba device array or any "
                     f"__cuda_array_interface__ object), got {type(x).__name__}")
+
+
+def resident(a):
+    """A Numba device array a call keeps (its scratch) as a DeviceView on a GPU, whose
+    address is an attribute (`runtime.data_pointer`); itself under the simulator."""
+    if runtime.SIMULATOR:
+        return a
+    return DeviceView(runtime.data_pointer(a), a.shape, a.strides, a.dtype, a)
 
 
 def sequence_rows(x, start: int, n: int):

@@ -398,17 +398,25 @@ def _driver_launch():
 
 def data_pointer(a) -> int:
     """Device address of an array: a kernel's argument (a DeviceView or a Numba array) or
-    a tape's slot (those, a torch tensor, any __cuda_array_interface__ object)."""
-    ptr = getattr(a, "ptr", None)
-    if ptr is not None:
-        return ptr  # arrays.DeviceView
-    data_ptr = getattr(a, "data_ptr", None)
-    if data_ptr is not None:
-        return data_ptr()  # torch
-    pointer = getattr(a, "device_ctypes_pointer", None)
-    if pointer is not None:
-        return pointer.value or 0  # Numba
-    return a.__cuda_array_interface__["data"][0]
+    a tape's slot (those, a torch tensor, any __cuda_array_interface__ object); how to read
+    it is worked out once per type (host time per call)."""
+    read = _ADDRESS_OF.get(type(a))
+    if read is None:
+        read = _ADDRESS_OF[type(a)] = _address_reader(a)
+    return read(a)
+
+
+_ADDRESS_OF: dict = {}  # array type -> how to read an address off it
+
+
+def _address_reader(a):
+    if hasattr(a, "ptr") and not callable(a.ptr):
+        return lambda x: x.ptr  # arrays.DeviceView
+    if callable(getattr(a, "data_ptr", None)):
+        return type(a).data_ptr  # torch
+    if hasattr(a, "device_ctypes_pointer"):
+        return lambda x: x.device_ctypes_pointer.value or 0  # Numba
+    return lambda x: x.__cuda_array_interface__["data"][0]
 
 
 _launchers: dict = {}
