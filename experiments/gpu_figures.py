@@ -208,20 +208,23 @@ def plot_gqa_decode(rows: list[dict], out: Path) -> list[Path]:
 
 def plot_backward(rows: list[dict], out: Path) -> list[Path]:
     """Forward + backward time per provider (stacked forward and backward for ours), one
-    panel per (N, d, inputs, causal), beside SDPA's forward + backward timed in the same
-    process."""
+    panel per (N, d, inputs, causal) and run (a process on one GPU), beside SDPA's forward +
+    backward timed in that process."""
     plt = common.pyplot()
     ok = [r for r in rows if r["status"].startswith("ok")]
-    groups = sorted(dict.fromkeys((r["n"], r["d"], r["dtype"], r["causal"]) for r in ok
-                                  if r["block_q"]),
-                    key=lambda g: (g[3], int(g[0]), int(g[1]), g[2]))
+    groups = sorted(dict.fromkeys((r["n"], r["d"], r["dtype"], r["causal"], r["date"])
+                                  for r in ok if r["block_q"]),
+                    key=lambda g: (g[3], int(g[0]), int(g[1]), g[2], g[4]))
     providers = list(dict.fromkeys(r["provider"] for r in ok if r["block_q"]))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.4), squeeze=False)
-    for ax, (n, d, dtype, causal) in zip(axes[0], groups, strict=True):
+    cols = min(5, len(groups))
+    lines = -(-len(groups) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(4.2 * cols, 4.8 * lines), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.axis("off")
+    for ax, (n, d, dtype, causal, run) in zip(axes.flat, groups, strict=False):
         tdtype = input_kind(dtype)["dtype"]  # SDPA's rows: a TF32 label's torch dtype
-        ours = [r for r in ok if r["block_q"] and (r["n"], r["d"], r["dtype"], r["causal"]) ==
-                (n, d, dtype, causal)]
-        run = ours[0]["date"]  # SDPA's rows from the same process
+        ours = [r for r in ok if r["block_q"] and (r["n"], r["d"], r["dtype"], r["causal"],
+                                                   r["date"]) == (n, d, dtype, causal, run)]
         sel = {r["provider"]: r for r in ours}
         sel.update({r["provider"]: r for r in ok if not r["block_q"] and r["date"] == run
                     and (r["n"], r["d"], r["dtype"], r["causal"]) == (n, d, tdtype, causal)})
@@ -239,11 +242,17 @@ def plot_backward(rows: list[dict], out: Path) -> list[Path]:
                 bwd.append(0.0)
         ax.bar(labels, fwd, color="tab:blue", label="forward")
         ax.bar(labels, bwd, bottom=fwd, color="tab:orange", label="backward")
-        ax.set_title(f"N = {n}, d = {d}, {dtype}, causal = {causal}", fontsize=9)
+        ax.set_title(f"N = {n}, d = {d}, {dtype}, causal = {causal}\n"
+                     f"{ours[0]['device'].replace('NVIDIA ', '')}, {ours[0]['git_sha']}",
+                     fontsize=9)
         ax.set_ylabel("ms (kernels alone)")
         ax.tick_params(axis="x", rotation=60, labelsize=7)
         ax.legend(fontsize=7)
-    return plot_bench.save_with_provenance(fig, ok[0], out, "bench_backward")
+    runs = list(dict.fromkeys((r["device"], r["git_sha"], r["date"]) for r in ok))
+    summary = {"device": " + ".join(dict.fromkeys(dev for dev, _, _ in runs)),
+               "git_sha": " + ".join(dict.fromkeys(sha for _, sha, _ in runs)),
+               "date": f"{len(runs)} runs, each panel's named"}
+    return plot_bench.save_with_provenance(fig, summary, out, "bench_backward")
 
 
 def plot_train(rows: list[dict], out: Path) -> list[Path]:

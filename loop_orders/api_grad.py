@@ -148,8 +148,11 @@ class GradCall:
             self._placeholder = self.inputs.kind.empty(like, (1,), np.int64)[1]
         return self._placeholder
 
-    def _ledger(self, counts, tensors) -> Ledger | None:
-        return Ledger.from_array(runtime.to_host(counts), tensors) if self.count else None
+    def _ledger(self, counts, sched) -> Ledger | None:
+        """The counted ledger over `sched`'s tensors (counting calls only)."""
+        if not self.count:
+            return None
+        return Ledger.from_array(runtime.to_host(counts), sched.ledger_tensors())
 
     def forward(self, q, k, v) -> Saved:
         p, kind = self.p, self.inputs.kind
@@ -167,7 +170,7 @@ class GradCall:
 
         self.taped_forward.run(kind.stream(q), (*operands, out, lse, counts, *workspace),
                                launches, tuning.current())
-        return Saved(out, lse, workspace, self._ledger(counts, self.sched.ledger_tensors()),
+        return Saved(out, lse, workspace, self._ledger(counts, self.sched),
                      kept)
 
     def resume(self, out, lse, kept) -> Saved:
@@ -210,7 +213,7 @@ class GradCall:
                  *workspace, *parts)
         self.taped_backward.run(kind.stream(q), slots, launches, tuning.current())
         dq, dk, dv = (kind.finish(g) for g in grads)
-        return dq, dk, dv, self._ledger(counts, self.bwd.ledger_tensors())
+        return dq, dk, dv, self._ledger(counts, self.bwd)
 
     def __call__(self, q, k, v, do) -> GradResult:
         with runtime.Timer(self.timed, self.inputs.kind.stream(q)) as timer:
