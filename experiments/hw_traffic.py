@@ -88,10 +88,24 @@ def configs(quick: bool, dtypes=None, schedules=None, d: int = D, ns=None,
     ns = ns or (SWEEP["n"][:2] if quick else SWEEP["n"])
     blocks = blocks or (SWEEP["blocks"][:1] if quick else SWEEP["blocks"])
     return [{"schedule": s, "n": n, "causal": c, "dtype": t, "block_q": bq, "block_k": bk,
-             "d": d, "backward": backward, "asked": options or {}}
+             "d": d, "backward": backward, "asked": _declared(s, options or {})}
             for s in schedules or lo.schedule_names() for (bq, bk) in blocks for n in ns
             for c in SWEEP["causal"] for t in dtypes or SWEEP["dtype"]
-            if runs(lo.get_schedule(s), t) and (not backward or lo.get_schedule(s).BACKWARD)]
+            if runs(lo.get_schedule(s), t) and (not backward or _own_backward(s))]
+
+
+def _own_backward(name: str) -> bool:
+    """Whether the schedule has a backward loop order of its own (split_kv's is q_outer's,
+    measured under q_outer)."""
+    sched = lo.get_schedule(name)
+    return bool(sched.BACKWARD) and backward_of(sched).name == name
+
+
+def _declared(name: str, options: dict) -> dict:
+    """The `options` the schedule or its backward declares (`--option` applies to those)."""
+    sched = lo.get_schedule(name)
+    names = set(sched.OPTIONS) | (set(backward_of(sched).OPTIONS) if sched.BACKWARD else set())
+    return {key: value for key, value in options.items() if key in names}
 
 
 def decode_configs(ns_k=None) -> list[dict]:

@@ -118,6 +118,10 @@ def _compile_build(build: tuple) -> int:
     that fails is reported and skipped (0): the call that needs it compiles it again and
     raises there, where its caller sees it."""
     made_by, sig, cc, env = build
+    if not kernel_cache.same_source(env):
+        print(f"warm: {made_by[1]}{made_by[2]}: the package's source changed since the build "
+              f"was asked for; not compiled", file=sys.stderr, flush=True)
+        return 0
     try:
         compiled = runtime.compile_without_a_device(runtime.kernel_of(made_by), sig, cc)
         kernel_cache.store(made_by, sig, compiled, env)

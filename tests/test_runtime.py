@@ -69,6 +69,7 @@ class _FakeLauncher:
     def __init__(self, args):
         import ctypes
 
+        self.lock = threading.Lock()
         self.pointers = [(i, ctypes.c_uint64(0)) for i, a in enumerate(args)
                          if runtime._is_array(a)]
         self.scalars = [(i, ctypes.c_float(0)) for i, a in enumerate(args)
@@ -116,3 +117,34 @@ def test_no_tape_where_slots_overlap_or_a_parameter_points_elsewhere():
     stray = (_view(9 << 20, (4, 8)), np.float32(1.0))
     assert runtime.Tape.of([(_FakeLauncher(stray), (1, 1, 1), 32, 0, stray)], (q,), None) \
         is None
+
+
+def test_taped_keeps_a_tape_that_serves_and_stops_recording_what_it_cannot_tape(monkeypatch):
+    """A key's first GPU call records (its Python runs), later ones replay; calls whose
+    recording makes no tape (a parameter in no array of the call, at another alignment)
+    leave the tape for the alignment it serves, and after UNTAPED_TRIES such recordings the
+    key runs its Python without recording."""
+    monkeypatch.setattr(runtime, "SIMULATOR", False)
+    q, stray = _view(1 << 20, (4, 8)), _view(9 << 20, (4, 8))
+    launcher = _FakeLauncher((q, np.float32(1.0)))
+    ran = []
+
+    def launches(arr):
+        def run():  # as `runtime.launch` does: launch, and record while taping
+            ran.append(arr)
+            taping = getattr(runtime._stream, "taping", None)
+            if taping is not None:
+                taping.append((launcher, (1, 1, 1), 32, 0, (arr, np.float32(1.0))))
+        return run
+
+    taped = runtime.Taped()
+    taped.run(0, (q,), launches(q))
+    taped.run(0, (_view(3 << 20, (4, 8)),), launches(q))
+    assert taped.tape is not None and len(ran) == 1 and len(launcher.started) == 1
+    odd = _view((1 << 20) + 4, (4, 8))  # another alignment: the schedule's Python again
+    for _ in range(runtime.UNTAPED_TRIES + 1):
+        taped.run(0, (odd,), launches(stray))
+    assert len(ran) == 1 + runtime.UNTAPED_TRIES + 1
+    assert taped.untaped == runtime.UNTAPED_TRIES and taped.tape is not None
+    taped.run(0, (_view(5 << 20, (4, 8)),), launches(q))  # the first alignment: replayed
+    assert len(ran) == 1 + runtime.UNTAPED_TRIES + 1 and launcher.started[-1][4] == [5 << 20]

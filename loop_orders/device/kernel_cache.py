@@ -86,6 +86,12 @@ def environment() -> tuple:
     return _environment()
 
 
+def same_source(env: tuple) -> bool:
+    """Whether `env` (another process's `environment()`) was worked out from the source this
+    process has: a worker must not file a build of changed code under the old code's key."""
+    return env[1] == source_hash()
+
+
 def entry_path(factory_key: tuple, sig: tuple, env: tuple | None = None) -> Path | None:
     """Where the build's entry lives, for this process's environment or `env`."""
     directory = cache_dir()

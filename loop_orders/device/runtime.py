@@ -276,8 +276,11 @@ _BUILT: dict = {}  # (kernel, argument types) -> its build compiled or loaded in
 
 
 def compute_capability() -> tuple:
-    """The current device's (major, minor)."""
-    return tuple(cuda.get_current_device().compute_capability)
+    """The current device's compute capability as Numba keys what it builds for the device:
+    (major, minor, "a") from 9.0 on (its kernels are built for the arch-specific target,
+    compute_90a), else (major, minor, "")."""
+    major, minor = tuple(cuda.get_current_device().compute_capability)[:2]
+    return major, minor, "a" if (major, minor) >= (9, 0) else ""
 
 
 def factory_key(kernel) -> tuple | None:
@@ -297,16 +300,18 @@ def kernel_of(key: tuple):
 
 
 def compile_without_a_device(kernel, sig: tuple, cc: tuple):
-    """`kernel` compiled to PTX for these argument types and compute capability `cc` with no
-    CUDA context (a compile worker's: creating one takes about a second, and a worker links
+    """`kernel` compiled to PTX for these argument types and the device whose
+    `compute_capability()` is `cc`, with no CUDA context (a compile worker's: it links
     nothing; the process that loads the build links it). Numba asks the current device for
-    its compute capability as it compiles a kernel and as it turns its LLVM into PTX: in
-    this process both are told `cc` from now on."""
+    its compute capability as it compiles a kernel, and its context for the target it keys
+    the PTX under (`cc`, "a" included) as it turns its LLVM into PTX: in this process both
+    are told from now on, so the loading process finds the PTX under its own key."""
     import types as pytypes
 
     from numba.cuda import codegen, dispatcher
 
-    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+    device = pytypes.SimpleNamespace(compute_capability=tuple(cc[:2]))
+    dispatcher.get_current_device = lambda: device
     codegen.CUDACodeLibrary._ensure_cc = lambda self, asked: cc if asked is None else asked
     return dispatcher._Kernel(kernel.py_func, sig, **kernel.targetoptions)
 
@@ -365,16 +370,20 @@ class _Launcher:
         self._cells = cells  # the parameter block points into these
         self.params = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
         self.address = ctypes.addressof(self.params)
+        # held from writing the block to the launch's return: the ctypes call lets other
+        # threads run, and cuLaunchKernel reads the block while it runs
+        self.lock = threading.Lock()
 
     def __call__(self, grid, block, shared_bytes: int, stream: int, args) -> None:
-        for i, cell in self.pointers:
-            cell.value = data_pointer(args[i])
-        for i, cell in self.scalars:
-            cell.value = args[i]
-        self.start(grid, block, shared_bytes, stream)
+        with self.lock:
+            for i, cell in self.pointers:
+                cell.value = data_pointer(args[i])
+            for i, cell in self.scalars:
+                cell.value = args[i]
+            self.start(grid, block, shared_bytes, stream)
 
     def start(self, grid, block, shared_bytes: int, stream: int) -> None:
-        """cuLaunchKernel on the parameter block as it stands."""
+        """cuLaunchKernel on the parameter block as it stands (the caller holds `lock`)."""
         gx, gy, gz = grid
         err = self._launch(self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream,
                            self.address, None)
@@ -420,21 +429,20 @@ def _address_reader(a):
 
 
 _launchers: dict = {}
-_stream = threading.local()
-_recording: list | None = None
+_stream = threading.local()  # this thread's stream, taping and recording
 
 
 @contextlib.contextmanager
 def recording_launches():
     """Inside the block, `launch` records (kernel, grid, block, shared bytes, args) in the
-    list it yields instead of launching (experiments/ptx_check.py compiles them without a
-    GPU)."""
-    global _recording
-    previous, _recording = _recording, []
+    list it yields instead of launching, in this thread (experiments/ptx_check.py compiles
+    them without a GPU; `warm` compiles them ahead)."""
+    previous, recorded = getattr(_stream, "recording", None), []
+    _stream.recording = recorded
     try:
-        yield _recording
+        yield recorded
     finally:
-        _recording = previous
+        _stream.recording = previous
 
 
 @contextlib.contextmanager
@@ -449,8 +457,9 @@ def on_stream(handle: int):
 
 
 def is_recording() -> bool:
-    """Whether `launch` records launches now (`recording_launches`) instead of running them."""
-    return _recording is not None
+    """Whether `launch` records this thread's launches now (`recording_launches`) instead of
+    running them."""
+    return getattr(_stream, "recording", None) is not None
 
 
 def current_stream() -> int:
@@ -473,8 +482,9 @@ def launch(kernel, grid, block, shared_bytes: int, *args) -> None:
     `_args_key`: Numba's dispatcher would work out the arguments' Numba types on every
     launch, and its launch path converts every argument (tens of microseconds of host time
     per launch; results/host_overhead.json)."""
-    if _recording is not None:
-        _recording.append((kernel, grid, block, shared_bytes, args))
+    recording = getattr(_stream, "recording", None)
+    if recording is not None:
+        recording.append((kernel, grid, block, shared_bytes, args))
         return
     if SIMULATOR:
         kernel[grid, block, 0, shared_bytes](*args)
@@ -557,11 +567,17 @@ class Tape:
 
     def replay(self, bases: list, stream: int) -> None:
         for launcher, grid, block, shared, sources, scalars in self.steps:
-            for (_, cell), (slot, offset) in zip(launcher.pointers, sources, strict=True):
-                cell.value = bases[slot] + offset
-            for (_, cell), value in zip(launcher.scalars, scalars, strict=True):
-                cell.value = value
-            launcher.start(grid, block, shared, stream)
+            with launcher.lock:
+                for (_, cell), (slot, offset) in zip(launcher.pointers, sources, strict=True):
+                    cell.value = bases[slot] + offset
+                for (_, cell), value in zip(launcher.scalars, scalars, strict=True):
+                    cell.value = value
+                launcher.start(grid, block, shared, stream)
+
+
+# Recordings in a row that made no tape (a launch reading an array the call did not name, such
+# as the persistent kernel's work counter) after which a key stops recording: its Python runs
+UNTAPED_TRIES = 2
 
 
 class Taped:
@@ -570,16 +586,17 @@ class Taped:
     then its checks, allocations and cuLaunchKernel). Under the simulator, or while
     launches are recorded for compiling (`recording_launches`), it always runs them."""
 
-    __slots__ = ("tape",)
+    __slots__ = ("tape", "untaped")
 
     def __init__(self):
         self.tape: Tape | None = None
+        self.untaped = 0  # recordings in a row that made no tape
 
     def run(self, stream: int, slots: tuple, launches, context=None) -> None:
         """`launches()` on `stream`, whose array parameters all point into `slots` (the
         call's arrays: inputs, outputs, workspace), or its tape's replay; `context`: what
         besides the key chooses kernels (a tuning override), compared by identity."""
-        if SIMULATOR or _recording is not None:
+        if SIMULATOR or is_recording():
             launch_on(stream, launches)
             return
         tape = self.tape
@@ -588,6 +605,9 @@ class Taped:
             if bases is not None:
                 tape.replay(bases, stream)
                 return
+        if self.untaped >= UNTAPED_TRIES:
+            launch_on(stream, launches)
+            return
         previous, taping = set_stream(stream), []
         _stream.taping = taping
         try:
@@ -595,7 +615,11 @@ class Taped:
         finally:
             _stream.taping = None
             set_stream(previous)
-        self.tape = Tape.of(taping, slots, context)
+        tape = Tape.of(taping, slots, context)
+        if tape is None:  # the key's earlier tape, if any, still serves its own alignment
+            self.untaped += 1
+        else:
+            self.tape, self.untaped = tape, 0
 
 
 def launched_builds(kernel) -> list:
