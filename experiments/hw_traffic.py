@@ -18,9 +18,9 @@ has and adds them to the loads (the columns say which it used).
 With --backward each configuration's backward pass is measured instead (the forward runs
 first, unprofiled and uncounted; ncu sees the backward's kernels only): its counters against
 the backward's model and float64 gradients, then ncu's bytes. An atomic or reduction (q_outer's
-dQ accumulator, `red.global.add.f32`) reads and writes the element it updates: ncu reports
-the bytes a reduction carries once (l1tex ..._op_red), our ledgers count a read and a write,
-so the comparison takes ncu's reduction bytes twice (`logical_bytes`).
+dQ accumulator, `red.global.add.f32`) reads and writes the element it updates, a read and a
+write in our ledgers; ncu's l1tex ..._op_red bytes came to 8 a float32 reduction, the same
+(`logical_bytes`).
 
 Writes hw_traffic.csv; without a GPU or ncu it says so in one line and writes nothing.
 """
@@ -181,11 +181,13 @@ def counted_row(cfg: dict, rng) -> dict:
 
 
 def logical_bytes(row: dict) -> int:
-    """ncu's logical global traffic in our convention: loads (plain and cp.async) + stores,
-    and each atomic or reduction as a read and a write of what it updates."""
+    """ncu's logical global traffic in our convention: loads (plain and cp.async) + stores
+    + reductions and atomics, whose ncu bytes are already twice what each updates (8 for a
+    float32 reduction: q_outer's 8,388,608 dQ reductions at N = 1024 came to 67,108,864
+    bytes, results/hw_traffic_backward.csv), as our ledgers count a read and a write."""
     ldgsts = sum(v for k, v in row.items() if k.startswith("ncu_ldgsts") and v != "")
     return (row["ncu_ld_bytes"] + ldgsts + row["ncu_st_bytes"]
-            + 2 * (row.get("ncu_red_bytes", 0) + row.get("ncu_atom_bytes", 0)))
+            + row.get("ncu_red_bytes", 0) + row.get("ncu_atom_bytes", 0))
 
 
 def parse_ncu_csv(text: str) -> list[dict]:
