@@ -115,11 +115,10 @@ def decode_configs(ns_k=None) -> list[dict]:
     from experiments import bench_gqa_decode as decode
 
     return [{"schedule": s, "n": 1, "n_k": n_k, "causal": True, "dtype": "float16",
-             "block_q": decode.BLOCK_Q, "block_k": 64, "d": decode.D, "backward": False,
-             "asked": {}, "batch": 1, "heads": decode.H_Q, "kv_heads": decode.H_KV,
-             "pack_gqa": packed}
-            for s in ("split_kv", "q_outer") for packed in (False, True)
-            for n_k in ns_k or (4096, 16384)]
+             "block_q": decode.BLOCK_Q, "block_k": decode.BLOCK_K, "d": decode.D,
+             "backward": False, "asked": {}, "batch": 1, "heads": decode.H_Q,
+             "kv_heads": decode.H_KV, "pack_gqa": packed}
+            for s, packed in decode.PROVIDERS for n_k in ns_k or (4096, 16384)]
 
 
 def measured(cfg: dict):

@@ -170,8 +170,7 @@ class GradCall:
 
         self.taped_forward.run(kind.stream(q), (*operands, out, lse, counts, *workspace),
                                launches, tuning.current())
-        return Saved(out, lse, workspace, self._ledger(counts, self.sched),
-                     kept)
+        return Saved(out, lse, workspace, self._ledger(counts, self.sched), kept)
 
     def resume(self, out, lse, kept) -> Saved:
         """A forward's Saved rebuilt from the caller's arrays it returned (out, lse and

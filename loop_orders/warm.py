@@ -174,11 +174,10 @@ def compile_ahead(job: Job) -> int:
             missing.setdefault(runtime.build_key(kernel, args), i)
     if len(missing) < 2:
         return 0  # one build: compiling it here, at its launch, is as fast
-    first, *rest = missing.values()  # launch indices
-    handed = [i for i in rest if runtime.factory_key(launches[i][0])]
-    builds = _for_workers([(runtime.factory_key(launches[i][0]),
-                            runtime.build_key(launches[i][0], launches[i][4])[1])
-                           for i in handed])
+    (_, first), *rest = missing.items()  # (build key, its launch index)
+    rest = [((kernel, sig), i) for (kernel, sig), i in rest if runtime.factory_key(kernel)]
+    builds = _for_workers([(runtime.factory_key(kernel), sig) for (kernel, sig), _ in rest])
+    handed = [i for _, i in rest]
     workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for _ in builds]

@@ -63,23 +63,18 @@ def test_launch_key_tells_apart_what_selects_a_compiled_kernel():
 
 
 class _FakeLauncher:
-    """A `runtime._Launcher` stand-in: its parameter cells, and the launches it was asked
-    for (grid, block, shared bytes, stream, the cells' values then)."""
+    """A `runtime._Launcher` stand-in: which of its parameters are arrays and which
+    scalars, and the launches it was asked for (grid, block, shared bytes, stream, the
+    addresses and scalars written)."""
 
     def __init__(self, args):
-        import ctypes
-
-        self.lock = threading.Lock()
-        self.pointers = [(i, ctypes.c_uint64(0)) for i, a in enumerate(args)
-                         if runtime._is_array(a)]
-        self.scalars = [(i, ctypes.c_float(0)) for i, a in enumerate(args)
-                        if not runtime._is_array(a)]
+        self.pointers = [(i, None) for i, a in enumerate(args) if runtime._is_array(a)]
+        self.scalars = [(i, None) for i, a in enumerate(args) if not runtime._is_array(a)]
         self.started = []
 
-    def start(self, grid, block, shared, stream):
-        self.started.append((grid, block, shared, stream,
-                             [c.value for _, c in self.pointers],
-                             [c.value for _, c in self.scalars]))
+    def launch_with(self, addresses, scalars, grid, block, shared, stream):
+        self.started.append((grid, block, shared, stream, list(addresses),
+                             [float(x) for x in scalars]))
 
 
 def _view(ptr, shape, dtype=np.float32):

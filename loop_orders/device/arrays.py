@@ -197,17 +197,21 @@ class TorchCudaKind(Kind):
         return torch.cuda.current_stream(x.device).cuda_stream
 
 
-class CupyKind(Kind):
-    name = "cupy"
-
-    def view(self, x):
-        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
+class _ViewedKind(Kind):
+    """A framework whose arrays the kernels read as they are, through a DeviceView."""
 
     def operand(self, x):
         return x
 
     def as_kernel(self, a, shape):
         return self.view(a).reshape(shape)
+
+
+class CupyKind(_ViewedKind):
+    name = "cupy"
+
+    def view(self, x):
+        return DeviceView(x.data.ptr, x.shape, x.strides, x.dtype, x)
 
     def alloc(self, x, shape, dtype):
         import cupy
@@ -232,7 +236,7 @@ class NumbaKind(Kind):
     name = "numba"
 
 
-class InterfaceKind(Kind):
+class InterfaceKind(_ViewedKind):
     """Any object with __cuda_array_interface__: viewed without a copy; Numba out."""
 
     name = "cuda-array-interface"
@@ -247,12 +251,6 @@ class InterfaceKind(Kind):
         dtype = np.dtype(iface["typestr"])
         strides = iface.get("strides") or c_strides(iface["shape"], dtype.itemsize)
         return DeviceView(iface["data"][0], iface["shape"], strides, dtype, x)
-
-    def operand(self, x):
-        return x
-
-    def as_kernel(self, a, shape):
-        return self.view(a).reshape(shape)
 
     def stream(self, x) -> int:
         return int(x.__cuda_array_interface__.get("stream") or 0)

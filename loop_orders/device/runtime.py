@@ -370,20 +370,24 @@ class _Launcher:
         self._cells = cells  # the parameter block points into these
         self.params = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
         self.address = ctypes.addressof(self.params)
-        # held from writing the block to the launch's return: the ctypes call lets other
-        # threads run, and cuLaunchKernel reads the block while it runs
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # `launch_with`'s
 
     def __call__(self, grid, block, shared_bytes: int, stream: int, args) -> None:
-        with self.lock:
-            for i, cell in self.pointers:
-                cell.value = data_pointer(args[i])
-            for i, cell in self.scalars:
-                cell.value = args[i]
-            self.start(grid, block, shared_bytes, stream)
+        self.launch_with([data_pointer(args[i]) for i, _ in self.pointers],
+                         [args[i] for i, _ in self.scalars], grid, block, shared_bytes, stream)
 
-    def start(self, grid, block, shared_bytes: int, stream: int) -> None:
-        """cuLaunchKernel on the parameter block as it stands (the caller holds `lock`)."""
+    def launch_with(self, addresses, scalars, grid, block, shared_bytes: int,
+                    stream: int) -> None:
+        """cuLaunchKernel with these array addresses and scalars written into the block
+        (under `lock`: the ctypes call lets other threads run while the driver reads it)."""
+        with self.lock:
+            for (_, cell), address in zip(self.pointers, addresses, strict=True):
+                cell.value = address
+            for (_, cell), value in zip(self.scalars, scalars, strict=True):
+                cell.value = value
+            self._start(grid, block, shared_bytes, stream)
+
+    def _start(self, grid, block, shared_bytes: int, stream: int) -> None:
         gx, gy, gz = grid
         err = self._launch(self.function, gx, gy, gz, block, 1, 1, shared_bytes, stream,
                            self.address, None)
@@ -538,7 +542,8 @@ class Tape:
         array parameter points into none of them, or two of them overlap (q passed as k
         too: a replay could not tell them apart)."""
         bases = [data_pointer(a) for a in slots]
-        spans = sorted((base, base + _extent(a)) for base, a in zip(bases, slots, strict=True))
+        ends = [base + _extent(a) for base, a in zip(bases, slots, strict=True)]
+        spans = sorted(zip(bases, ends, strict=True))
         if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(spans)):
             return None
         steps = []
@@ -546,8 +551,8 @@ class Tape:
             sources = []
             for i, _ in launcher.pointers:
                 ptr = data_pointer(args[i])
-                slot = next((j for j, (base, a) in enumerate(zip(bases, slots, strict=True))
-                             if base <= ptr < base + max(_extent(a), 1)), None)
+                slot = next((j for j, (base, end) in enumerate(zip(bases, ends, strict=True))
+                             if base <= ptr < max(end, base + 1)), None)
                 if slot is None:
                     return None
                 sources.append((slot, ptr - bases[slot]))
@@ -567,12 +572,8 @@ class Tape:
 
     def replay(self, bases: list, stream: int) -> None:
         for launcher, grid, block, shared, sources, scalars in self.steps:
-            with launcher.lock:
-                for (_, cell), (slot, offset) in zip(launcher.pointers, sources, strict=True):
-                    cell.value = bases[slot] + offset
-                for (_, cell), value in zip(launcher.scalars, scalars, strict=True):
-                    cell.value = value
-                launcher.start(grid, block, shared, stream)
+            launcher.launch_with([bases[slot] + offset for slot, offset in sources], scalars,
+                                 grid, block, shared, stream)
 
 
 # Recordings in a row that made no tape (a launch reading an array the call did not name, such
