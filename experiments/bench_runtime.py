@@ -117,7 +117,7 @@ def bench_torch(backend, dtype, p, rng):
                   for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv)))
             for _ in range(input_sets(p))]
     chosen = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH,
-              "flash": SDPBackend.FLASH_ATTENTION}[backend]
+              "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
 
     def launch(i):
         q, k, v = sets[i % len(sets)]

@@ -3,7 +3,8 @@
 #   bash experiments/gpu_run.sh STAGE [STAGE ...]
 # STAGE: tests (TESTS: files, TEST_K: a -k expression; each named as it ends: a run cut
 # short still says which failed), host, fuzz,
-# gqa, window, fagrid, decode, backward, theorems, train, model, fig2, bench, layouts, tctiles,
+# gqa, window, fagrid, decode, backward, theorems, train, model, fig2, bench, hopper, layouts,
+# tctiles,
 # warm, ab, profile, ncu, cp (context parallelism, on every GPU of the machine),
 # each optionally STAGE:SECONDS, its time limit (default STAGE_TIMEOUT, 300 s).
 # Installs the pinned numpy wheel from .whl/ (../shared/tools/gpu-wheels.sh) first. Every
@@ -52,6 +53,7 @@ for arg in "$@"; do
   model)    run model "$T" python3 -m experiments.model_traffic --out "$W/model" ;;
   fig2)     run fig2 "$T" python3 -m experiments.fig2_setting --out "$W/fig2" ;;
   bench)    run bench "$T" python3 -m experiments.bench_runtime --out "$W/bench" ${BENCH_ARGS:-} ;;
+  hopper)   run hopper "$T" python3 -m experiments.bench_hopper --out "$W/hopper" ${HOPPER_ARGS:-} ;;
   layouts)  run layouts "$T" python3 -m experiments.bench_runtime --layouts --out "$W/layouts" ;;
   tctiles)  run tctiles "$T" python3 -m experiments.bench_runtime --tc-tiles --out "$W/tctiles" ;;
   cp)       mkdir -p "$W/cp"; cp results/context_parallel.gpu.json "$W/cp/" 2>/dev/null  # resume
@@ -105,7 +107,7 @@ for arg in "$@"; do
                 python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
                 --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
             done ;;
-  *) echo "usage: gpu_run.sh tests|host|fuzz|gqa|window|fagrid|decode|backward|theorems|train|fig2|bench|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
+  *) echo "usage: gpu_run.sh tests|host|fuzz|gqa|window|fagrid|decode|backward|theorems|train|fig2|bench|hopper|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
   esac
 done

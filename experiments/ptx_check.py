@@ -90,12 +90,13 @@ def ptxas(ptx: str, cubin: Path | None = None) -> dict:
 
 
 def kernel_ptx(kernel, args) -> str:
-    """The PTX of kernel compiled for a launch's args (their types), for sm_90."""
+    """The PTX of kernel compiled for a launch's args (their types), for sm_90a (what Numba
+    builds on a Hopper: its wgmma needs the arch-specific target)."""
     from numba import cuda
 
     sig = tuple(runtime._numba_type(a) for a in args)
     options = {k: v for k, v in kernel.targetoptions.items() if k == "launch_bounds"}
-    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0), **options)
+    ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"), **options)
     return ptx
 
 

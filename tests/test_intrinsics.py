@@ -236,3 +236,75 @@ def test_named_barriers_take_ptx_ids_and_whole_warps():
     for ident, count in ((0, 64), (16, 64), (1, 48), (1, 2048)):
         with pytest.raises(ValueError, match="ids are 1 .. 15"):
             ptx.named_barrier(ident, count)
+
+
+def _hopper_or_simulator():
+    """wgmma needs sm_90a: on a GPU, a Hopper; the simulator emulates it."""
+    from loop_orders.device import runtime
+
+    return runtime.SIMULATOR or runtime.compute_capability()[:2] == (9, 0)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("n, ksteps, nv", [(32, 2, 24), (64, 4, 64)])
+def test_wgmma_scores_then_accumulate(kind, n, ksteps, nv, rng):
+    """One warpgroup: S = A B^T from shared memory (both K-major), then O = C + P V with P
+    the scores rounded to 16 bits from registers and V MN-major, as the Hopper micro-kernel
+    takes them (8 x 8 core matrices, `WgmmaOperand`): against NumPy on the rounded inputs."""
+    if not _hopper_or_simulator():
+        pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
+    k = 16 * ksteps
+    rnd = (lambda x: x.astype(np.float16).astype(np.float32)) if kind == "f16" else _bf16_round
+    a = rnd(rng.standard_normal((64, k)).astype(np.float32))
+    b = rnd(rng.standard_normal((n, k)).astype(np.float32))
+    v = rnd(rng.standard_normal((n, nv)).astype(np.float32))
+    c = rng.standard_normal((64, nv)).astype(np.float32)
+    op_a = ptx.WgmmaOperand(64, 8 * k)  # rows of 8 x k blocks, core matrices along k first
+    op_v = ptx.WgmmaOperand(8 * nv, 64, mn_major=True)  # V's rows (keys) are the K of P V
+    a_at, b_at, v_at = 0, 64 * k, 64 * k + n * k
+    tile_host = np.zeros(64 * k + n * k + n * nv, np.float32)
+    tile_host[a_at + op_a.offsets(64, k)] = a
+    tile_host[b_at + op_a.offsets(n, k)] = b
+    tile_host[v_at + op_v.offsets(nv, n)] = v.T
+    bits = tile_host.astype(np.float16) if kind == "f16" else \
+        (tile_host.view(np.uint32) >> 16).astype(np.uint16)
+    size = bits.size
+    scores = ptx.wgmma_scores(kind, n, ksteps, op_a, op_a)
+    ns, nacc = n // 2, nv // 2  # a thread's scores, accumulators (constants for the kernel)
+    accumulate = ptx.wgmma_accumulate(kind, nv, n // 16, op_v)
+
+    @cuda.jit
+    def kernel(src, c, s_out, o_out):
+        thread = cuda.threadIdx.x
+        tile = cuda.shared.array(size, bits.dtype)
+        for e in range(thread, size, 128):
+            tile[e] = src[e]
+        ptx.fence_async_shared()  # the stores are seen by wgmma's reads ...
+        cuda.syncthreads()  # ... of every thread's, once all have stored
+        u, lane = thread // 32, thread % 32
+        g, t = lane // 4, lane % 4
+        s = cuda.local.array(ns, float32)
+        acc = cuda.local.array(nacc, float32)
+        scores(s, tile, a_at, b_at)
+        for j in range(nv // 8):
+            for h in range(2):
+                for x in range(2):
+                    acc[4 * j + 2 * h + x] = c[16 * u + g + 8 * h, 8 * j + 2 * t + x]
+        accumulate(acc, s, tile, v_at)
+        for j in range(n // 8):
+            for h in range(2):
+                for x in range(2):
+                    s_out[16 * u + g + 8 * h, 8 * j + 2 * t + x] = s[4 * j + 2 * h + x]
+        for j in range(nv // 8):
+            for h in range(2):
+                for x in range(2):
+                    o_out[16 * u + g + 8 * h, 8 * j + 2 * t + x] = acc[4 * j + 2 * h + x]
+
+    s_out = to_device(np.zeros((64, n), np.float32))
+    o_out = to_device(np.zeros((64, nv), np.float32))
+    kernel[1, 128](to_device(bits), to_device(c), s_out, o_out)
+    s_expect = a.astype(np.float64) @ b.T
+    np.testing.assert_allclose(s_out.copy_to_host(), s_expect, rtol=1e-5, atol=1e-4)
+    p = rnd(s_out.copy_to_host())  # P as the instruction rounds it
+    np.testing.assert_allclose(o_out.copy_to_host(), p.astype(np.float64) @ v + c,
+                               rtol=1e-4, atol=1e-3)

@@ -57,6 +57,25 @@ Named barriers, for warps that split a CTA's work (`warp_specialised`): barrier 
         threads have arrived (bar.sync); arrive(): arrive and go on (bar.arrive). Memory
         writes before either are seen by the threads that sync on the same barrier after.
 
+Hopper's warpgroup products (sm_90a; `hopper`, the Hopper micro-kernel), warpgroup-collective:
+the 128 threads of warps 4 h .. 4 h + 3 call them together. A shared operand is a matrix of
+8 x 8 core matrices, each 128 contiguous bytes (`WgmmaOperand`: no swizzle), whose address
+the instruction reads through a 64-bit descriptor (start, leading and stride byte offsets).
+The accumulator fragments are mma.sync's C, warp 4 h + u holding rows 16 u .. 16 u + 15 of
+the warpgroup's 64: d[4 n + 2 a + c] = D[16 u + g + 8 a, 8 n + 2 t + c].
+
+    wgmma_scores(KIND, N, KSTEPS, A, B)(d, tile, a_at, b_at)
+        d = A B^T: A the 64 x 16 KSTEPS operand at tile[a_at:], B the N x 16 KSTEPS one at
+        tile[b_at:] (wgmma.mma_async m64nNk16 from shared memory, KSTEPS of them, then
+        commit and wait: the products are done when it returns)
+    wgmma_accumulate(KIND, N, KSTEPS, B)(d, p, tile, b_at)
+        d += P B^T, P's A fragment of k-step kk packed from p[8 kk .. 8 kk + 7] as mma.sync's
+        (p[8 kk + 2 r + h] is row g + 8 (r % 2), column 16 kk + 8 (r // 2) + 2 t + h): the
+        weights as the score fragments hold them, rounded to KIND
+    fence_async_shared()                          this thread's writes to shared memory (its
+        stores and cp.async copies) are seen by later asynchronous-proxy reads (wgmma), once
+        a barrier has ordered them
+
 bfloat16 has no NumPy dtype, so its arrays reach the kernels as uint16 arrays of its bits
 (`schedule.KERNEL_DTYPES`); every conversion between an HBM element and float32 goes through
 
@@ -66,24 +85,52 @@ bfloat16 has no NumPy dtype, so its arrays reach the kernels as uint16 arrays of
                                                   cast, or for uint16 the nearest bfloat16
                                                   (cvt.rn.bf16.f32, ties to even)
 
-On the simulator, which has no warps, each is emulated in Python: the lanes of a warp swap
-their operands through the block (`_warp_gather`, two barriers), so the kernels' fragment
-logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The emulation needs
-every lane of a warp at each of its warp-collective calls, which the kernels' warp-uniform
-control flow gives. Named barriers are emulated per CTA, counting threads (a GPU counts whole
-warps: the counts are multiples of 32); cp.async copies at once, so its waits do nothing.
+On the simulator, which has no warps, each is emulated in Python: the lanes of a warp (a
+warpgroup) swap their operands through the block (`_group_gather`, two barriers), so the
+kernels' fragment logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The
+emulation needs every lane of a warp at each of its warp-collective calls, which the kernels'
+warp-uniform control flow gives. Named barriers are emulated per CTA, counting threads (a GPU
+counts whole warps: the counts are multiples of 32); cp.async copies at once, so its waits and
+fences do nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
 from .runtime import SIMULATOR, cuda, inlined
 
 FULL_MASK = 0xFFFFFFFF
+WARPGROUP = 128  # threads of a warpgroup: the wgmma products' collective
+
+
+class WgmmaOperand(NamedTuple):
+    """A wgmma operand in shared memory without swizzle: 8 x 8 core matrices of 16-bit
+    elements, each 128 contiguous bytes; `lbo` elements between core matrices along K, `sbo`
+    along M (N). K-major (`mn_major` False): a core matrix's 16-byte rows run along K, so
+    element (mn, k) is at (mn // 8) sbo + (k // 8) lbo + 8 (mn % 8) + k % 8; MN-major: its rows
+    run along M (N), (mn // 8) sbo + (k // 8) lbo + 8 (k % 8) + mn % 8."""
+
+    lbo: int
+    sbo: int
+    mn_major: bool = False
+
+    def offsets(self, mn: int, k: int) -> np.ndarray:
+        """Element offsets of the operand's (mn x k) elements from its first."""
+        r, c = np.meshgrid(np.arange(mn), np.arange(k), indexing="ij")
+        inner = 8 * (c % 8) + r % 8 if self.mn_major else 8 * (r % 8) + c % 8
+        return (r // 8) * self.sbo + (c // 8) * self.lbo + inner
+
+
+def _check_wgmma(kind: str, n: int, ksteps: int) -> None:
+    if kind not in ("f16", "bf16") or not (8 <= n <= 256 and n % 8 == 0) or ksteps < 1:
+        raise ValueError(f"wgmma m64n{n}k16 .{kind} x {ksteps}: N is 8 .. 256 in steps of 8, "
+                         "operands f16 or bf16")
 
 
 def _check_barrier(ident: int, count: int) -> None:
@@ -139,18 +186,23 @@ if SIMULATOR:
 
     _GATHER_TIMEOUT_S = 300  # a lane that never arrives (its kernel raised): fail, not hang
 
-    def _warp_gather(value, combine=list):
-        """combine(the values of `value` from the lanes of the calling thread's warp), worked
-        out once per warp and call (by its last lane) and returned to every lane."""
+    def _group_gather(value, combine, size: int):
+        """combine(the values of `value` from the threads of the calling thread's group of
+        `size` (a warp, a warpgroup)), worked out once per group and call (by its last
+        thread) and returned to every thread."""
         thread = threading.current_thread()
         block = thread._manager.__dict__
-        warp, lane = divmod(thread.thread_id, 32)
-        exchange = block.get(("warp", warp))
+        group, lane = divmod(thread.thread_id, size)
+        exchange = block.get(("group", size, group))
         if exchange is None:
             with _CREATING:
-                lanes = min(32, int(np.prod(thread._manager._block_dim)) - 32 * warp)
-                exchange = block.setdefault(("warp", warp), _WarpExchange(lanes))
+                lanes = min(size, int(np.prod(thread._manager._block_dim)) - size * group)
+                exchange = block.setdefault(("group", size, group), _WarpExchange(lanes))
         return exchange.gather(lane, value, combine)
+
+    def _warp_gather(value, combine=list):
+        """combine(the values of `value` from the lanes of the calling thread's warp)."""
+        return _group_gather(value, combine, 32)
 
     def _lane():
         return threading.current_thread().thread_id % 32
@@ -329,6 +381,73 @@ if SIMULATOR:
             _barrier_of_block(ident, count).reach(False)
 
         return sync, arrive
+
+    def _as_kind(x, kind):
+        """float values rounded to KIND (nearest, ties to even), as float64."""
+        x = np.asarray(x, np.float32)
+        if kind == "f16":
+            return x.astype(np.float16).astype(np.float64)
+        return (bfloat16_bits(x).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def _tile_values(tile, index, kind):
+        """A shared tile's 16-bit elements at `index` as float64 (bfloat16 as its bits)."""
+        x = tile[index]
+        if kind == "bf16":
+            return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return x.astype(np.float64)
+
+    def _fragment_of(D, n: int):
+        """This thread's accumulator fragment of the warpgroup's 64 x n D."""
+        u, lane = divmod(threading.current_thread().thread_id % WARPGROUP, 32)
+        g, t = divmod(lane, 4)
+        return [D[16 * u + g + 8 * a, 8 * j + 2 * t + c]
+                for j in range(n // 8) for a in range(2) for c in range(2)]
+
+    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand):
+        _check_wgmma(kind, n, ksteps)
+        a_index, b_index = a.offsets(64, 16 * ksteps), b.offsets(n, 16 * ksteps)
+
+        def scores(d, tile, a_at, b_at):
+            def product(ats):
+                a0, b0 = ats[0]
+                return (_tile_values(tile, a0 + a_index, kind)
+                        @ _tile_values(tile, b0 + b_index, kind).T).astype(np.float32)
+
+            for e, x in enumerate(_fragment_of(_group_gather((int(a_at), int(b_at)), product,
+                                                              WARPGROUP), n)):
+                d[e] = x
+
+        return scores
+
+    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand):
+        _check_wgmma(kind, n, ksteps)
+        b_index = b.offsets(n, 16 * ksteps)
+
+        def accumulate(d, p, tile, b_at):
+            def product(parts):
+                A, C = np.zeros((64, 16 * ksteps)), np.zeros((64, n))
+                for thread, ps, ds, _ in parts:
+                    u, lane = divmod(thread, 32)
+                    g, t = divmod(lane, 4)
+                    for e, x in enumerate(_as_kind(ps, kind)):
+                        kk, r, h = e // 8, (e % 8) // 2, e % 2
+                        A[16 * u + g + 8 * (r % 2), 16 * kk + 8 * (r // 2) + 2 * t + h] = x
+                    for e, x in enumerate(ds):
+                        j, a, c = e // 4, (e % 4) // 2, e % 2
+                        C[16 * u + g + 8 * a, 8 * j + 2 * t + c] = x
+                B = _tile_values(tile, parts[0][3] + b_index, kind)
+                return (A @ B.T + C).astype(np.float32)
+
+            thread = threading.current_thread().thread_id % WARPGROUP
+            mine = (thread, [p[e] for e in range(8 * ksteps)], [d[e] for e in range(n // 2)],
+                    int(b_at))
+            for e, x in enumerate(_fragment_of(_group_gather(mine, product, WARPGROUP), n)):
+                d[e] = x
+
+        return accumulate
+
+    def fence_async_shared():
+        pass
 
 else:
     from llvmlite import ir
@@ -568,3 +687,117 @@ else:
     @inlined
     def shfl_xor(x, lanes):
         return cuda.shfl_xor_sync(FULL_MASK, x, lanes)
+
+    def _descriptor(builder, address, op: WgmmaOperand):
+        """The 64-bit matrix descriptor of an operand at a 32-bit shared address: bits 0-13
+        the address / 16, 16-29 the leading byte offset / 16, 32-45 the stride byte offset
+        / 16, 62-63 the swizzle (0: none)."""
+        i64 = ir.IntType(64)
+        start = builder.and_(builder.lshr(builder.zext(address, i64), ir.Constant(i64, 4)),
+                             ir.Constant(i64, 0x3FFF))
+        offsets = (2 * op.lbo >> 4) << 16 | (2 * op.sbo >> 4) << 32
+        return builder.or_(start, ir.Constant(i64, offsets))
+
+    def _k_step_descriptors(builder, desc, op: WgmmaOperand, ksteps: int):
+        """The descriptors of k-steps 0 .. ksteps - 1: 16 elements (two core matrices, 2 lbo
+        elements) along K apiece."""
+        i64 = ir.IntType(64)
+        return [builder.add(desc, ir.Constant(i64, (4 * op.lbo * kk) >> 4))
+                for kk in range(ksteps)]
+
+    def _local_pointers(context, builder, aryty, ary, count: int):
+        """Pointers to elements 0 .. count - 1 of a (local) array."""
+        data = context.make_array(aryty)(context, builder, ary).data
+        return [builder.gep(data, [ir.Constant(ir.IntType(32), e)]) for e in range(count)]
+
+    def _wgmma_text(kind: str, n: int, ksteps: int, a_text, b_operand, trans: str,
+                    first_scale: str) -> str:
+        """fence; KSTEPS wgmma.mma_async into $0 .. $(n/2 - 1); commit; wait for them."""
+        outs = "{" + ",".join(f"${e}" for e in range(n // 2)) + "}"
+        lines = ["{", ".reg .pred zero, one;", "setp.ne.b32 zero, $__Z, 0;",
+                 "setp.eq.b32 one, $__Z, 0;", "wgmma.fence.sync.aligned;"]
+        for kk in range(ksteps):
+            scale = first_scale if kk == 0 else "one"
+            lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {outs}, "
+                         f"{a_text(kk)}, {b_operand(kk)}, {scale}, 1, 1, {trans};")
+        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+        return "\n".join(lines)
+
+    @functools.cache
+    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand):
+        _check_wgmma(kind, n, ksteps)
+        outs = n // 2
+        # operands: the outputs, A's descriptors, B's, a zero
+        text = _wgmma_text(kind, n, ksteps, lambda kk: f"${outs + kk}",
+                           lambda kk: f"${outs + ksteps + kk}",
+                           f"{int(a.mn_major)}, {int(b.mn_major)}", "zero")
+        text = text.replace("$__Z", f"${outs + 2 * ksteps}")
+        cons = "=f," * outs + "l," * (2 * ksteps) + "r,~{memory}"
+
+        @intrinsic
+        def scores(typingctx, d, tile, a_at, b_at):
+            def codegen(context, builder, sig, args):
+                i64 = ir.IntType(64)
+                descs = []
+                for op, at, at_type in ((a, args[2], sig.args[2]), (b, args[3], sig.args[3])):
+                    address = _shared_address(context, builder, sig.args[1], args[1], at,
+                                              at_type)
+                    descs += _k_step_descriptors(builder, _descriptor(builder, address, op),
+                                                 op, ksteps)
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * outs),
+                                       [i64] * (2 * ksteps) + [_I32])
+                res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                                   descs + [ir.Constant(_I32, 0)])
+                for e, ptr in enumerate(_local_pointers(context, builder, sig.args[0], args[0],
+                                                        outs)):
+                    builder.store(builder.extract_value(res, e), ptr)
+                return context.get_dummy_value()
+
+            return types.void(d, tile, a_at, b_at), codegen
+
+        return scores
+
+    @functools.cache
+    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand):
+        _check_wgmma(kind, n, ksteps)
+        outs = n // 2
+        # operands: the outputs, the accumulators in (tied to them), A's registers, B's
+        # descriptors, a zero
+        a_at, b_at = 2 * outs, 2 * outs + 4 * ksteps
+        text = _wgmma_text(kind, n, ksteps,
+                           lambda kk: "{" + ",".join(f"${a_at + 4 * kk + r}" for r in range(4))
+                           + "}", lambda kk: f"${b_at + kk}", str(int(b.mn_major)), "one")
+        text = text.replace("$__Z", f"${b_at + ksteps}")
+        cons = ("=f," * outs + ",".join(str(e) for e in range(outs)) + ","
+                + "r," * (4 * ksteps) + "l," * ksteps + "r,~{memory}")
+        pack = f"cvt.rn.{kind}x2.f32 $0, $2, $1;"  # cvt puts its first source in the upper half
+
+        @intrinsic
+        def accumulate(typingctx, d, p, tile, b_at):
+            def codegen(context, builder, sig, args):
+                i64 = ir.IntType(64)
+                acc_ptrs = _local_pointers(context, builder, sig.args[0], args[0], outs)
+                p_ptrs = _local_pointers(context, builder, sig.args[1], args[1], 8 * ksteps)
+                packer = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), pack, "=r,f,f")
+                regs = [builder.call(packer, [builder.load(p_ptrs[2 * e]),
+                                              builder.load(p_ptrs[2 * e + 1])])
+                        for e in range(4 * ksteps)]
+                address = _shared_address(context, builder, sig.args[2], args[2], args[3],
+                                          sig.args[3])
+                descs = _k_step_descriptors(builder, _descriptor(builder, address, b), b,
+                                            ksteps)
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * outs),
+                                       [_F32] * outs + [_I32] * (4 * ksteps)
+                                       + [i64] * ksteps + [_I32])
+                res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                                   [builder.load(ptr) for ptr in acc_ptrs] + regs + descs
+                                   + [ir.Constant(_I32, 0)])
+                for e, ptr in enumerate(acc_ptrs):
+                    builder.store(builder.extract_value(res, e), ptr)
+                return context.get_dummy_value()
+
+            return types.void(d, p, tile, b_at), codegen
+
+        return accumulate
+
+    fence_async_shared = _void_asm("fence.proxy.async.shared::cta;")

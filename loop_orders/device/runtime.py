@@ -170,6 +170,13 @@ def dynamic_shared_limit() -> int:
 
 
 @functools.cache
+def has_wgmma() -> bool:
+    """Whether kernels here may use Hopper's sm_90a instructions (wgmma): on an H100/H200,
+    and where the simulator (which emulates them) or a compile without a GPU stands in."""
+    return _hopper_stand_in() or compute_capability()[:2] == (9, 0)
+
+
+@functools.cache
 def multiprocessor_count() -> int:
     """SMs of the GPU (of the H100/H200 the simulator stands in for)."""
     if _hopper_stand_in():

@@ -77,10 +77,11 @@ from ..device.runtime import (
     cuda,
     data_pointer,
     dynamic_shared_limit,
+    has_wgmma,
     inlined,
     launch,
 )
-from . import tuning
+from . import hopper, tuning
 from .spec import DATA_REGISTERS, Layout, MicroKernel, SharedLayout, shared_layout
 from .tensor_cores import (
     TensorCores,
@@ -725,6 +726,13 @@ def tensor_core_kind(sched: Schedule, p: Problem) -> str | None:
     return None if p.precision == "ieee" else p.precision
 
 
+def uses_wgmma(kind: str, p: Problem) -> bool:
+    """Whether p's tensor-core products run on Hopper's wgmma (`hopper`): where the device has
+    it and the build takes p's tiles, unless a sweep asks for mma.sync (`tuning`)."""
+    return (tuning.current().products != "mma" and has_wgmma()
+            and hopper.supports(kind, p.block_q, p.block_k, p.d, p.dv))
+
+
 def micro_kernel(BR: int, BC: int, D: int, DV: int, MK, MASK: Mask,
                  RELOAD: bool, UNROLL: Unroll, PEEL: bool = False,
                  TRANSPOSE_Q: bool = False) -> MicroKernel:
@@ -794,7 +802,7 @@ class MicroKernelSchedule(Schedule):
         kind = tensor_core_kind(self, p)
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
-            return TensorCores(kind, min(stages, tuned))
+            return TensorCores(kind, min(stages, tuned), uses_wgmma(kind, p))
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised

@@ -44,6 +44,11 @@ float32 inputs): the same loop, each operand x split in registers into a TF32 he
 h = round(x) and tail x - h (exact), and each product taken as three, tail x head +
 head x tail + head x head; only tail x tail (2^-22 of the product) and the tails' own TF32
 truncation (2^-21 each) are lost, about float32's accuracy for three times the mma.
+
+Hopper (`TensorCores(dtype, stages, wgmma=True)`, 16-bit inputs on sm_90a where `hopper.supports`
+the tiles): the same loop with its two products on wgmma, a warpgroup of four warps taking
+64 rows, the operands read by the tensor cores from shared memory in core-matrix tiles
+(`hopper`); the fragments, and so all the rest, are the same.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from ..device.intrinsics import (
     tf32_round,
 )
 from ..device.runtime import SIMULATOR, cuda, data_pointer, inlined
+from . import hopper
 from .spec import DATA_REGISTERS, MicroKernel
 from .tiles import (
     make_lse_of,
@@ -94,6 +100,7 @@ class TensorCores(NamedTuple):
 
     dtype: str
     stages: int = 1
+    wgmma: bool = False  # the products on Hopper's wgmma (`hopper`), else on mma.sync
 
     @property
     def tf32(self) -> bool:
@@ -153,7 +160,8 @@ class TensorCores(NamedTuple):
 
     def __str__(self) -> str:
         kind = {"float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
-        return f"mma.{kind}" + ("" if self.stages == 1 else f"x{self.stages}")
+        return ("wgmma." if self.wgmma else "mma.") + kind + (
+            "" if self.stages == 1 else f"x{self.stages}")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
@@ -161,6 +169,8 @@ def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) ->
     simulator's emulation costs (`api.simulated_seconds`)."""
     kp = _up(block_k, 16)
     nkt, dvt = kp // 8, _up(dv, 16) // 8
+    if spec.wgmma:  # two warpgroup products (a warpgroup exchange: four warps'), 4 shuffles
+        return 2 * 4 + 4
     if spec.tf32:  # plain shared loads; an mma (three split) per 8 head dims and 8 keys, 8
         # keys and 8 dims
         products = 3 if spec.split else 1
@@ -211,7 +221,9 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
     Q and K 4 floats over whole 32s (lane 4 g + t reads row g, column t), V's 4 over whole
     16s (lane 4 g + t reads rows 2 t, 2 t + 1, column g)."""
     rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
-    if spec.tf32:
+    if spec.wgmma:  # core-matrix tiles (`hopper`): no padding, whole 16s of head dims
+        qs, ks, vs = D, D, DV
+    elif spec.tf32:
         qs, ks, vs = _up(D, 32) + 4, _up(D, 32) + 4, _up(DV, 16) + 4
     else:
         qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
@@ -330,6 +342,20 @@ def make_tc_tile_loader(R: int, C: int, AT: int, S: int, STAGE: int, NT: int, PE
 
 
 @cache
+def make_wgmma_tile_loader(R: int, C: int, AT: int, STAGE: int, NT: int, tiles):
+    """load(src, bh, row0, n_rows, stage): as `make_tc_tile_loader`'s, into a core-matrix tile
+    (`hopper.make_blocked_copier`) for the wgmma products."""
+    copy_rows = hopper.make_blocked_copier(R, C, NT)
+
+    @inlined
+    def load(src, bh, row0, n_rows, stage):
+        at = uint64(AT) + uint64(stage) * uint64(STAGE)
+        return copy_rows(tiles(), at, src, bh, row0, n_rows)  # HBM -> shared, 16 B a copy
+
+    return load
+
+
+@cache
 def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                   RELOAD: bool = False) -> TcLoads:
     """Q_i, K_j and V_j from HBM into their tiles (`make_tc_tile_loader`)."""
@@ -340,6 +366,8 @@ def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     tiles = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD).tiles
 
     def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):
+        if SPEC.wgmma:
+            return make_wgmma_tile_loader(R, C, AT, STAGE, NT, tiles)
         return make_tc_tile_loader(R, C, AT, S, STAGE, NT, SPEC.per_copy, VEC, tiles)
 
     load_q_tile = make_loader(BR, D, sm.q, sm.qs, 0)
@@ -350,7 +378,9 @@ def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
     @inlined
     def wait_loads():
-        if VEC:
+        if SPEC.wgmma:
+            hopper.wait_loads()  # landed, and seen by wgmma once the barrier shares them
+        elif VEC:
             cp_async_wait_all()  # this thread's copies have landed (the barrier then shares)
 
     # K_STAGE, V_STAGE: elements between K/V buffers
@@ -569,7 +599,10 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     (dense's scores, its P V) builds with the other head dim 0."""
     sizes = (BR, BC, D, DV, SPEC, RELOAD)
     base, io = make_tc_basics(*sizes), make_tc_loads(*sizes)
-    if SPEC.tf32:
+    if SPEC.wgmma:
+        sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
+        products = TcProducts(*hopper.make_wgmma_products(SPEC.dtype, _up(BC, 16), D, DV, sm.q))
+    elif SPEC.tf32:
         products = TcProducts(make_tf32_scores(*sizes), make_tf32_accumulate(*sizes))
     else:
         products = make_tc_mma16(*sizes)

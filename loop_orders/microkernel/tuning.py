@@ -5,9 +5,11 @@ overrides it with a `Tuning`: `layout`, a CUDA-core thread tile "RM,KN[,STAGES[,
 (`cuda_cores.thread_layout`) or a loop nest's own kernel "ws[,CHUNKS,KEYS[,PEEL[,PERSISTENT]]]"
 (q_outer's `Specialised.parse`); `kv_stages`, at most this many K/V buffers (1 turns off the
 double-buffered or staggered loads); `q_stages`, at most this many Q_i/dO_i buffers in a
-tensor-core backward's K/V-outer kernel. The environment gives the process's value, read
-once at import (LOOP_ORDERS_LAYOUT, LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES: a sweep run
-by a shell script); within a process `tuned(...)` overrides it for a block.
+tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit tiles on
+mma.sync where Hopper's wgmma build would run (the A/B baseline). The environment gives the
+process's value, read once at import (LOOP_ORDERS_LAYOUT, LOOP_ORDERS_KV_STAGES,
+LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS: a sweep run by a shell script); within a process
+`tuned(...)` overrides it for a block.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ class Tuning(NamedTuple):
     layout: str | None = None
     kv_stages: int | None = None
     q_stages: int | None = None
+    products: str | None = None
 
     @classmethod
     def from_environment(cls) -> Tuning:
         stages = os.environ.get("LOOP_ORDERS_KV_STAGES")
         q_stages = os.environ.get("LOOP_ORDERS_Q_STAGES")
         return cls(os.environ.get("LOOP_ORDERS_LAYOUT") or None,
-                   int(stages) if stages else None, int(q_stages) if q_stages else None)
+                   int(stages) if stages else None, int(q_stages) if q_stages else None,
+                   os.environ.get("LOOP_ORDERS_PRODUCTS") or None)
 
     def forces_own_kernel(self) -> bool:
         """Whether `layout` names a loop nest's own kernel ("ws...") rather than a thread tile."""
@@ -45,10 +49,10 @@ def current() -> Tuning:
 
 @contextlib.contextmanager
 def tuned(layout: str | None = None, kv_stages: int | None = None,
-          q_stages: int | None = None):
+          q_stages: int | None = None, products: str | None = None):
     """Inside the block, kernels are chosen under this override (a tuning sweep's row)."""
     global CURRENT
-    previous, CURRENT = CURRENT, Tuning(layout, kv_stages, q_stages)
+    previous, CURRENT = CURRENT, Tuning(layout, kv_stages, q_stages, products)
     try:
         yield CURRENT
     finally:

@@ -1,0 +1,126 @@
+"""The forward on Hopper's wgmma beside its mma.sync build, SDPA flash (FlashAttention-2) and
+SDPA cuDNN, in one process on one GPU (issue 53's table).
+
+    python -m experiments.bench_hopper [--out DIR] [--quick]
+
+First the wgmma build's tiles and K/V buffers at N = 4096, float16 (TILES x STAGES, per head
+dim, causal or not); then, at each point of the table (N x d x causal x dtype, B H N fixed as
+bench_runtime's), q_outer on wgmma with that head dim's fastest tiles, q_outer on mma.sync at
+its own default tiles (`tuning` products="mma"), kv_outer on wgmma at the same tiles as
+q_outer's, and SDPA flash and cuDNN. Each of ours is checked against the float64 reference on
+sampled rows before it is timed (`bench_runtime.measure`). Writes bench_hopper.csv (one row a
+timing, with the tiles, the build in effect and the ratio to SDPA flash and cuDNN at the same
+point) with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+import loop_orders as lo
+from experiments import bench_runtime as br
+from experiments.gpu_common import input_kind, warm, write_csv
+from loop_orders.device import runtime
+from loop_orders.microkernel import tuning
+from loop_orders.results import provenance
+
+TABLE = {"n": [1024, 4096, 16384], "d": [64, 128], "causal": [False, True],
+         "dtype": ["float16", "bfloat16"]}
+TILE_N = 4096
+TILES = {64: [(128, 64), (128, 128), (64, 128), (192, 128)],
+         128: [(128, 64), (128, 128), (64, 128), (64, 64)]}
+STAGES = [1, 2]
+MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
+
+
+def problem(name: str, n: int, d: int, causal: bool, dtype: str, tiles) -> lo.Problem:
+    batch, heads = br.shape_for(n)
+    return lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads, causal=causal,
+                           block_q=tiles[0], block_k=tiles[1], **input_kind(dtype))
+
+
+def timed(label: str, name: str, p: lo.Problem, rng, products=None, stages=None) -> dict:
+    """One row of ours: the schedule at p under this override (None: the default choice)."""
+    with tuning.tuned(kv_stages=stages, products=products):
+        row = br.measure(name, p.dtype, lo.get_schedule(name), p, rng)
+    row["provider"] = label
+    row["stages"] = stages or ""
+    return row
+
+
+def sweep_tiles(rng) -> tuple[list[dict], dict]:
+    """The wgmma build's tiles x stages at N = TILE_N, float16; the fastest per (d, causal)."""
+    rows, best = [], {}
+    warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
+         for d in TILES for causal in (False, True) for tiles in TILES[d])
+    for d, causal in itertools.product(TILES, (False, True)):
+        for tiles, stages in itertools.product(TILES[d], STAGES):
+            p = problem("q_outer", TILE_N, d, causal, "float16", tiles)
+            row = timed("q_outer wgmma", "q_outer", p, rng, stages=stages)
+            rows.append(row)
+            if row["status"] == "ok" and (best.get((d, causal)) is None
+                                          or row["ms_median"] < best[(d, causal)][0]):
+                best[(d, causal)] = (row["ms_median"], tiles, stages)
+        runtime.release_memory()
+    return rows, {key: (tiles, stages) for key, (_, tiles, stages) in best.items()}
+
+
+def table(rng, best: dict, points) -> list[dict]:
+    rows = []
+    for n, d, causal, dtype in points:
+        tiles, stages = best.get((d, causal), (MMA_TILES, None))
+        p = problem("q_outer", n, d, causal, dtype, tiles)
+        point = [br.measure(f"torch_sdpa_{backend}", dtype, backend, p, rng)
+                 for backend in ("flash", "cudnn")]
+        point.append(timed("q_outer wgmma", "q_outer", p, rng, stages=stages))
+        point.append(timed("kv_outer wgmma", "kv_outer",
+                           problem("kv_outer", n, d, causal, dtype, tiles), rng))
+        point.append(timed("q_outer mma.sync", "q_outer",
+                           problem("q_outer", n, d, causal, dtype, MMA_TILES), rng,
+                           products="mma"))
+        base = {r["provider"]: r["ms_median"] for r in point if r["status"] == "ok"}
+        for r in point:
+            for backend in ("flash", "cudnn"):
+                theirs = base.get(f"torch_sdpa_{backend}")
+                r[f"vs_{backend}"] = round(theirs / r["ms_median"], 3) \
+                    if theirs and r["status"] == "ok" else ""
+        rows += point
+        runtime.release_memory()
+    return rows
+
+
+def uniform(rows: list[dict]) -> list[dict]:
+    """The rows with every key any of them has (blank where a row has none), in order."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return [{k: r.get(k, "") for k in keys} for r in rows]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true", help="N = 4096 only, float16 only")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    br.PROV = prov = provenance()
+    rng = np.random.default_rng()
+    tile_rows, best = sweep_tiles(rng)
+    for (d, causal), (tiles, stages) in sorted(best.items()):
+        print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} x{stages}", flush=True)
+    path = args.out / "bench_hopper.csv"
+    write_csv(path, uniform([{"part": "tiles", **r} for r in tile_rows]), prov)
+    n = [TILE_N] if args.quick else TABLE["n"]
+    dtypes = ["float16"] if args.quick else TABLE["dtype"]
+    rows = []
+    for point in itertools.product(n, TABLE["d"], TABLE["causal"], dtypes):
+        rows += table(rng, best, [point])
+        write_csv(path, uniform([{"part": "tiles", **r} for r in tile_rows]
+                                + [{"part": "table", **r} for r in rows]), prov)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""The Hopper half of the tensor-core micro-kernel: its two products on wgmma (sm_90a).
+
+`TensorCores(dtype, stages, wgmma=True)` runs the same loop nests, online softmax and
+fragments as the mma.sync build (`tensor_cores`); what changes is who multiplies and where the
+operands lie:
+
+    warpgroup h (warps 4 h .. 4 h + 3) owns query rows 64 h .. 64 h + 63 of the block;
+    S = Q_i K_j^T:  one wgmma m64nBck16 per 16 head dims, Q_i and K_j both read from shared
+                    memory by the tensor cores (no ldmatrix), into the same accumulator
+                    fragments as mma.sync's (warp 4 h + u holds rows 16 u .. of the 64)
+    acc += P V_j:   one wgmma m64nDvk16 per 16 keys, P's A fragment from registers (the
+                    score fragments rounded to 16 bits, as on mma.sync), V_j from shared
+                    memory read MN-major (its rows are the product's K)
+
+Each product is issued, committed and waited for in one call (`intrinsics.wgmma_scores`,
+`wgmma_accumulate`): the warpgroup's tensor cores run its whole k-loop while the warps wait.
+
+The tiles lie in shared memory as 8 x 8 core matrices of 128 contiguous bytes, which is what
+wgmma reads without a swizzle: element (r, c) of a tile of C columns (padded to 16) at
+(r // 8) 8 C + (c // 8) 64 + 8 (r % 8) + c % 8. One layout serves all three tiles: Q_i and
+K_j as K-major operands (core matrices 64 elements apart along the head dims, 8 C apart along
+rows), V_j as an MN-major one (8 C apart along its keys, 64 along its dims). Rows arrive by
+cp.async, 16 bytes (a core matrix's row) a copy; eight consecutive threads fill one core
+matrix's 128 bytes, so a warp's copies land in 32 different banks.
+
+Whole 16s of head dims, rows in 64s and keys in 16s (`supports`): other tiles run on mma.sync.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import NamedTuple
+
+from numba import uint32, uint64
+
+from ..device.intrinsics import (
+    WgmmaOperand,
+    cp_async16,
+    cp_async_commit,
+    cp_async_wait_all,
+    fence_async_shared,
+    wgmma_accumulate,
+    wgmma_scores,
+)
+from ..device.runtime import cuda, inlined
+
+WARPGROUP_ROWS = 64  # query rows of one warpgroup: the m of wgmma m64nNk16
+CORE = 8  # a core matrix is 8 x 8 elements
+OPERAND_KINDS = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def supports(dtype: str, block_q: int, block_k: int, d: int, dv: int) -> bool:
+    """Whether the wgmma build takes these tiles: 16-bit inputs, whole warpgroups of query
+    rows, keys in whole 16s (the k of P V_j) and head dims in whole 16s (S's k; O's n),
+    at most 256 keys or dims (wgmma's largest n)."""
+    return (dtype in OPERAND_KINDS and block_q % WARPGROUP_ROWS == 0
+            and block_k % 16 == 0 and block_k <= 256
+            and d % 16 == 0 and dv % 16 == 0 and d <= 256 and dv <= 256)
+
+
+def k_major(cols: int) -> WgmmaOperand:
+    """A tile of `cols` columns (its K) read as a K-major operand."""
+    return WgmmaOperand(lbo=CORE * CORE, sbo=CORE * cols)
+
+
+def mn_major(cols: int) -> WgmmaOperand:
+    """A tile of `cols` columns (its N) read as an MN-major operand: its rows are the K."""
+    return WgmmaOperand(lbo=CORE * cols, sbo=CORE * CORE, mn_major=True)
+
+
+@cache
+def make_blocked_copier(ROWS: int, COLS: int, THREADS: int):
+    """copy_rows(tile, at, src, bh, row0, n_rows): rows row0 .. row0 + ROWS - 1 of src[bh]
+    (COLS columns, a multiple of 8; ROWS a multiple of 8) into the tile at `at` in 8 x 8 core
+    matrices, by cp.async (16 bytes, one core-matrix row, a copy; rows past n_rows zero), as
+    one commit group; returns the elements this thread counts (thread 0 counts n_rows COLS).
+    Copy e takes core-matrix row e % 8 of chunk (e // 8) % CH of row block e // (8 CH)."""
+    CH = COLS // CORE  # 16-byte chunks of a row
+    TRIPS = -(-ROWS * CH // THREADS)
+    # every trip copies the same chunk of rows a constant step on: addresses are the first
+    # trip's plus constants
+    STEADY = THREADS % (CORE * CH) == 0 and ROWS * CH % THREADS == 0
+    RSTEP = THREADS // CH  # rows a trip steps, where STEADY
+    BLOCK = CORE * COLS  # elements of a row block (8 rows)
+
+    @inlined
+    def copy_rows(tile, at, src, bh, row0, n_rows):
+        t = uint32(cuda.threadIdx.x)
+        if STEADY and n_rows == ROWS:  # a full tile
+            r8, c = t % uint32(CORE), (t // uint32(CORE)) % uint32(CH)
+            rb = t // uint32(CORE * CH)
+            dst = at + uint64(rb) * uint64(BLOCK) + uint64(c) * uint64(64) + uint64(8) * r8
+            col = uint64(rb * uint32(CORE) + r8) * uint64(COLS) + uint64(CORE) * uint64(c)
+            for u in range(TRIPS):
+                cp_async16(tile, dst + uint64(u * RSTEP * COLS), src, bh, row0,
+                           col + uint64(u * RSTEP * COLS), 16, COLS)
+        else:  # a tail tile, or chunks the CTA does not cover evenly
+            for u in range(TRIPS):
+                e = t + uint32(u * THREADS)
+                if e < uint32(ROWS * CH):
+                    r8, c = e % uint32(CORE), (e // uint32(CORE)) % uint32(CH)
+                    r = (e // uint32(CORE * CH)) * uint32(CORE) + r8
+                    inside = r < uint32(n_rows)
+                    src_row = row0 + (r if inside else uint32(0))  # a row that exists
+                    dst = (at + uint64(r // uint32(CORE)) * uint64(BLOCK) + uint64(c) * uint64(64)
+                           + uint64(8) * r8)
+                    cp_async16(tile, dst, src, bh, src_row, uint32(CORE) * c,
+                               16 if inside else 0, COLS)
+        cp_async_commit()
+        return n_rows * COLS if t == 0 else 0
+
+    return copy_rows
+
+
+@inlined
+def wait_loads():
+    """This thread's cp.async copies have landed and, once a barrier orders them, are seen
+    by wgmma's reads (the asynchronous proxy)."""
+    cp_async_wait_all()
+    fence_async_shared()
+
+
+class WgmmaProducts(NamedTuple):
+    """The two products on wgmma: the `tensor_cores.TcOperands` fields of the same names."""
+
+    scores: object
+    accumulate: object
+
+
+@cache
+def make_wgmma_products(DTYPE: str, KP: int, QC: int, VC: int, Q: int) -> WgmmaProducts:
+    """S = Q_i K_j^T and acc += P V_j for tiles of KP keys, QC head dims of Q and K, VC of V
+    (each a whole 16), Q_i at element Q of the tiles."""
+    kind = OPERAND_KINDS[DTYPE]
+    product_s = wgmma_scores(kind, KP, QC // 16, k_major(QC), k_major(QC))
+    product_pv = wgmma_accumulate(kind, VC, KP // 16, mn_major(VC))
+    Q_ROWS = WARPGROUP_ROWS * QC  # elements of a warpgroup's rows of Q_i
+
+    @inlined
+    def scores(tile, s, w, lane, k_at):
+        """s = Q_i K_j^T of the warpgroup's 64 rows (every warp of it calls)."""
+        q_at = uint64(Q) + uint64(w // uint32(4)) * uint64(Q_ROWS)
+        product_s(s, tile, q_at, k_at)
+
+    @inlined
+    def accumulate(tile, s, acc, lane, v_at):
+        """acc += P V_j, P's A fragment packed from the weights in s."""
+        product_pv(acc, s, tile, v_at)
+
+    return WgmmaProducts(scores, accumulate)
