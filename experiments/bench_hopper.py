@@ -3,12 +3,14 @@ SDPA cuDNN, in one process on one GPU (issue 53's table).
 
     python -m experiments.bench_hopper [--out DIR] [--quick]
 
-First the wgmma build's tiles and K/V buffers at N = 4096, float16 (TILES x STAGES, per head
-dim, causal or not); then, at each point of the table (N x d x causal x dtype, B H N fixed as
-bench_runtime's), q_outer on wgmma with that head dim's fastest tiles, q_outer on mma.sync at
-its own default tiles (`tuning` products="mma"), kv_outer on wgmma at the same tiles as
-q_outer's, and SDPA flash and cuDNN. Each of ours is checked against the float64 reference on
-sampled rows before it is timed (`bench_runtime.measure`). Writes bench_hopper.csv (one row a
+First the wgmma build's tiles and variants at N = 4096, float16 (TILES x VARIANTS, per head
+dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's softmax, and the
+one that waits for each product, each with two K/V buffers); then, at each point of the table
+(N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma with that head
+dim's fastest tiles and variant, q_outer on mma.sync at its own benchmark tiles (`tuning`
+products="mma"), kv_outer on wgmma at q_outer's tiles, and SDPA flash and cuDNN. Each of
+ours is checked against the float64 reference on sampled rows before it is timed
+(`bench_runtime.measure`). Writes bench_hopper.csv (one row a
 timing, with the tiles, the build in effect and the ratio to SDPA flash and cuDNN at the same
 point) with provenance.
 """
@@ -31,9 +33,10 @@ from loop_orders.results import provenance
 TABLE = {"n": [1024, 4096, 16384], "d": [64, 128], "causal": [False, True],
          "dtype": ["float16", "bfloat16"]}
 TILE_N = 4096
-TILES = {64: [(128, 64), (128, 128), (64, 128), (192, 128)],
-         128: [(128, 64), (128, 128), (64, 128), (64, 64)]}
-STAGES = [1, 2]
+TILES = {64: [(128, 64), (128, 128), (192, 128)],
+         128: [(128, 64), (128, 128), (64, 128)]}
+# (label, tuning products): the default (pipelined, two K/V buffers) and each product waited
+VARIANTS = [("q_outer wgmma", None), ("q_outer wgmma-sync", "wgmma-sync")]
 MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
 
 
@@ -43,40 +46,41 @@ def problem(name: str, n: int, d: int, causal: bool, dtype: str, tiles) -> lo.Pr
                            block_q=tiles[0], block_k=tiles[1], **input_kind(dtype))
 
 
-def timed(label: str, name: str, p: lo.Problem, rng, products=None, stages=None) -> dict:
+def timed(label: str, name: str, p: lo.Problem, rng, products=None) -> dict:
     """One row of ours: the schedule at p under this override (None: the default choice)."""
-    with tuning.tuned(kv_stages=stages, products=products):
+    with tuning.tuned(products=products):
         row = br.measure(name, p.dtype, lo.get_schedule(name), p, rng)
     row["provider"] = label
-    row["stages"] = stages or ""
     return row
 
 
 def sweep_tiles(rng) -> tuple[list[dict], dict]:
-    """The wgmma build's tiles x stages at N = TILE_N, float16; the fastest per (d, causal)."""
+    """The wgmma build's tiles x VARIANTS at N = TILE_N, float16; the fastest tiles and
+    variant per (d, causal)."""
     rows, best = [], {}
     warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
          for d in TILES for causal in (False, True) for tiles in TILES[d])
     for d, causal in itertools.product(TILES, (False, True)):
-        for tiles, stages in itertools.product(TILES[d], STAGES):
+        for tiles, (label, products) in itertools.product(TILES[d], VARIANTS):
             p = problem("q_outer", TILE_N, d, causal, "float16", tiles)
-            row = timed("q_outer wgmma", "q_outer", p, rng, stages=stages)
+            row = timed(label, "q_outer", p, rng, products=products)
             rows.append(row)
             if row["status"] == "ok" and (best.get((d, causal)) is None
                                           or row["ms_median"] < best[(d, causal)][0]):
-                best[(d, causal)] = (row["ms_median"], tiles, stages)
+                best[(d, causal)] = (row["ms_median"], tiles, products)
         runtime.release_memory()
-    return rows, {key: (tiles, stages) for key, (_, tiles, stages) in best.items()}
+    return rows, {key: (tiles, products) for key, (_, tiles, products) in best.items()}
 
 
 def table(rng, best: dict, points) -> list[dict]:
     rows = []
     for n, d, causal, dtype in points:
-        tiles, stages = best.get((d, causal), (MMA_TILES, None))
+        tiles, products = best.get((d, causal), (MMA_TILES, None))
         p = problem("q_outer", n, d, causal, dtype, tiles)
         point = [br.measure(f"torch_sdpa_{backend}", dtype, backend, p, rng)
                  for backend in ("flash", "cudnn")]
-        point.append(timed("q_outer wgmma", "q_outer", p, rng, stages=stages))
+        point.append(timed(f"q_outer {products or 'wgmma'}", "q_outer", p, rng,
+                           products=products))
         point.append(timed("kv_outer wgmma", "kv_outer",
                            problem("kv_outer", n, d, causal, dtype, tiles), rng))
         point.append(timed("q_outer mma.sync", "q_outer",
@@ -108,8 +112,9 @@ def main(argv=None) -> int:
     br.PROV = prov = provenance()
     rng = np.random.default_rng()
     tile_rows, best = sweep_tiles(rng)
-    for (d, causal), (tiles, stages) in sorted(best.items()):
-        print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} x{stages}", flush=True)
+    for (d, causal), (tiles, products) in sorted(best.items()):
+        print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} {products or 'pipelined'}",
+              flush=True)
     path = args.out / "bench_hopper.csv"
     write_csv(path, uniform([{"part": "tiles", **r} for r in tile_rows]), prov)
     n = [TILE_N] if args.quick else TABLE["n"]

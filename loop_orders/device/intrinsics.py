@@ -72,6 +72,11 @@ the warpgroup's 64: d[4 n + 2 a + c] = D[16 u + g + 8 a, 8 n + 2 t + c].
         d += P B^T, P's A fragment of k-step kk packed from p[8 kk .. 8 kk + 7] as mma.sync's
         (p[8 kk + 2 r + h] is row g + 8 (r % 2), column 16 kk + 8 (r // 2) + 2 t + h): the
         weights as the score fragments hold them, rounded to KIND
+    wgmma_scores(..., wait=False), wgmma_accumulate(..., wait=False)
+        the same, committed as a group and not waited for: d holds the result only after
+    wgmma_wait(PENDING, COUNT)(d)                 wait until at most PENDING of the
+        warpgroup's committed groups run on (wgmma.wait_group), d[:COUNT] passing through it
+        so that nothing reads them before (groups complete in the order committed)
     fence_async_shared()                          this thread's writes to shared memory (its
         stores and cp.async copies) are seen by later asynchronous-proxy reads (wgmma), once
         a barrier has ordered them
@@ -403,8 +408,9 @@ if SIMULATOR:
         return [D[16 * u + g + 8 * a, 8 * j + 2 * t + c]
                 for j in range(n // 8) for a in range(2) for c in range(2)]
 
-    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand):
-        _check_wgmma(kind, n, ksteps)
+    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand,
+                     wait: bool = True):
+        _check_wgmma(kind, n, ksteps)  # the emulation is done when it returns, waited or not
         a_index, b_index = a.offsets(64, 16 * ksteps), b.offsets(n, 16 * ksteps)
 
         def scores(d, tile, a_at, b_at):
@@ -419,7 +425,7 @@ if SIMULATOR:
 
         return scores
 
-    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand):
+    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand, wait: bool = True):
         _check_wgmma(kind, n, ksteps)
         b_index = b.offsets(n, 16 * ksteps)
 
@@ -445,6 +451,12 @@ if SIMULATOR:
                 d[e] = x
 
         return accumulate
+
+    def wgmma_wait(pending: int, count: int):
+        def wait(d):
+            pass
+
+        return wait
 
     def fence_async_shared():
         pass
@@ -711,8 +723,9 @@ else:
         return [builder.gep(data, [ir.Constant(ir.IntType(32), e)]) for e in range(count)]
 
     def _wgmma_text(kind: str, n: int, ksteps: int, a_text, b_operand, trans: str,
-                    first_scale: str) -> str:
-        """fence; KSTEPS wgmma.mma_async into $0 .. $(n/2 - 1); commit; wait for them."""
+                    first_scale: str, wait: bool) -> str:
+        """fence; KSTEPS wgmma.mma_async into $0 .. $(n/2 - 1); commit; wait for them (or
+        not: `wgmma_wait` does)."""
         outs = "{" + ",".join(f"${e}" for e in range(n // 2)) + "}"
         lines = ["{", ".reg .pred zero, one;", "setp.ne.b32 zero, $__Z, 0;",
                  "setp.eq.b32 one, $__Z, 0;", "wgmma.fence.sync.aligned;"]
@@ -720,17 +733,19 @@ else:
             scale = first_scale if kk == 0 else "one"
             lines.append(f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {outs}, "
                          f"{a_text(kk)}, {b_operand(kk)}, {scale}, 1, 1, {trans};")
-        lines += ["wgmma.commit_group.sync.aligned;", "wgmma.wait_group.sync.aligned 0;", "}"]
+        lines += ["wgmma.commit_group.sync.aligned;"]
+        lines += ["wgmma.wait_group.sync.aligned 0;", "}"] if wait else ["}"]
         return "\n".join(lines)
 
     @functools.cache
-    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand):
+    def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand,
+                     wait: bool = True):
         _check_wgmma(kind, n, ksteps)
         outs = n // 2
         # operands: the outputs, A's descriptors, B's, a zero
         text = _wgmma_text(kind, n, ksteps, lambda kk: f"${outs + kk}",
                            lambda kk: f"${outs + ksteps + kk}",
-                           f"{int(a.mn_major)}, {int(b.mn_major)}", "zero")
+                           f"{int(a.mn_major)}, {int(b.mn_major)}", "zero", wait)
         text = text.replace("$__Z", f"${outs + 2 * ksteps}")
         cons = "=f," * outs + "l," * (2 * ksteps) + "r,~{memory}"
 
@@ -758,7 +773,7 @@ else:
         return scores
 
     @functools.cache
-    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand):
+    def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand, wait: bool = True):
         _check_wgmma(kind, n, ksteps)
         outs = n // 2
         # operands: the outputs, the accumulators in (tied to them), A's registers, B's
@@ -766,7 +781,8 @@ else:
         a_at, b_at = 2 * outs, 2 * outs + 4 * ksteps
         text = _wgmma_text(kind, n, ksteps,
                            lambda kk: "{" + ",".join(f"${a_at + 4 * kk + r}" for r in range(4))
-                           + "}", lambda kk: f"${b_at + kk}", str(int(b.mn_major)), "one")
+                           + "}", lambda kk: f"${b_at + kk}", str(int(b.mn_major)), "one",
+                           wait)
         text = text.replace("$__Z", f"${b_at + ksteps}")
         cons = ("=f," * outs + ",".join(str(e) for e in range(outs)) + ","
                 + "r," * (4 * ksteps) + "l," * ksteps + "r,~{memory}")
@@ -799,5 +815,25 @@ else:
             return types.void(d, p, tile, b_at), codegen
 
         return accumulate
+
+    @functools.cache
+    def wgmma_wait(pending: int, count: int):
+        text = f"wgmma.wait_group.sync.aligned {pending};"
+        cons = "=f," * count + ",".join(str(e) for e in range(count)) + ",~{memory}"
+
+        @intrinsic
+        def wait(typingctx, d):
+            def codegen(context, builder, sig, args):
+                ptrs = _local_pointers(context, builder, sig.args[0], args[0], count)
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * count), [_F32] * count)
+                res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                                   [builder.load(ptr) for ptr in ptrs])
+                for e, ptr in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, e), ptr)
+                return context.get_dummy_value()
+
+            return types.void(d), codegen
+
+        return wait
 
     fence_async_shared = _void_asm("fence.proxy.async.shared::cta;")

@@ -802,7 +802,9 @@ class MicroKernelSchedule(Schedule):
         kind = tensor_core_kind(self, p)
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
-            return TensorCores(kind, min(stages, tuned), uses_wgmma(kind, p))
+            stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
+            return TensorCores(kind, stages, wgmma, pipelined=wgmma and stages == 2
+                               and tuning.current().products != "wgmma-sync")
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised

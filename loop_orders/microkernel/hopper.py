@@ -14,6 +14,13 @@ operands lie:
 
 Each product is issued, committed and waited for in one call (`intrinsics.wgmma_scores`,
 `wgmma_accumulate`): the warpgroup's tensor cores run its whole k-loop while the warps wait.
+Pipelined (`TensorCores.pipelined`, q_outer's K/V stream: `stream.make_fold_tiles`), the
+product P_i,j-1 V_j-1 is issued beside S_ij and left to run under S_ij's softmax
+(FlashAttention-3's intra-warpgroup overlap), waited for only before acc is rescaled:
+
+    issue S_ij = Q_i K_j^T; issue acc += P_i,j-1 V_j-1     # two groups, in that order
+    wait for S_ij (one group may run on); m, l, P_ij from it
+    wait for P_i,j-1 V_j-1; acc *= 2^(m_old - m_new)
 
 The tiles lie in shared memory as 8 x 8 core matrices of 128 contiguous bytes, which is what
 wgmma reads without a swizzle: element (r, c) of a tile of C columns (padded to 16) at
@@ -41,6 +48,7 @@ from ..device.intrinsics import (
     fence_async_shared,
     wgmma_accumulate,
     wgmma_scores,
+    wgmma_wait,
 )
 from ..device.runtime import cuda, inlined
 
@@ -121,10 +129,16 @@ def wait_loads():
 
 
 class WgmmaProducts(NamedTuple):
-    """The two products on wgmma: the `tensor_cores.TcOperands` fields of the same names."""
+    """The two products on wgmma: `scores` and `accumulate` as the `tensor_cores.TcOperands`
+    fields of the same names (each done when it returns), and for the pipelined update the
+    same issued without waiting, and the waits."""
 
     scores: object
     accumulate: object
+    scores_ahead: object  # scores_ahead(tile, s, w, k_at): s = Q_i K_j^T, issued
+    accumulate_ahead: object  # accumulate_ahead(tile, p, acc, v_at): acc += P V_j, issued
+    wait_scores: object  # wait_scores(s, behind): S landed, `behind` (a P V) may run on
+    wait_accumulate: object  # wait_accumulate(acc): every product issued has landed
 
 
 @cache
@@ -134,17 +148,45 @@ def make_wgmma_products(DTYPE: str, KP: int, QC: int, VC: int, Q: int) -> WgmmaP
     kind = OPERAND_KINDS[DTYPE]
     product_s = wgmma_scores(kind, KP, QC // 16, k_major(QC), k_major(QC))
     product_pv = wgmma_accumulate(kind, VC, KP // 16, mn_major(VC))
+    issue_s = wgmma_scores(kind, KP, QC // 16, k_major(QC), k_major(QC), wait=False)
+    issue_pv = wgmma_accumulate(kind, VC, KP // 16, mn_major(VC), wait=False)
+    s_landed, s_landed_behind = wgmma_wait(0, KP // 2), wgmma_wait(1, KP // 2)
+    acc_landed = wgmma_wait(0, VC // 2)
     Q_ROWS = WARPGROUP_ROWS * QC  # elements of a warpgroup's rows of Q_i
+
+    @inlined
+    def q_of(w):
+        """Where the warpgroup's 64 rows of Q_i start in the tiles."""
+        return uint64(Q) + uint64(w // uint32(4)) * uint64(Q_ROWS)
 
     @inlined
     def scores(tile, s, w, lane, k_at):
         """s = Q_i K_j^T of the warpgroup's 64 rows (every warp of it calls)."""
-        q_at = uint64(Q) + uint64(w // uint32(4)) * uint64(Q_ROWS)
-        product_s(s, tile, q_at, k_at)
+        product_s(s, tile, q_of(w), k_at)
 
     @inlined
     def accumulate(tile, s, acc, lane, v_at):
         """acc += P V_j, P's A fragment packed from the weights in s."""
         product_pv(acc, s, tile, v_at)
 
-    return WgmmaProducts(scores, accumulate)
+    @inlined
+    def scores_ahead(tile, s, w, k_at):
+        issue_s(s, tile, q_of(w), k_at)
+
+    @inlined
+    def accumulate_ahead(tile, p, acc, v_at):
+        issue_pv(acc, p, tile, v_at)
+
+    @inlined
+    def wait_scores(s, behind):
+        if behind:
+            s_landed_behind(s)  # the P V issued after S may run on
+        else:
+            s_landed(s)
+
+    @inlined
+    def wait_accumulate(acc):
+        acc_landed(acc)
+
+    return WgmmaProducts(scores, accumulate, scores_ahead, accumulate_ahead, wait_scores,
+                         wait_accumulate)

@@ -4,7 +4,8 @@ it (q_outer's kernel, split_kv's partial pass), over any forward micro-kernel (`
     load Q_i                                   # load_Q_i_counted
     for j in j0 .. j1 - 1:                     # fold_tiles
         load K_j, V_j                          # one buffer, or two (K_j+1, V_j+1 landing
-        online-softmax update with S_ij        #   under K_j, V_j's arithmetic), or staggered
+        online-softmax update with S_ij        #   under K_j, V_j's arithmetic), or staggered,
+                                               #   or pipelined (P V_j a tile behind)
 
 Each load adds the elements it moved to its counter slot in a counted build.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from numba import int32
+from numba import float32, int32
 
 from ..core.ledger import slot
 from ..device.runtime import cuda, inlined
@@ -77,6 +78,9 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
     RM, STAGES = mk.RM, mk.STAGES
     SPANS = 2 * RM  # (first, end) of the keys each row of the thread sees
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
+    # where mk.PIPELINED
+    weigh_first, weigh_ahead, fold_last = mk.weigh_first, mk.weigh_ahead, mk.fold_last
+    NS = mk.NS  # a thread's scores: the size of the pipelined update's weights
     online_update, wait_loads = mk.online_update, mk.wait_loads
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
@@ -125,6 +129,36 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
+    @cuda.jit(device=True, inline="always")
+    def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
+                            cnt):
+        """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) with P_ij V_j a tile behind
+        S_ij (`MicroKernel.PIPELINED`), in two K and two V buffers: K_j+1 and V_j land under
+        tile j's arithmetic, V_j one tile later than K_j (P_i,j-1 V_j-1 still reads V_j-1's
+        buffer then); K_j0 from the kernel, before Q_i."""
+        p = cuda.local.array(NS, float32)  # P_i,j-1: the weights the next update multiplies
+        for j in range(j0, j1):
+            key0 = j * BC
+            wait_loads()
+            # K_j, V_j-1 (and Q_i) are in shared memory for all threads; every thread is done
+            # with K_j-1 and V_j-2 (tile j-1's update waited for P_i,j-2 V_j-2)
+            cuda.syncthreads()
+            if j + 1 < j1:
+                load_K_j_counted(buf, k, bh, key0 + BC, n_k, (j - j0 + 1) % 2, cnt)
+            load_V_j_counted(buf, v, bh, key0, n_k, (j - j0) % 2, cnt)
+            if j == j0:  # nothing to multiply behind S_ij yet
+                weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
+                            scale_log2, 0, 1)
+            else:
+                weigh_ahead(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
+                            scale_log2, (j - j0) % 2, (j - j0 + 1) % 2)
+        if j0 < j1:
+            wait_loads()
+            cuda.syncthreads()  # V_j1-1 is in shared memory for all threads
+            fold_last(buf, acc, p, (j1 - 1 - j0) % 2)
+
+    if mk.PIPELINED:
+        return stream_kv_pipelined
     return stream_kv_staggered if mk.STAGGERED else stream_kv
 
 

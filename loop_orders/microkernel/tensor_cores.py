@@ -101,6 +101,9 @@ class TensorCores(NamedTuple):
     dtype: str
     stages: int = 1
     wgmma: bool = False  # the products on Hopper's wgmma (`hopper`), else on mma.sync
+    # wgmma with two K/V buffers: P V_j issued a tile behind, under the next softmax
+    # (`MicroKernel.PIPELINED`)
+    pipelined: bool = False
 
     @property
     def tf32(self) -> bool:
@@ -161,7 +164,8 @@ class TensorCores(NamedTuple):
     def __str__(self) -> str:
         kind = {"float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         return ("wgmma." if self.wgmma else "mma.") + kind + (
-            "" if self.stages == 1 else f"x{self.stages}")
+            "" if self.stages == 1 else f"x{self.stages}") + (".pipelined" if self.pipelined
+                                                              else "")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
@@ -601,7 +605,8 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     base, io = make_tc_basics(*sizes), make_tc_loads(*sizes)
     if SPEC.wgmma:
         sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
-        products = TcProducts(*hopper.make_wgmma_products(SPEC.dtype, _up(BC, 16), D, DV, sm.q))
+        wg = hopper.make_wgmma_products(SPEC.dtype, _up(BC, 16), D, DV, sm.q)
+        products = TcProducts(wg.scores, wg.accumulate)
     elif SPEC.tf32:
         products = TcProducts(make_tf32_scores(*sizes), make_tf32_accumulate(*sizes))
     else:
@@ -707,6 +712,24 @@ def make_tc_scaling(NKT: int, LEFT: bool = False) -> TcScaling:
 
 
 @cache
+def make_whole_tile(KP: int, MASK: Mask):
+    """whole_tile(n_keys, key0, diag): whether the warp's 16 rows (the first's diagonal key
+    diag) all see every key of a tile of KP keys (no tail or padding keys, none outside a
+    row's span): most tiles, most of the instructions, then need no per-key test."""
+    visible = make_visible(MASK)
+    BOUNDED = MASK.bounded
+
+    @inlined
+    def whole_tile(n_keys, key0, diag):
+        if not BOUNDED:
+            return n_keys == KP
+        return (n_keys == KP and visible(diag, key0, n_keys)[1] == KP
+                and visible(diag + WARP_ROWS - 1, key0, n_keys)[0] == 0)
+
+    return whole_tile
+
+
+@cache
 def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                           MASK: Mask, RELOAD: bool):
     """online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage): K_j, V_j
@@ -725,17 +748,7 @@ def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     sc = make_tc_scaling(NKT, MASK.left >= 0)
     row_max4, scale_row, scale_row_masked = sc.row_max4, sc.scale_row, sc.scale_row_masked
     visible = make_visible(MASK)
-    BOUNDED = MASK.bounded
-
-    @inlined
-    def whole_tile(n_keys, key0, diag):
-        """Whether the warp's 16 rows (the first's diagonal key diag) all see every key of
-        the tile (no tail or padding keys, none outside a row's span): most tiles, most of
-        the instructions, then need no per-key test."""
-        if not BOUNDED:
-            return n_keys == KP
-        return (n_keys == KP and visible(diag, key0, n_keys)[1] == KP
-                and visible(diag + WARP_ROWS - 1, key0, n_keys)[0] == 0)
+    whole_tile = make_whole_tile(KP, MASK)
 
     @cuda.jit(device=True)
     def online_update(buf, n_keys, key0, diag0, m, l, acc, scale_log2, stage):  # noqa: E741
@@ -767,6 +780,97 @@ def make_tc_online_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
         accumulate(tile, s, acc, lane, uint64(V) + uint64(stage) * uint64(V_STAGE))
 
     return online_update
+
+
+class TcPipelined(NamedTuple):
+    """online_update with P V_j a tile behind (`make_tc_pipelined_update`): the
+    `MicroKernel` fields of the same names."""
+
+    weigh_first: object
+    weigh_ahead: object
+    fold_last: object
+
+
+@cache
+def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
+                             MASK: Mask) -> TcPipelined:
+    """weigh_ahead and fold_last (`MicroKernel.PIPELINED`) on Hopper's wgmma: S_ij issued,
+    then P_i,j-1 V_j-1 behind it; S_ij's softmax while that product runs; acc rescaled once
+    it has landed (`hopper`)."""
+    KP = _up(BC, 16)  # keys of a tile, padded
+    NKT = KP // 8  # 8-key n-tiles of S
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    NS = 4 * NKT  # a thread's scores
+    sm = tc_shared_layout(BR, BC, D, DV, False, SPEC)
+    K, V = sm.k, sm.v
+    K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # elements between K/V buffers
+    base = make_tc_basics(BR, BC, D, DV, SPEC)
+    tiles, coords, local_row = base.tiles, base.coords, base.local_row
+    wg = hopper.make_wgmma_products(SPEC.dtype, KP, D, DV, sm.q)
+    scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
+    wait_scores, wait_accumulate, accumulate = wg.wait_scores, wg.wait_accumulate, wg.accumulate
+    sc = make_tc_scaling(NKT, MASK.left >= 0)
+    row_max4, scale_row, scale_row_masked = sc.row_max4, sc.scale_row, sc.scale_row_masked
+    visible = make_visible(MASK)
+    whole_tile = make_whole_tile(KP, MASK)
+
+    @inlined
+    def weights(s, n_keys, key0, diag0, m, l, alpha, scale_log2, w, lane):  # noqa: E741
+        """The scores in s to weights, the thread's rows' m, l updated, alpha[a] the factor
+        their acc takes."""
+        t2 = 2 * (lane & uint32(3))
+        whole = whole_tile(n_keys, key0, diag0 + int(w) * WARP_ROWS)
+        for a in range(2):
+            if whole:
+                part = scale_row(s, a, scale_log2)
+            else:
+                first_key, end = visible(diag0 + int(local_row(w, lane, a)), key0, n_keys)
+                part = scale_row_masked(s, a, scale_log2, first_key, end, t2)
+            new_max = max(m[a], row_max4(part))
+            shift = new_max if new_max > NEG_INF else float32(0.0)  # no key seen: 2^-inf = 0
+            alpha[a] = exp2(m[a] - shift)
+            m[a] = new_max
+            l[a] *= alpha[a]
+            for n in range(NKT):
+                for c in range(2):
+                    x = exp2(s[4 * n + 2 * a + c] - shift)
+                    l[a] += x
+                    s[4 * n + 2 * a + c] = x
+
+    def make_weigh(FIRST: bool):
+        """weigh_ahead with a P V_j-1 behind S_ij (FIRST: none, the block's first tile): a
+        function each, so that no branch lies between a product's issue and its wait (ptxas
+        then serialises every wgmma of the kernel)."""
+
+        @cuda.jit(device=True)
+        def weigh(buf, n_keys, key0, diag0, m, l, acc, p, scale_log2,  # noqa: E741
+                  k_stage, v_stage):
+            tile = tiles()
+            w, lane = coords()
+            s = cuda.local.array(NS, float32)
+            alpha = cuda.local.array(2, float32)
+            scores_ahead(tile, s, w, uint64(K) + uint64(k_stage) * uint64(K_STAGE))
+            if not FIRST:  # P_i,j-1 V_j-1, under this tile's softmax
+                accumulate_ahead(tile, p, acc, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
+            wait_scores(s, not FIRST)
+            weights(s, n_keys, key0, diag0, m, l, alpha, scale_log2, w, lane)
+            if not FIRST:
+                wait_accumulate(acc)  # P_i,j-1 V_j-1 has landed: acc may be rescaled
+            for a in range(2):
+                for n in range(DVT):
+                    acc[4 * n + 2 * a] *= alpha[a]
+                    acc[4 * n + 2 * a + 1] *= alpha[a]
+            for e in range(NS):
+                p[e] = s[e]
+
+        return weigh
+
+    @inlined
+    def fold_last(buf, acc, p, v_stage):
+        w, lane = coords()
+        accumulate(tiles(), p, acc, lane, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
+
+    return TcPipelined(make_weigh(True), make_weigh(False), fold_last)
 
 
 class TcOStage(NamedTuple):
@@ -881,12 +985,16 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     ops, io = make_tc_operands(*sizes), make_tc_tile_io(*sizes)
     ost, st = make_tc_o_stage(*sizes), make_tc_row_stats(*sizes, MASK.bounded)
     online_update = make_tc_online_update(BR, BC, D, DV, SPEC, MASK, RELOAD)
+    ahead = make_tc_pipelined_update(BR, BC, D, DV, SPEC, MASK) if SPEC.pipelined else None
     return MicroKernel(ops.clear, online_update, st.row_sums, ost.give_o,
                        make_reciprocal(2, MASK.bounded),
                        ost.take_o, ost.keep_stats, ops.coords, io.load_q, io.load_k, io.load_v,
                        ops.wait_loads, io.load_o, io.store_o, st.store_lse, 32 * W, 2, NACC,
                        W * WARP_ROWS, tc_shared_layout(*sizes[:4], RELOAD, SPEC).stats,
-                       SPEC.stages)
+                       SPEC.stages, PIPELINED=SPEC.pipelined,
+                       weigh_first=ahead and ahead.weigh_first,
+                       weigh_ahead=ahead and ahead.weigh_ahead,
+                       fold_last=ahead and ahead.fold_last, NS=4 * (_up(BC, 16) // 8))
 
 
 def _tile_type(dtype: str):

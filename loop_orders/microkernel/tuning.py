@@ -6,7 +6,8 @@ overrides it with a `Tuning`: `layout`, a CUDA-core thread tile "RM,KN[,STAGES[,
 (q_outer's `Specialised.parse`); `kv_stages`, at most this many K/V buffers (1 turns off the
 double-buffered or staggered loads); `q_stages`, at most this many Q_i/dO_i buffers in a
 tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit tiles on
-mma.sync where Hopper's wgmma build would run (the A/B baseline). The environment gives the
+mma.sync where Hopper's wgmma build would run (the A/B baseline), "wgmma-sync" for wgmma
+without the pipelined update. The environment gives the
 process's value, read once at import (LOOP_ORDERS_LAYOUT, LOOP_ORDERS_KV_STAGES,
 LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS: a sweep run by a shell script); within a process
 `tuned(...)` overrides it for a block.

@@ -77,7 +77,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
                       transposes_q(D))
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
-    STAGGERED = mk.STAGGERED  # staggered K/V loads
+    # staggered or pipelined K/V loads: K_j0 first, under Q_i's
+    STAGGERED = mk.STAGGERED or mk.PIPELINED
     # Numba compiles closure variables as constants: take the device functions by name
     row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
     wait_loads = mk.wait_loads
