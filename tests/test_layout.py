@@ -77,7 +77,8 @@ def test_short_causal_sequences_take_the_short_tiles_measured_for_their_path():
     assert tc_layout(64, precision="tf32x3") == TensorCores("tf32x3", 1)
     assert tc_layout(64, precision="tf32") == TensorCores("tf32", 1)
     assert tc_layout(128, precision="tf32x3") == TensorCores("tf32x3", 2)
-    assert tc_layout(64, dtype="float16") == TensorCores("float16", 2)
+    # Hopper's wgmma (the simulator stands in for an H100), pipelined in q_outer's stream
+    assert tc_layout(64, dtype="float16") == TensorCores("float16", 2, True, True)
     assert tiles(512, name="kv_outer") == (*bench.BLOCKS[64], None)
     sdpa = bench.sweep_problem("torch_sdpa_efficient", "efficient", "float32", 512, 64, True)
     assert (sdpa.block_q, sdpa.block_k) == bench.BLOCKS[64]
@@ -293,15 +294,24 @@ def test_make_clear_zeroes_every_float_of_the_buffer_and_nothing_past_it(size, t
 
 def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it():
     """float16 runs kv_outer, q_outer and split_kv on tensor cores (q_outer double-buffers
-    K/V); float32 keeps the CUDA-core layout."""
+    K/V), on Hopper's wgmma where the tiles allow (the simulator stands in for an H100; q_outer
+    pipelines it), else, or asked (`tuning` products="mma"), on mma.sync; float32 keeps the
+    CUDA-core layout."""
     import loop_orders as lo
     from loop_orders.device.runtime import dynamic_shared_limit
+    from loop_orders.microkernel import tuning
     from loop_orders.microkernel.tensor_cores import TensorCores, tc_shared_layout
 
     for name, stages in (("q_outer", 2), ("kv_outer", 1)):
         sched = lo.get_schedule(name)
         p16 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64, dtype="float16")
-        assert sched.layout(p16) == TensorCores("float16", stages)
+        assert sched.layout(p16) == TensorCores("float16", stages, True, stages == 2)
+        with tuning.tuned(products="wgmma-sync"):
+            assert sched.layout(p16) == TensorCores("float16", stages, True)
+        with tuning.tuned(products="mma"):
+            assert sched.layout(p16) == TensorCores("float16", stages)
+        odd = lo.make_problem(name, n_q=4096, d=40, block_q=128, block_k=64, dtype="float16")
+        assert sched.layout(odd) == TensorCores("float16", stages)  # d not a whole 16
         assert sched.threads(p16) == 32 * 128 // 16  # a warp per 16 query rows
         assert sched.p_roundings(p16) == 1  # P rounded to float16 before P V_j
         p32 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64)
@@ -312,7 +322,7 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
                 dynamic_shared_limit()
     split = lo.get_schedule("split_kv")
     p = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16, dtype="float16")
-    assert split.layout(p) == TensorCores("float16", 1)
+    assert split.layout(p) == TensorCores("float16", 1)  # 16 rows: less than a warpgroup
     p32 = lo.make_problem("split_kv", n_q=64, d=16, block_q=16, block_k=16)
     assert isinstance(split.layout(p32), Layout)
 
