@@ -112,6 +112,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="N = 4096 only, float16 only")
+    parser.add_argument("--n", type=int, nargs="+", help="the table's N (default: TABLE's)")
+    parser.add_argument("--dtypes", help="comma-separated (default: float16,bfloat16)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     br.PROV = prov = provenance()
@@ -122,8 +124,9 @@ def main(argv=None) -> int:
               flush=True)
     path = args.out / "bench_hopper.csv"
     write_csv(path, uniform([{"part": "tiles", **r} for r in tile_rows]), prov)
-    n = [TILE_N] if args.quick else TABLE["n"]
-    dtypes = ["float16"] if args.quick else TABLE["dtype"]
+    n = args.n or ([TILE_N] if args.quick else TABLE["n"])
+    dtypes = args.dtypes.split(",") if args.dtypes else (
+        ["float16"] if args.quick else TABLE["dtype"])
     rows = []
     for point in itertools.product(n, TABLE["d"], TABLE["causal"], dtypes):
         rows += table(rng, best, [point])
