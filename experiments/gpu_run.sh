@@ -93,7 +93,8 @@ for arg in "$@"; do
               done
             done ;;
   profile)  # PROFILES: ';'-separated "LAYOUT D BLOCK_Q BLOCK_K" (LAYOUT "-": the default), at
-            # N = 4096, H = 16 and B = PROFILE_BATCH (default 4)
+            # N = 4096, H = 16 and B = PROFILE_BATCH (default 4); PROFILE_ARGS: more arguments
+            # of `loop-orders run` (e.g. --dtype float16)
             IFS=';' read -ra points <<< "${PROFILES:-- 64 128 64}"
             for pt in "${points[@]}"; do
               read -r lay d bq bk <<< "$pt"
@@ -105,7 +106,7 @@ for arg in "$@"; do
                 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__sass_thread_inst_executed_op_ffma_pred_on.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed.sum" \
                 -k regex:q_outer -c 1 \
                 python3 -m loop_orders run --schedule q_outer --n 4096 --d "$d" --batch "${PROFILE_BATCH:-4}" \
-                --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1
+                --heads 16 --block-q "$bq" --block-k "$bk" --repeat 1 ${PROFILE_ARGS:-}
             done ;;
   *) echo "usage: gpu_run.sh tests|host|fuzz|gqa|window|fagrid|decode|backward|theorems|train|fig2|bench|hopper|layouts|tctiles|warm|ab|ncu|profile|cp[:SECONDS] ..."
      exit 2 ;;
