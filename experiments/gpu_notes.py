@@ -907,12 +907,14 @@ def ptxas_kernels(results_dir: Path) -> str:
                 "ptx_check --out results/kernels_ptxas.json`.*")
     data = json.loads(path.read_text())
     rows = [r for r in data["kernels"] if not r["count"] and "error" not in r]
-    lines = ["| schedule | kernel | d | dtype | causal | registers | stack (B) | spills "
-             "(stores / loads, B) | ld.shared.v4 in PTX |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | kernel | d | dtype | causal | tiles | forward build | registers | "
+             "shared (B) | stack (B) | spills (stores / loads, B) | ld.shared.v4 in PTX |",
+             "|---" * 12 + "|"]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['kernel']} | {r['d']} | {r['dtype']} | "
-                     f"{r['causal']} | {r['registers']} | {r['stack']} | {r['spill_stores']} / "
-                     f"{r['spill_loads']} | {r['ld_shared_v4']} |")
+                     f"{r['causal']} | {r.get('tiles', '')} | {r.get('build', '')} | "
+                     f"{r['registers']} | {r.get('shared_bytes', '')} | {r['stack']} | "
+                     f"{r['spill_stores']} / {r['spill_loads']} | {r['ld_shared_v4']} |")
     failed = sum(1 for r in data["kernels"] if "error" in r)
     return (f"{len(data['kernels'])} kernel builds (counted and not) compiled by ptxas for "
             f"sm_90a, {failed} failed; the uncounted builds:\n\n" + "\n".join(lines))

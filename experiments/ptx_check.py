@@ -131,6 +131,16 @@ def check(kernel, args, dump: Path | None = None) -> dict:
             "ld_shared_v4": ptx.count("ld.shared.v4"), **ptxas(ptx)}
 
 
+def build(sched, p) -> str:
+    """The forward micro-kernel build p runs (mma.f16x2, wgmma.f16x2.pipelined, a CUDA-core
+    thread tile RM,KN), or "" for a schedule with kernels of its own."""
+    if not getattr(sched, "uses_micro_kernel", False):
+        return ""
+    lay = sched.layout(p)
+    return str(lay) if hasattr(lay, "dtype") else f"{lay.rm},{lay.kn}" \
+        if hasattr(lay, "rm") else type(lay).__name__
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -151,6 +161,7 @@ def main(argv=None) -> int:
                          "batch": 2, "heads": 4}
                 p = lo.make_problem(name, block_q=bq, block_k=bk, **sizes)
                 launches = recorded(sched, p, count, False)
+                forward = len(launches)  # the launches after these are the backward's
                 if sched.BACKWARD:
                     for opt in backward_variants(sched):
                         g = lo.make_problem(name, block_q=GRAD_TILES[d][0],
@@ -163,7 +174,10 @@ def main(argv=None) -> int:
                     seen.add(key)
                     row = {"schedule": name, "kernel": kernel.py_func.__name__, "n": n,
                            "d": d, "dv": dv, "causal": causal, "dtype": dtype,
-                           "count": count}
+                           "count": count, "shared_bytes": launch[-1],
+                           **({"tiles": f"{bq}x{bk}", "build": build(sched, p)}
+                              if index < forward else
+                              {"tiles": "x".join(map(str, GRAD_TILES[d])), "build": ""})}
                     dump = None
                     if args.dump:
                         args.dump.mkdir(parents=True, exist_ok=True)
