@@ -7,7 +7,8 @@ import pytest
 from numba import float32, uint32
 
 from loop_orders.device import intrinsics as ptx
-from loop_orders.device.runtime import cuda, to_device
+from loop_orders.device.runtime import SIMULATOR, cuda, to_device
+from loop_orders.microkernel import hopper
 
 
 def _bf16_round(x):
@@ -238,6 +239,13 @@ def test_named_barriers_take_ptx_ids_and_whole_warps():
             ptx.named_barrier(ident, count)
 
 
+ALIGN = None if SIMULATOR else hopper.ALIGN  # the simulator takes no alignment
+
+
+def _up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 def _hopper_or_simulator():
     """wgmma needs sm_90a: on a GPU, a Hopper; the simulator emulates it."""
     from loop_orders.device import runtime
@@ -246,11 +254,12 @@ def _hopper_or_simulator():
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
-@pytest.mark.parametrize("n, ksteps, nv", [(32, 2, 24), (64, 4, 64)])
+@pytest.mark.parametrize("n, ksteps, nv", [(32, 2, 32), (64, 4, 64), (48, 5, 80)])
 def test_wgmma_scores_then_accumulate(kind, n, ksteps, nv, rng):
     """One warpgroup: S = A B^T from shared memory (both K-major), then O = C + P V with P
     the scores rounded to 16 bits from registers and V MN-major, as the Hopper micro-kernel
-    takes them (8 x 8 core matrices, `WgmmaOperand`): against NumPy on the rounded inputs."""
+    takes them (swizzled, `hopper.k_major` and `mn_major`: 32-byte rows at k = 32, 64-byte
+    V rows at nv = 32, 128-byte ones at k, nv = 64): against NumPy on the rounded inputs."""
     if not _hopper_or_simulator():
         pytest.skip("wgmma needs a Hopper GPU (sm_90a)")
     k = 16 * ksteps
@@ -259,24 +268,26 @@ def test_wgmma_scores_then_accumulate(kind, n, ksteps, nv, rng):
     b = rnd(rng.standard_normal((n, k)).astype(np.float32))
     v = rnd(rng.standard_normal((n, nv)).astype(np.float32))
     c = rng.standard_normal((64, nv)).astype(np.float32)
-    op_a = ptx.WgmmaOperand(64, 8 * k)  # rows of 8 x k blocks, core matrices along k first
-    op_v = ptx.WgmmaOperand(8 * nv, 64, mn_major=True)  # V's rows (keys) are the K of P V
-    a_at, b_at, v_at = 0, 64 * k, 64 * k + n * k
-    tile_host = np.zeros(64 * k + n * k + n * nv, np.float32)
-    tile_host[a_at + op_a.offsets(64, k)] = a
-    tile_host[b_at + op_a.offsets(n, k)] = b
-    tile_host[v_at + op_v.offsets(nv, n)] = v.T
+    op_a, op_b = hopper.k_major(64, k), hopper.k_major(n, k)
+    op_v = hopper.mn_major(n, nv)  # V's rows (keys) are the K of P V
+    # each operand from a multiple of 1024 bytes (where the swizzle's pattern starts)
+    a_at, b_at = 0, _up(64 * k, 512)
+    v_at = b_at + _up(n * k, 512)
+    tile_host = np.zeros(v_at + n * nv, np.float32)
+    tile_host[op_a.addresses(a_at, 64, k)] = a
+    tile_host[op_b.addresses(b_at, n, k)] = b
+    tile_host[op_v.addresses(v_at, nv, n)] = v.T
     bits = tile_host.astype(np.float16) if kind == "f16" else \
         (tile_host.view(np.uint32) >> 16).astype(np.uint16)
     size = bits.size
-    scores = ptx.wgmma_scores(kind, n, ksteps, op_a, op_a)
+    scores = ptx.wgmma_scores(kind, n, ksteps, op_a, op_b)
     ns, nacc = n // 2, nv // 2  # a thread's scores, accumulators (constants for the kernel)
     accumulate = ptx.wgmma_accumulate(kind, nv, n // 16, op_v)
 
     @cuda.jit
     def kernel(src, c, s_out, o_out):
         thread = cuda.threadIdx.x
-        tile = cuda.shared.array(size, bits.dtype)
+        tile = cuda.shared.array(size, bits.dtype, alignment=ALIGN)
         for e in range(thread, size, 128):
             tile[e] = src[e]
         ptx.fence_async_shared()  # the stores are seen by wgmma's reads ...

@@ -58,9 +58,9 @@ Named barriers, for warps that split a CTA's work (`warp_specialised`): barrier 
         writes before either are seen by the threads that sync on the same barrier after.
 
 Hopper's warpgroup products (sm_90a; `hopper`, the Hopper micro-kernel), warpgroup-collective:
-the 128 threads of warps 4 h .. 4 h + 3 call them together. A shared operand is a matrix of
-8 x 8 core matrices, each 128 contiguous bytes (`WgmmaOperand`: no swizzle), whose address
-the instruction reads through a 64-bit descriptor (start, leading and stride byte offsets).
+the 128 threads of warps 4 h .. 4 h + 3 call them together. A shared operand is a matrix in
+rows of 32, 64 or 128 bytes, swizzled (`WgmmaOperand`), whose address the instruction reads
+through a 64-bit descriptor (start, leading and stride byte offsets, swizzle mode).
 The accumulator fragments are mma.sync's C, warp 4 h + u holding rows 16 u .. 16 u + 15 of
 the warpgroup's 64: d[4 n + 2 a + c] = D[16 u + g + 8 a, 8 n + 2 t + c].
 
@@ -114,22 +114,52 @@ FULL_MASK = 0xFFFFFFFF
 WARPGROUP = 128  # threads of a warpgroup: the wgmma products' collective
 
 
-class WgmmaOperand(NamedTuple):
-    """A wgmma operand in shared memory without swizzle: 8 x 8 core matrices of 16-bit
-    elements, each 128 contiguous bytes; `lbo` elements between core matrices along K, `sbo`
-    along M (N). K-major (`mn_major` False): a core matrix's 16-byte rows run along K, so
-    element (mn, k) is at (mn // 8) sbo + (k // 8) lbo + 8 (mn % 8) + k % 8; MN-major: its rows
-    run along M (N), (mn // 8) sbo + (k // 8) lbo + 8 (k % 8) + mn % 8."""
+SWIZZLE_MODES = {64: 1, 32: 2, 16: 3}  # a swizzled row's elements -> the descriptor's mode
 
-    lbo: int
-    sbo: int
+
+class WgmmaOperand(NamedTuple):
+    """A wgmma operand in shared memory, swizzled (TMA's and CUTLASS's canonical layouts):
+    rows of `width` 16-bit elements (64, 32 or 16: the 128-, 64- and 32-byte swizzles) one
+    after another, the 16-byte chunks of each permuted by the address bits above them
+    (`swizzled`); a matrix wider than `width` in column blocks `block` elements apart.
+    K-major (`mn_major` False): a row is one index of M (N), its columns run along K; MN-major:
+    a row is one index of K, its columns run along M (N). The pattern repeats every 8 rows,
+    from addresses that are multiples of 8 rows' bytes (1024 at the 128-byte swizzle): a
+    block must start at one."""
+
+    width: int
+    block: int
     mn_major: bool = False
 
-    def offsets(self, mn: int, k: int) -> np.ndarray:
-        """Element offsets of the operand's (mn x k) elements from its first."""
+    def element(self, mn, k):
+        """Element (mn, k)'s offset from the operand's first, before the swizzle."""
+        row, col = (k, mn) if self.mn_major else (mn, k)
+        return (col // self.width) * self.block + row * self.width + col % self.width
+
+    def k_step(self, kk: int) -> int:
+        """Where k-step kk's 16 columns of K start, in elements from the operand's first."""
+        return int(self.element(0, 16 * kk))
+
+    def addresses(self, at: int, mn: int, k: int) -> np.ndarray:
+        """The elements that hold the operand's (mn x k) values when it starts at element
+        `at` of a 1024-byte-aligned shared buffer."""
         r, c = np.meshgrid(np.arange(mn), np.arange(k), indexing="ij")
-        inner = 8 * (c % 8) + r % 8 if self.mn_major else 8 * (r % 8) + c % 8
-        return (r // 8) * self.sbo + (c // 8) * self.lbo + inner
+        return swizzled(at + self.element(r, c), self.width)
+
+    def descriptor_fields(self) -> int:
+        """The descriptor's bits other than the start address: the leading byte offset (an
+        MN-major operand's column blocks; unused K-major, 16), the stride byte offset (8
+        rows), the swizzle mode."""
+        lbo = 2 * self.block if self.mn_major else 16
+        return ((lbo >> 4) << 16 | (16 * self.width >> 4) << 32
+                | SWIZZLE_MODES[self.width] << 62)
+
+
+def swizzled(e, width: int):
+    """Where element e (from a 1024-byte-aligned base) of a tile in rows of `width` 16-bit
+    elements lies: the 16-byte chunk bits of its address XOR the row bits above them (a
+    row's chunks land in different banks, as TMA and wgmma swizzle them)."""
+    return e ^ (((e >> 6) & (width // 8 - 1)) << 3)
 
 
 def _check_wgmma(kind: str, n: int, ksteps: int) -> None:
@@ -411,13 +441,13 @@ if SIMULATOR:
     def wgmma_scores(kind: str, n: int, ksteps: int, a: WgmmaOperand, b: WgmmaOperand,
                      wait: bool = True):
         _check_wgmma(kind, n, ksteps)  # the emulation is done when it returns, waited or not
-        a_index, b_index = a.offsets(64, 16 * ksteps), b.offsets(n, 16 * ksteps)
 
         def scores(d, tile, a_at, b_at):
             def product(ats):
                 a0, b0 = ats[0]
-                return (_tile_values(tile, a0 + a_index, kind)
-                        @ _tile_values(tile, b0 + b_index, kind).T).astype(np.float32)
+                return (_tile_values(tile, a.addresses(a0, 64, 16 * ksteps), kind)
+                        @ _tile_values(tile, b.addresses(b0, n, 16 * ksteps), kind).T
+                        ).astype(np.float32)
 
             for e, x in enumerate(_fragment_of(_group_gather((int(a_at), int(b_at)), product,
                                                               WARPGROUP), n)):
@@ -427,7 +457,6 @@ if SIMULATOR:
 
     def wgmma_accumulate(kind: str, n: int, ksteps: int, b: WgmmaOperand, wait: bool = True):
         _check_wgmma(kind, n, ksteps)
-        b_index = b.offsets(n, 16 * ksteps)
 
         def accumulate(d, p, tile, b_at):
             def product(parts):
@@ -441,7 +470,7 @@ if SIMULATOR:
                     for e, x in enumerate(ds):
                         j, a, c = e // 4, (e % 4) // 2, e % 2
                         C[16 * u + g + 8 * a, 8 * j + 2 * t + c] = x
-                B = _tile_values(tile, parts[0][3] + b_index, kind)
+                B = _tile_values(tile, b.addresses(parts[0][3], n, 16 * ksteps), kind)
                 return (A @ B.T + C).astype(np.float32)
 
             thread = threading.current_thread().thread_id % WARPGROUP
@@ -703,18 +732,17 @@ else:
     def _descriptor(builder, address, op: WgmmaOperand):
         """The 64-bit matrix descriptor of an operand at a 32-bit shared address: bits 0-13
         the address / 16, 16-29 the leading byte offset / 16, 32-45 the stride byte offset
-        / 16, 62-63 the swizzle (0: none)."""
+        / 16, 62-63 the swizzle (`WgmmaOperand.descriptor_fields`)."""
         i64 = ir.IntType(64)
         start = builder.and_(builder.lshr(builder.zext(address, i64), ir.Constant(i64, 4)),
                              ir.Constant(i64, 0x3FFF))
-        offsets = (2 * op.lbo >> 4) << 16 | (2 * op.sbo >> 4) << 32
-        return builder.or_(start, ir.Constant(i64, offsets))
+        return builder.or_(start, ir.Constant(i64, op.descriptor_fields()))
 
     def _k_step_descriptors(builder, desc, op: WgmmaOperand, ksteps: int):
-        """The descriptors of k-steps 0 .. ksteps - 1: 16 elements (two core matrices, 2 lbo
-        elements) along K apiece."""
+        """The descriptors of k-steps 0 .. ksteps - 1: the start moved to each step's 16
+        columns of K (`WgmmaOperand.k_step`; the swizzle applies to the address read)."""
         i64 = ir.IntType(64)
-        return [builder.add(desc, ir.Constant(i64, (4 * op.lbo * kk) >> 4))
+        return [builder.add(desc, ir.Constant(i64, (2 * op.k_step(kk)) >> 4))
                 for kk in range(ksteps)]
 
     def _local_pointers(context, builder, aryty, ary, count: int):

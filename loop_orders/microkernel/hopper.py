@@ -22,13 +22,15 @@ product P_i,j-1 V_j-1 is issued beside S_ij and left to run under S_ij's softmax
     wait for S_ij (one group may run on); m, l, P_ij from it
     wait for P_i,j-1 V_j-1; acc *= 2^(m_old - m_new)
 
-The tiles lie in shared memory as 8 x 8 core matrices of 128 contiguous bytes, which is what
-wgmma reads without a swizzle: element (r, c) of a tile of C columns (padded to 16) at
-(r // 8) 8 C + (c // 8) 64 + 8 (r % 8) + c % 8. One layout serves all three tiles: Q_i and
-K_j as K-major operands (core matrices 64 elements apart along the head dims, 8 C apart along
-rows), V_j as an MN-major one (8 C apart along its keys, 64 along its dims). Rows arrive by
-cp.async, 16 bytes (a core matrix's row) a copy; eight consecutive threads fill one core
-matrix's 128 bytes, so a warp's copies land in 32 different banks.
+The tiles lie in shared memory swizzled, as TMA writes them and as FlashAttention-3's
+and CUTLASS's layouts do: rows of W = 64 elements (128 bytes; 32 or 16 where the columns do
+not come in 64s), one after another, in column blocks of W; the 16-byte chunk c of row r of
+a block at chunk c XOR (r mod 8) (at the 128-byte swizzle: `intrinsics.swizzled`). One
+layout serves all three tiles: Q_i and K_j as K-major operands, V_j as an MN-major one (its
+rows are the keys, the K of P V_j). Rows arrive by cp.async, 16 bytes a copy: consecutive
+threads take consecutive chunks of a row, so a warp reads whole 128-byte lines of HBM and,
+the chunks of a row swizzled apart, writes all 32 banks at once. A pattern repeats every 8
+rows from multiples of 1024 bytes (`ALIGN`): the buffer and every tile start at one.
 
 Whole 16s of head dims, rows in 64s and keys in 16s (`supports`): other tiles run on mma.sync.
 """
@@ -54,6 +56,7 @@ from ..device.runtime import cuda, inlined
 
 WARPGROUP_ROWS = 64  # query rows of one warpgroup: the m of wgmma m64nNk16
 CORE = 8  # a core matrix is 8 x 8 elements
+ALIGN = 1024  # bytes: the 128-byte swizzle's pattern (8 rows) repeats from multiples of it
 OPERAND_KINDS = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -66,53 +69,68 @@ def supports(dtype: str, block_q: int, block_k: int, d: int, dv: int) -> bool:
             and d % 16 == 0 and dv % 16 == 0 and d <= 256 and dv <= 256)
 
 
-def k_major(cols: int) -> WgmmaOperand:
-    """A tile of `cols` columns (its K) read as a K-major operand."""
-    return WgmmaOperand(lbo=CORE * CORE, sbo=CORE * cols)
+def swizzle_width(cols: int) -> int:
+    """Elements in a swizzled row of a tile of `cols` columns (a whole 16): 64 (128-byte
+    swizzle) where they come in whole 64s, else 32, else 16."""
+    return next(w for w in (64, 32, 16) if cols % w == 0)
 
 
-def mn_major(cols: int) -> WgmmaOperand:
-    """A tile of `cols` columns (its N) read as an MN-major operand: its rows are the K."""
-    return WgmmaOperand(lbo=CORE * cols, sbo=CORE * CORE, mn_major=True)
+def k_major(rows: int, cols: int) -> WgmmaOperand:
+    """A tile of `rows` x `cols` read as a K-major operand (its columns are the K)."""
+    width = swizzle_width(cols)
+    return WgmmaOperand(width, rows * width)
+
+
+def mn_major(rows: int, cols: int) -> WgmmaOperand:
+    """A tile of `rows` x `cols` read as an MN-major operand: its rows are the K."""
+    width = swizzle_width(cols)
+    return WgmmaOperand(width, rows * width, mn_major=True)
 
 
 @cache
-def make_blocked_copier(ROWS: int, COLS: int, THREADS: int):
+def make_swizzled_copier(ROWS: int, COLS: int, THREADS: int):
     """copy_rows(tile, at, src, bh, row0, n_rows): rows row0 .. row0 + ROWS - 1 of src[bh]
-    (COLS columns, a multiple of 8; ROWS a multiple of 8) into the tile at `at` in 8 x 8 core
-    matrices, by cp.async (16 bytes, one core-matrix row, a copy; rows past n_rows zero), as
-    one commit group; returns the elements this thread counts (thread 0 counts n_rows COLS).
-    Copy e takes core-matrix row e % 8 of chunk (e // 8) % CH of row block e // (8 CH)."""
+    (COLS columns, a whole 16; ROWS a whole 8) into the swizzled tile at `at` (`k_major`'s
+    and `mn_major`'s layout, `at` where a pattern starts), by cp.async (16 bytes a copy; rows
+    past n_rows zero), as one commit group; returns the elements this thread counts (thread 0
+    counts n_rows COLS). Copy e takes chunk e % CH of row e // CH: a warp reads whole rows
+    (full 128-byte lines of HBM) and, the chunks of a row swizzled apart, writes 32 banks."""
     CH = COLS // CORE  # 16-byte chunks of a row
+    W = swizzle_width(COLS)
+    PER_ROW = W // CORE  # chunks of a swizzled row
+    SHIFT = {64: 0, 32: 1, 16: 2}[W]  # row >> SHIFT: the bits a row's chunks XOR
+    BLOCK = ROWS * W  # elements between column blocks
     TRIPS = -(-ROWS * CH // THREADS)
-    # every trip copies the same chunk of rows a constant step on: addresses are the first
-    # trip's plus constants
-    STEADY = THREADS % (CORE * CH) == 0 and ROWS * CH % THREADS == 0
+    # every trip copies the same chunk of rows a whole number of patterns (8 rows) on:
+    # addresses are the first trip's plus constants
     RSTEP = THREADS // CH  # rows a trip steps, where STEADY
-    BLOCK = CORE * COLS  # elements of a row block (8 rows)
+    STEADY = THREADS % CH == 0 and RSTEP % CORE == 0 and ROWS % RSTEP == 0
+
+    @inlined
+    def slot(r, c):
+        """Where chunk c of row r lies from the tile's start."""
+        q = (c % uint32(PER_ROW)) ^ ((r >> uint32(SHIFT)) % uint32(PER_ROW))
+        return (uint64(c // uint32(PER_ROW)) * uint64(BLOCK) + uint64(r) * uint64(W)
+                + uint64(CORE) * uint64(q))
 
     @inlined
     def copy_rows(tile, at, src, bh, row0, n_rows):
         t = uint32(cuda.threadIdx.x)
         if STEADY and n_rows == ROWS:  # a full tile
-            r8, c = t % uint32(CORE), (t // uint32(CORE)) % uint32(CH)
-            rb = t // uint32(CORE * CH)
-            dst = at + uint64(rb) * uint64(BLOCK) + uint64(c) * uint64(64) + uint64(8) * r8
-            col = uint64(rb * uint32(CORE) + r8) * uint64(COLS) + uint64(CORE) * uint64(c)
+            r, c = t // uint32(CH), t % uint32(CH)
+            dst = at + slot(r, c)
+            col = uint64(r) * uint64(COLS) + uint64(CORE) * uint64(c)
             for u in range(TRIPS):
-                cp_async16(tile, dst + uint64(u * RSTEP * COLS), src, bh, row0,
+                cp_async16(tile, dst + uint64(u * RSTEP * W), src, bh, row0,
                            col + uint64(u * RSTEP * COLS), 16, COLS)
-        else:  # a tail tile, or chunks the CTA does not cover evenly
+        else:  # a tail tile, or rows the CTA does not cover evenly
             for u in range(TRIPS):
                 e = t + uint32(u * THREADS)
                 if e < uint32(ROWS * CH):
-                    r8, c = e % uint32(CORE), (e // uint32(CORE)) % uint32(CH)
-                    r = (e // uint32(CORE * CH)) * uint32(CORE) + r8
+                    r, c = e // uint32(CH), e % uint32(CH)
                     inside = r < uint32(n_rows)
                     src_row = row0 + (r if inside else uint32(0))  # a row that exists
-                    dst = (at + uint64(r // uint32(CORE)) * uint64(BLOCK) + uint64(c) * uint64(64)
-                           + uint64(8) * r8)
-                    cp_async16(tile, dst, src, bh, src_row, uint32(CORE) * c,
+                    cp_async16(tile, at + slot(r, c), src, bh, src_row, uint32(CORE) * c,
                                16 if inside else 0, COLS)
         cp_async_commit()
         return n_rows * COLS if t == 0 else 0
@@ -142,17 +160,19 @@ class WgmmaProducts(NamedTuple):
 
 
 @cache
-def make_wgmma_products(DTYPE: str, KP: int, QC: int, VC: int, Q: int) -> WgmmaProducts:
-    """S = Q_i K_j^T and acc += P V_j for tiles of KP keys, QC head dims of Q and K, VC of V
-    (each a whole 16), Q_i at element Q of the tiles."""
+def make_wgmma_products(DTYPE: str, BR: int, KP: int, QC: int, VC: int,
+                        Q: int) -> WgmmaProducts:
+    """S = Q_i K_j^T and acc += P V_j for tiles of BR query rows, KP keys, QC head dims of Q
+    and K, VC of V (each a whole 16), Q_i at element Q of the tiles."""
     kind = OPERAND_KINDS[DTYPE]
-    product_s = wgmma_scores(kind, KP, QC // 16, k_major(QC), k_major(QC))
-    product_pv = wgmma_accumulate(kind, VC, KP // 16, mn_major(VC))
-    issue_s = wgmma_scores(kind, KP, QC // 16, k_major(QC), k_major(QC), wait=False)
-    issue_pv = wgmma_accumulate(kind, VC, KP // 16, mn_major(VC), wait=False)
+    q_op, k_op, v_op = k_major(BR, QC), k_major(KP, QC), mn_major(KP, VC)
+    product_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op)
+    product_pv = wgmma_accumulate(kind, VC, KP // 16, v_op)
+    issue_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op, wait=False)
+    issue_pv = wgmma_accumulate(kind, VC, KP // 16, v_op, wait=False)
     s_landed, s_landed_behind = wgmma_wait(0, KP // 2), wgmma_wait(1, KP // 2)
     acc_landed = wgmma_wait(0, VC // 2)
-    Q_ROWS = WARPGROUP_ROWS * QC  # elements of a warpgroup's rows of Q_i
+    Q_ROWS = WARPGROUP_ROWS * q_op.width  # where a warpgroup's rows start in each block
 
     @inlined
     def q_of(w):

@@ -225,7 +225,7 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
     Q and K 4 floats over whole 32s (lane 4 g + t reads row g, column t), V's 4 over whole
     16s (lane 4 g + t reads rows 2 t, 2 t + 1, column g)."""
     rows, keys = _up(BR, WARP_ROWS), _up(BC, 16)
-    if spec.wgmma:  # core-matrix tiles (`hopper`): no padding, whole 16s of head dims
+    if spec.wgmma:  # swizzled tiles (`hopper`): no padding, whole 16s of head dims
         qs, ks, vs = D, D, DV
     elif spec.tf32:
         qs, ks, vs = _up(D, 32) + 4, _up(D, 32) + 4, _up(DV, 16) + 4
@@ -233,6 +233,8 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
         qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
     k = rows * qs
     v = k + spec.stages * keys * ks
+    if spec.wgmma:  # a swizzled tile starts where the pattern does (`hopper.ALIGN` bytes)
+        v = _up(v, hopper.ALIGN // spec.itemsize)
     elements = v + spec.stages * keys * vs
     tiles = _up(-(-elements * spec.itemsize // 4), 4)  # floats, 16-byte aligned
     os = _up(DV, 4)
@@ -279,6 +281,7 @@ def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     NT = 32 * -(-BR // WARP_ROWS)
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     ELEMENT = _tile_type("float32" if SPEC.tf32 else SPEC.dtype)
+    ALIGN = hopper.ALIGN  # a constant of the kernel (a module attribute is not)
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -288,6 +291,8 @@ def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     @cuda.jit(device=True, inline="always")
     def tiles():
         """The buffer in the tiles' element type (dynamic shared arrays alias)."""
+        if SPEC.wgmma and not SIMULATOR:  # swizzled tiles from a pattern's start
+            return cuda.shared.array(0, ELEMENT, alignment=ALIGN)
         return cuda.shared.array(0, ELEMENT)
 
     @inlined
@@ -347,9 +352,9 @@ def make_tc_tile_loader(R: int, C: int, AT: int, S: int, STAGE: int, NT: int, PE
 
 @cache
 def make_wgmma_tile_loader(R: int, C: int, AT: int, STAGE: int, NT: int, tiles):
-    """load(src, bh, row0, n_rows, stage): as `make_tc_tile_loader`'s, into a core-matrix tile
-    (`hopper.make_blocked_copier`) for the wgmma products."""
-    copy_rows = hopper.make_blocked_copier(R, C, NT)
+    """load(src, bh, row0, n_rows, stage): as `make_tc_tile_loader`'s, into a swizzled tile
+    (`hopper.make_swizzled_copier`) for the wgmma products."""
+    copy_rows = hopper.make_swizzled_copier(R, C, NT)
 
     @inlined
     def load(src, bh, row0, n_rows, stage):
@@ -605,7 +610,7 @@ def make_tc_operands(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     base, io = make_tc_basics(*sizes), make_tc_loads(*sizes)
     if SPEC.wgmma:
         sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
-        wg = hopper.make_wgmma_products(SPEC.dtype, _up(BC, 16), D, DV, sm.q)
+        wg = hopper.make_wgmma_products(SPEC.dtype, BR, _up(BC, 16), D, DV, sm.q)
         products = TcProducts(wg.scores, wg.accumulate)
     elif SPEC.tf32:
         products = TcProducts(make_tf32_scores(*sizes), make_tf32_accumulate(*sizes))
@@ -806,7 +811,7 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
     K_STAGE, V_STAGE = KP * sm.ks, KP * sm.vs  # elements between K/V buffers
     base = make_tc_basics(BR, BC, D, DV, SPEC)
     tiles, coords, local_row = base.tiles, base.coords, base.local_row
-    wg = hopper.make_wgmma_products(SPEC.dtype, KP, D, DV, sm.q)
+    wg = hopper.make_wgmma_products(SPEC.dtype, BR, KP, D, DV, sm.q)
     scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
     wait_scores, wait_accumulate, accumulate = wg.wait_scores, wg.wait_accumulate, wg.accumulate
     sc = make_tc_scaling(NKT, MASK.left >= 0)
