@@ -56,6 +56,22 @@ Named barriers, for warps that split a CTA's work (`warp_specialised`): barrier 
     named_barrier(ident, count) -> (sync, arrive)  sync(): arrive and wait until `count`
         threads have arrived (bar.sync); arrive(): arrive and go on (bar.arrive). Memory
         writes before either are seen by the threads that sync on the same barrier after.
+    turn_barrier(count) -> (sync, arrive)         the same with the id a value of the
+        kernel's (sync(ident), arrive(ident)): warpgroups that take turns each name theirs
+
+Memory barriers (mbarrier) in shared memory, 8 bytes at an element offset of a shared array
+that is a multiple of 8 bytes: a phase completes when `count` arrivals have come, and the
+next begins; waiting names the parity of the phase it waits for (0, 1, 0, ...):
+
+    mbarrier_init(tile, at, count)                one thread, before any other uses it (a
+                                                  __syncthreads between)
+    mbarrier_arrive(tile, at)                     this thread arrives (release: its writes
+                                                  before are seen by whoever waits after)
+    cp_async_arrive(tile, at)                     this thread arrives once every cp.async it
+                                                  issued before has landed (.noinc: one of
+                                                  the `count`)
+    mbarrier_wait(tile, at, parity)               wait until the phase of that parity has
+                                                  completed (acquire)
 
 Hopper's warpgroup products (sm_90a; `hopper`, the Hopper micro-kernel), warpgroup-collective:
 the 128 threads of warps 4 h .. 4 h + 3 call them together. A shared operand is a matrix in
@@ -417,6 +433,56 @@ if SIMULATOR:
 
         return sync, arrive
 
+    def turn_barrier(count: int):
+        def sync(ident):
+            _barrier_of_block(int(ident), count).reach(True)
+
+        def arrive(ident):
+            _barrier_of_block(int(ident), count).reach(False)
+
+        return sync, arrive
+
+    class _MemoryBarrier:
+        """One mbarrier: a phase completes when `count` arrivals have come."""
+
+        def __init__(self, count: int):
+            self.count, self.pending, self.phase = count, count, 0
+            self.cond = threading.Condition()
+
+        def arrive(self):
+            with self.cond:
+                self.pending -= 1
+                if self.pending == 0:
+                    self.pending, self.phase = self.count, self.phase + 1
+                    self.cond.notify_all()
+
+        def wait(self, parity: int):
+            """Until the phase of this parity has completed: the current one is the other's
+            (or a later one of its own, which a correct kernel never lets happen)."""
+            with self.cond:
+                if not self.cond.wait_for(lambda: self.phase % 2 != parity,
+                                          timeout=_GATHER_TIMEOUT_S):
+                    raise RuntimeError("mbarrier: its arrivals never came")
+
+    def _memory_barrier(at) -> _MemoryBarrier:
+        bar = threading.current_thread()._manager.__dict__.get(("mbarrier", int(at)))
+        if bar is None:
+            raise RuntimeError(f"mbarrier at {int(at)}: used before mbarrier_init")
+        return bar
+
+    def mbarrier_init(tile, at, count):
+        block = threading.current_thread()._manager.__dict__
+        block[("mbarrier", int(at))] = _MemoryBarrier(int(count))
+
+    def mbarrier_arrive(tile, at):
+        _memory_barrier(at).arrive()
+
+    def cp_async_arrive(tile, at):
+        _memory_barrier(at).arrive()  # the emulated copies have landed already
+
+    def mbarrier_wait(tile, at, parity):
+        _memory_barrier(at).wait(int(parity))
+
     def _as_kind(x, kind):
         """float values rounded to KIND (nearest, ties to even), as float64."""
         x = np.asarray(x, np.float32)
@@ -720,6 +786,60 @@ else:
         _check_barrier(ident, count)
         return (_void_asm(f"bar.sync {ident}, {count};"),
                 _void_asm(f"bar.arrive {ident}, {count};"))
+
+    def _id_barrier(op: str, count: int):
+        @intrinsic
+        def barrier(typingctx, ident):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32]),
+                                   f"bar.{op} $0, {count};", "r,~{memory}", side_effect=True)
+                builder.call(asm, [context.cast(builder, args[0], sig.args[0], types.uint32)])
+                return context.get_dummy_value()
+
+            return types.void(ident), codegen
+
+        return barrier
+
+    @functools.cache
+    def turn_barrier(count: int):
+        if count <= 0 or count % 32 or count > 1024:
+            raise ValueError(f"turn barrier of {count} threads: whole warps up to 1024")
+        return _id_barrier("sync", count), _id_barrier("arrive", count)
+
+    def _shared_asm(text: str, with_value: bool = False):
+        """An instruction on the shared address of tile[at] ($0), and with_value a 32-bit
+        value ($1)."""
+        def emit(context, builder, sig, args):
+            addr = _shared_address(context, builder, sig.args[0], args[0], args[1],
+                                   sig.args[1])
+            vals = [context.cast(builder, x, t, types.uint32)
+                    for x, t in zip(args[2:], sig.args[2:], strict=True)]
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32] * (1 + len(vals))),
+                               text, "r," + "r," * len(vals) + "~{memory}", side_effect=True)
+            builder.call(asm, [addr, *vals])
+            return context.get_dummy_value()
+
+        if with_value:
+            @intrinsic
+            def op_value(typingctx, tile, at, value):
+                return types.void(tile, at, value), emit
+
+            return op_value
+
+        @intrinsic
+        def op(typingctx, tile, at):
+            return types.void(tile, at), emit
+
+        return op
+
+    mbarrier_init = _shared_asm("mbarrier.init.shared.b64 [$0], $1;", True)
+    mbarrier_arrive = _shared_asm(
+        "{ .reg .b64 state; mbarrier.arrive.shared.b64 state, [$0]; }")
+    cp_async_arrive = _shared_asm("cp.async.mbarrier.arrive.noinc.shared.b64 [$0];")
+    # a loop, in a block of its own so that each copy's labels are its own
+    mbarrier_wait = _shared_asm(
+        "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared.b64 done, [$0], $1; "
+        "@!done bra WAIT; }", True)
 
     @inlined
     def vote_any(x):

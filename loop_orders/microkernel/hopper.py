@@ -45,9 +45,14 @@ from numba import uint32, uint64
 from ..device.intrinsics import (
     WgmmaOperand,
     cp_async16,
+    cp_async_arrive,
     cp_async_commit,
     cp_async_wait_all,
     fence_async_shared,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_wait,
+    turn_barrier,
     wgmma_accumulate,
     wgmma_scores,
     wgmma_wait,
@@ -57,6 +62,8 @@ from ..device.runtime import cuda, inlined
 WARPGROUP_ROWS = 64  # query rows of one warpgroup: the m of wgmma m64nNk16
 CORE = 8  # a core matrix is 8 x 8 elements
 ALIGN = 1024  # bytes: the 128-byte swizzle's pattern (8 rows) repeats from multiples of it
+K_BUFFERS, V_BUFFERS = 2, 3  # the pipelined K/V loop's ring (`make_stage_ring`)
+RING_BARRIERS = 2 * (K_BUFFERS + V_BUFFERS)  # a landed and a free mbarrier a buffer
 OPERAND_KINDS = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -210,3 +217,106 @@ def make_wgmma_products(DTYPE: str, BR: int, KP: int, QC: int, VC: int,
 
     return WgmmaProducts(scores, accumulate, scores_ahead, accumulate_ahead, wait_scores,
                          wait_accumulate)
+
+
+class StageRing(NamedTuple):
+    """The pipelined K/V loop's buffers and turns (`make_stage_ring`), each taking the
+    float32 buffer first; `use` counts a buffer's fills from 0, and a warpgroup's calls come
+    in the loop's order."""
+
+    begin: object  # begin(buf): barriers set up; the kernel's copies (K_j0, Q_i) K buffer 0's
+    k_copied: object  # k_copied(buf, s): this thread's copies into K buffer s, once landed
+    v_copied: object  # v_copied(buf, s)
+    k_landed: object  # k_landed(buf, s, use): every thread's copies of that fill landed
+    v_landed: object  # v_landed(buf, s, use)
+    k_free: object  # k_free(buf, s): this thread is done reading K buffer s's latest fill
+    v_free: object  # v_free(buf, s)
+    k_freed: object  # k_freed(buf, s, use): every thread is done with that fill
+    v_freed: object  # v_freed(buf, s, use)
+    take_turn: object  # take_turn(): this warpgroup's turn at the tensor cores
+    pass_turn: object  # pass_turn(): the next warpgroup's turn
+    end: object  # end(): the turns balanced (every bar.arrive met by a bar.sync)
+
+
+@cache
+def make_stage_ring(AT: int, NT: int) -> StageRing:
+    """The mbarriers (at float AT of the buffer, 8 bytes each: the K buffers' landed, the V
+    buffers' landed, the K buffers' free, the V buffers' free) and the warpgroups' turns of a
+    CTA of NT threads. No CTA-wide barrier in the K/V loop: a fill is waited for by whoever
+    reads it and a buffer refilled once all have released it, so the warpgroups run apart,
+    each issuing its products on its turn (FlashAttention-3's ping-pong: one warpgroup's
+    softmax under the other's products; bar.sync / bar.arrive 1 + warpgroup)."""
+    NWG = NT // 128  # warpgroups
+    turn_sync, turn_arrive = turn_barrier(256)  # the one taking its turn, the one passing it
+    K_LANDED, V_LANDED = AT, AT + 2 * K_BUFFERS
+    K_FREE, V_FREE = V_LANDED + 2 * V_BUFFERS, V_LANDED + 2 * (V_BUFFERS + K_BUFFERS)
+
+    @inlined
+    def at(first, s):
+        return uint32(first) + uint32(2) * uint32(s)
+
+    @inlined
+    def warpgroup():
+        return uint32(cuda.threadIdx.x) // uint32(128)
+
+    @inlined
+    def begin(buf):
+        if cuda.threadIdx.x == 0:
+            for e in range(RING_BARRIERS):
+                mbarrier_init(buf, uint32(AT + 2 * e), NT)
+        cuda.syncthreads()  # the barriers are set up before any thread arrives at them
+        cp_async_arrive(buf, uint32(K_LANDED))
+        if NWG > 1 and warpgroup() == uint32(NWG - 1):
+            turn_arrive(1)  # the first warpgroup's first turn
+
+    @inlined
+    def k_copied(buf, s):
+        cp_async_arrive(buf, at(K_LANDED, s))
+
+    @inlined
+    def v_copied(buf, s):
+        cp_async_arrive(buf, at(V_LANDED, s))
+
+    @inlined
+    def k_landed(buf, s, use):
+        mbarrier_wait(buf, at(K_LANDED, s), use & 1)
+        fence_async_shared()  # the copies seen by wgmma's reads (the asynchronous proxy)
+
+    @inlined
+    def v_landed(buf, s, use):
+        mbarrier_wait(buf, at(V_LANDED, s), use & 1)
+        fence_async_shared()
+
+    @inlined
+    def k_free(buf, s):
+        mbarrier_arrive(buf, at(K_FREE, s))
+
+    @inlined
+    def v_free(buf, s):
+        mbarrier_arrive(buf, at(V_FREE, s))
+
+    @inlined
+    def k_freed(buf, s, use):
+        mbarrier_wait(buf, at(K_FREE, s), use & 1)
+
+    @inlined
+    def v_freed(buf, s, use):
+        mbarrier_wait(buf, at(V_FREE, s), use & 1)
+
+    @inlined
+    def take_turn():
+        if NWG > 1:
+            turn_sync(uint32(1) + warpgroup())
+
+    @inlined
+    def pass_turn():
+        if NWG > 1:
+            turn_arrive(uint32(1) + (warpgroup() + uint32(1)) % uint32(NWG))
+
+    @inlined
+    def end():
+        if NWG > 1 and warpgroup() == uint32(0):
+            turn_sync(1)  # the last warpgroup passed the turn once more than it took it
+
+    return StageRing(begin, k_copied, v_copied, k_landed, v_landed, k_free, v_free, k_freed,
+                     v_freed, take_turn, pass_turn, end)

@@ -158,6 +158,9 @@ class MicroKernel(NamedTuple):
                                       arguments, no product behind); after the last tile,
                                       the caller's wait and barrier for V_j, then
     fold_last(buf, acc, p, v_stage)   acc += P_ij V_j
+    ring                              the K/V buffers' mbarriers and the warpgroups' turns
+                                      (`hopper.StageRing`): K_j in buffer t % K_BUFFERS,
+                                      V_j in t % V_BUFFERS (t = j - j0)
     NS                                a thread's scores (p's size)
     """
 
@@ -190,6 +193,7 @@ class MicroKernel(NamedTuple):
     weigh_first: object = None
     weigh_ahead: object = None
     fold_last: object = None
+    ring: object = None
     NS: int = 0
 
 

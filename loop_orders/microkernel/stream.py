@@ -5,7 +5,8 @@ it (q_outer's kernel, split_kv's partial pass), over any forward micro-kernel (`
     for j in j0 .. j1 - 1:                     # fold_tiles
         load K_j, V_j                          # one buffer, or two (K_j+1, V_j+1 landing
         online-softmax update with S_ij        #   under K_j, V_j's arithmetic), or staggered,
-                                               #   or pipelined (P V_j a tile behind)
+                                               #   or pipelined (P V_j a tile behind, a ring
+                                               #   of buffers, warpgroups taking turns)
 
 Each load adds the elements it moved to its counter slot in a counted build.
 """
@@ -18,6 +19,7 @@ from numba import float32, int32
 
 from ..core.ledger import slot
 from ..device.runtime import cuda, inlined
+from . import hopper
 
 Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
 
@@ -81,6 +83,11 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
     # where mk.PIPELINED
     weigh_first, weigh_ahead, fold_last = mk.weigh_first, mk.weigh_ahead, mk.fold_last
     NS = mk.NS  # a thread's scores: the size of the pipelined update's weights
+    KB, VB = hopper.K_BUFFERS, hopper.V_BUFFERS  # the pipelined ring's buffers
+    ring = mk.ring or hopper.StageRing(*[None] * len(hopper.StageRing._fields))
+    begin, end, k_copied, v_copied = ring.begin, ring.end, ring.k_copied, ring.v_copied
+    k_landed, v_landed, k_freed, v_freed = ring.k_landed, ring.v_landed, ring.k_freed, \
+        ring.v_freed
     online_update, wait_loads = mk.online_update, mk.wait_loads
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
@@ -133,29 +140,39 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
     def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
                             cnt):
         """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) with P_ij V_j a tile behind
-        S_ij (`MicroKernel.PIPELINED`), in two K and two V buffers: K_j+1 and V_j land under
-        tile j's arithmetic, V_j one tile later than K_j (P_i,j-1 V_j-1 still reads V_j-1's
-        buffer then); K_j0 from the kernel, before Q_i."""
+        S_ij (`MicroKernel.PIPELINED`), K_j in K buffer t % KB and V_j in V buffer t % VB
+        (t = j - j0), each fill waited for and each buffer refilled through its mbarriers
+        (`hopper.make_stage_ring`): no CTA-wide barrier, the warpgroups take turns at the
+        tensor cores. K_j+1 and V_j are copied under tile j's arithmetic; K_j0 (with Q_i)
+        comes from the kernel."""
         p = cuda.local.array(NS, float32)  # P_i,j-1: the weights the next update multiplies
-        for j in range(j0, j1):
-            key0 = j * BC
-            wait_loads()
-            # K_j, V_j-1 (and Q_i) are in shared memory for all threads; every thread is done
-            # with K_j-1 and V_j-2 (tile j-1's update waited for P_i,j-2 V_j-2)
-            cuda.syncthreads()
-            if j + 1 < j1:
-                load_K_j_counted(buf, k, bh, key0 + BC, n_k, (j - j0 + 1) % 2, cnt)
-            load_V_j_counted(buf, v, bh, key0, n_k, (j - j0) % 2, cnt)
-            if j == j0:  # nothing to multiply behind S_ij yet
-                weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
-                            scale_log2, 0, 1)
-            else:
-                weigh_ahead(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
-                            scale_log2, (j - j0) % 2, (j - j0 + 1) % 2)
         if j0 < j1:
-            wait_loads()
-            cuda.syncthreads()  # V_j1-1 is in shared memory for all threads
-            fold_last(buf, acc, p, (j1 - 1 - j0) % 2)
+            begin(buf)
+        for j in range(j0, j1):
+            t = j - j0
+            key0 = j * BC
+            if j + 1 < j1:
+                if t + 1 >= KB:  # K_j+1 where K_j+1-KB was, once every thread is done with it
+                    k_freed(buf, (t + 1) % KB, (t + 1 - KB) // KB)
+                load_K_j_counted(buf, k, bh, key0 + BC, n_k, (t + 1) % KB, cnt)
+                k_copied(buf, (t + 1) % KB)
+            if t >= VB:  # V_j where V_j-VB was, likewise
+                v_freed(buf, t % VB, (t - VB) // VB)
+            load_V_j_counted(buf, v, bh, key0, n_k, t % VB, cnt)
+            v_copied(buf, t % VB)
+            k_landed(buf, t % KB, t // KB)  # K_j (and with K_j0, Q_i) in shared memory
+            if t == 0:  # nothing to multiply behind S_ij yet
+                weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
+                            scale_log2, 0, 0)
+            else:
+                v_landed(buf, (t - 1) % VB, (t - 1) // VB)  # V_j-1 in shared memory
+                weigh_ahead(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
+                            scale_log2, t % KB, (t - 1) % VB)
+        if j0 < j1:
+            t = j1 - 1 - j0
+            v_landed(buf, t % VB, t // VB)
+            fold_last(buf, acc, p, t % VB)
+            end()
 
     if mk.PIPELINED:
         return stream_kv_pipelined

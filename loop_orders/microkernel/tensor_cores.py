@@ -116,6 +116,17 @@ class TensorCores(NamedTuple):
         return self.dtype == "tf32x3"
 
     @property
+    def k_buffers(self) -> int:
+        """K_j buffers in shared memory: the pipelined ring's (`hopper.make_stage_ring`), or
+        `stages`."""
+        return hopper.K_BUFFERS if self.pipelined else self.stages
+
+    @property
+    def v_buffers(self) -> int:
+        """V_j buffers: the pipelined ring's, or `stages`."""
+        return hopper.V_BUFFERS if self.pipelined else self.stages
+
+    @property
     def itemsize(self) -> int:
         """Bytes of a tile element in shared memory (the inputs' own)."""
         return 4 if self.tf32 else 2
@@ -211,6 +222,7 @@ class TcSharedLayout(NamedTuple):
     os: int
     stats: int
     size: int  # floats in all
+    bars: int  # the pipelined ring's mbarriers (floats), where TensorCores.pipelined
 
     @property
     def bytes(self) -> int:
@@ -232,10 +244,10 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
     else:
         qs, ks, vs = _up(D, 16) + 8, _up(D, 16) + 8, _up(DV, 16) + 8
     k = rows * qs
-    v = k + spec.stages * keys * ks
+    v = k + spec.k_buffers * keys * ks
     if spec.wgmma:  # a swizzled tile starts where the pattern does (`hopper.ALIGN` bytes)
         v = _up(v, hopper.ALIGN // spec.itemsize)
-    elements = v + spec.stages * keys * vs
+    elements = v + spec.v_buffers * keys * vs
     tiles = _up(-(-elements * spec.itemsize // 4), 4)  # floats, 16-byte aligned
     os = _up(DV, 4)
     # kv_outer's O_i comes back at every visit, beside the tiles; a loop nest that writes O_i
@@ -243,7 +255,11 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
     o = tiles if reload else 0
     stats = o + rows * os
     size = max(tiles, stats) + (2 * rows if reload else 0)
-    return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size)
+    # the pipelined ring's mbarriers (8 bytes each), past all else
+    bars = _up(size, 2)
+    if spec.pipelined:
+        size = bars + 2 * hopper.RING_BARRIERS
+    return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size, bars)
 
 
 class TcOperands(NamedTuple):
@@ -794,14 +810,16 @@ class TcPipelined(NamedTuple):
     weigh_first: object
     weigh_ahead: object
     fold_last: object
+    ring: object  # the K/V loop's buffers and turns (`hopper.StageRing`)
 
 
 @cache
 def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                              MASK: Mask) -> TcPipelined:
-    """weigh_ahead and fold_last (`MicroKernel.PIPELINED`) on Hopper's wgmma: S_ij issued,
-    then P_i,j-1 V_j-1 behind it; S_ij's softmax while that product runs; acc rescaled once
-    it has landed (`hopper`)."""
+    """weigh_ahead and fold_last (`MicroKernel.PIPELINED`) on Hopper's wgmma: on the
+    warpgroup's turn, S_ij issued, then P_i,j-1 V_j-1 behind it; S_ij's softmax while that
+    product runs; acc rescaled once it has landed; K_j and V_j-1 released as their products
+    land (`hopper.make_stage_ring`)."""
     KP = _up(BC, 16)  # keys of a tile, padded
     NKT = KP // 8  # 8-key n-tiles of S
     DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
@@ -812,6 +830,9 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
     base = make_tc_basics(BR, BC, D, DV, SPEC)
     tiles, coords, local_row = base.tiles, base.coords, base.local_row
     wg = hopper.make_wgmma_products(SPEC.dtype, BR, KP, D, DV, sm.q)
+    ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS))
+    take_turn, pass_turn, k_free, v_free = ring.take_turn, ring.pass_turn, ring.k_free, \
+        ring.v_free
     scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
     wait_scores, wait_accumulate, accumulate = wg.wait_scores, wg.wait_accumulate, wg.accumulate
     sc = make_tc_scaling(NKT, MASK.left >= 0)
@@ -854,13 +875,17 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
             w, lane = coords()
             s = cuda.local.array(NS, float32)
             alpha = cuda.local.array(2, float32)
+            take_turn()
             scores_ahead(tile, s, w, uint64(K) + uint64(k_stage) * uint64(K_STAGE))
             if not FIRST:  # P_i,j-1 V_j-1, under this tile's softmax
                 accumulate_ahead(tile, p, acc, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
+            pass_turn()
             wait_scores(s, not FIRST)
+            k_free(buf, k_stage)
             weights(s, n_keys, key0, diag0, m, l, alpha, scale_log2, w, lane)
             if not FIRST:
                 wait_accumulate(acc)  # P_i,j-1 V_j-1 has landed: acc may be rescaled
+                v_free(buf, v_stage)
             for a in range(2):
                 for n in range(DVT):
                     acc[4 * n + 2 * a] *= alpha[a]
@@ -875,7 +900,7 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
         w, lane = coords()
         accumulate(tiles(), p, acc, lane, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
 
-    return TcPipelined(make_weigh(True), make_weigh(False), fold_last)
+    return TcPipelined(make_weigh(True), make_weigh(False), fold_last, ring)
 
 
 class TcOStage(NamedTuple):
@@ -999,7 +1024,8 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                        SPEC.stages, PIPELINED=SPEC.pipelined,
                        weigh_first=ahead and ahead.weigh_first,
                        weigh_ahead=ahead and ahead.weigh_ahead,
-                       fold_last=ahead and ahead.fold_last, NS=4 * (_up(BC, 16) // 8))
+                       fold_last=ahead and ahead.fold_last, ring=ahead and ahead.ring,
+                       NS=4 * (_up(BC, 16) // 8))
 
 
 def _tile_type(dtype: str):
