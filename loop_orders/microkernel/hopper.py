@@ -57,7 +57,7 @@ from ..device.intrinsics import (
     wgmma_scores,
     wgmma_wait,
 )
-from ..device.runtime import cuda, inlined
+from ..device.runtime import SHARED_ALIGN, SIMULATOR, cuda, inlined
 
 WARPGROUP_ROWS = 64  # query rows of one warpgroup: the m of wgmma m64nNk16
 CORE = 8  # a core matrix is 8 x 8 elements
@@ -74,6 +74,15 @@ def supports(dtype: str, block_q: int, block_k: int, d: int, dv: int) -> bool:
     return (dtype in OPERAND_KINDS and block_q % WARPGROUP_ROWS == 0
             and block_k % 16 == 0 and block_k <= 256
             and d % 16 == 0 and dv % 16 == 0 and d <= 256 and dv <= 256)
+
+
+def buffer_align(layout) -> int | None:
+    """The alignment a kernel declares its dynamic shared buffer with, the same as its tiles'
+    view's (`tensor_cores.make_tc_basics`): ALIGN where the layout's tiles are swizzled for
+    wgmma, so that every view of the buffer starts at one address; None on the simulator."""
+    if SIMULATOR:
+        return None
+    return ALIGN if getattr(layout, "wgmma", False) else SHARED_ALIGN
 
 
 def swizzle_width(cols: int) -> int:

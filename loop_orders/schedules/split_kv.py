@@ -54,7 +54,6 @@ from ..core.ledger import Ledger, slot
 from ..core.schedule import Kernel, Option, Problem, ceil_div, int_option, register, rows, sees
 from ..device.intrinsics import narrow
 from ..device.runtime import (
-    SHARED_ALIGN,
     SHARED_F32,
     cuda,
     device_empty,
@@ -66,6 +65,7 @@ from ..device.runtime import (
     resident_ctas,
 )
 from ..microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ..microkernel.hopper import buffer_align
 from ..microkernel.stream import make_counted_loads, make_fold_tiles
 from ..microkernel.tiles import (
     counter_slots,
@@ -89,6 +89,7 @@ FILLED, WITHIN = 0.8, 0.85
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL)  # CUDA or tensor cores
+    ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
     # the staggered K/V loop needs K_j0 loaded by the caller; split_kv (KV_STAGES 1) has none
     assert not mk.STAGGERED, "split_kv: a staggered K/V loop needs K_j0 loaded first"
     MASKED = MASK.bounded
@@ -125,7 +126,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             return  # split s holds no K/V block that query block i sees (the whole CTA)
         part = s * cuda.gridDim.z + bh  # (split, head) row of o_part and lse_part
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)  # Q_i, K_j, V_j, ...
         acc = cuda.local.array(NACC, float32)
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows

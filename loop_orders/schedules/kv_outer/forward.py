@@ -33,7 +33,6 @@ from numba import float32, int64
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
 from ...device.runtime import (
-    SHARED_ALIGN,
     SHARED_F32,
     cuda,
     inlined,
@@ -41,6 +40,7 @@ from ...device.runtime import (
     kernel_options,
 )
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ...microkernel.hopper import buffer_align
 from ...microkernel.tiles import (
     counter_slots,
     counts_flusher,
@@ -82,6 +82,7 @@ def _make_load_stats(NT, ROWS, STATS, COUNT):
 @kernel_factory
 def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, True, UNROLL)
+    ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
     MASKED = MASK.bounded
     lse_of = make_lse_of(MASKED)  # -inf for a row that saw no key
     kv_blocks, q_blocks = make_kv_blocks(BC, MASK), make_q_blocks(BR, MASK)
@@ -124,7 +125,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
         T_r = (n_q + BR - 1) // BR
         T_c = (n_k + BC - 1) // BC
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # all tiles
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)  # all tiles
         acc = cuda.local.array(NACC, float32)  # this thread's part of O_i, unnormalised
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows

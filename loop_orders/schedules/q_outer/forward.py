@@ -31,7 +31,6 @@ from numba import float32, int64
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
 from ...device.runtime import (
-    SHARED_ALIGN,
     SHARED_F32,
     cuda,
     kernel_factory,
@@ -39,6 +38,7 @@ from ...device.runtime import (
 )
 from ...microkernel import tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
+from ...microkernel.hopper import buffer_align
 from ...microkernel.stream import make_counted_loads, make_fold_tiles
 from ...microkernel.tiles import (
     block_grid,
@@ -76,6 +76,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
                                        (Q_R, K_R, V_R, O_W, LSE_W))
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
                       transposes_q(D))
+    ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # threads; a thread's rows, accumulators
     # staggered or pipelined K/V loads: K_j0 first, under Q_i's
     STAGGERED = mk.STAGGERED or mk.PIPELINED
@@ -104,7 +105,7 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
         n_rows = min(BR, n_q - row0)
         diag0 = row0 + n_k - n_q  # the first row's diagonal key (bottom-right aligned)
 
-        buf = cuda.shared.array(0, SHARED_F32, alignment=SHARED_ALIGN)  # Q_i, K_j, V_j, ...
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)  # Q_i, K_j, V_j, ...
         acc = cuda.local.array(NACC, float32)
         m_i = cuda.local.array(RM, float32)
         l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
