@@ -47,8 +47,10 @@ truncation (2^-21 each) are lost, about float32's accuracy for three times the m
 
 Hopper (`TensorCores(dtype, stages, wgmma=True)`, 16-bit inputs on sm_90a where `hopper.supports`
 the tiles): the same loop with its two products on wgmma, a warpgroup of four warps taking
-64 rows, the operands read by the tensor cores from shared memory in core-matrix tiles
-(`hopper`); the fragments, and so all the rest, are the same.
+64 rows, the operands read by the tensor cores from shared memory in swizzled tiles
+(`hopper`); the fragments, and so all the rest, are the same. Pipelined (q_outer's stream),
+K/V come through a ring of buffers with mbarriers and the warpgroups take turns at the
+tensor cores (`hopper.make_stage_ring`).
 """
 
 from __future__ import annotations
