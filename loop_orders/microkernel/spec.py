@@ -147,16 +147,19 @@ class MicroKernel(NamedTuple):
                                       row a sees: [vis[RM + a], vis[a]));
                                       then the caller's barrier, then
     fold(buf, acc, vis)               acc += P_ij V_j
-    PIPELINED                         (Hopper's tensor cores, two K/V buffers) online_update
-                                      is also given with P_ij V_j a tile behind, so that
-                                      the product runs under the next tile's softmax:
+    PIPELINED                         (Hopper's tensor cores, a ring of K/V buffers)
+                                      online_update is also given with P_ij V_j a tile
+                                      behind, so that the product runs under the next
+                                      tile's softmax:
     weigh_ahead(buf, n_keys, key0, diag0, m, l, acc, p, scale_log2, k_stage, v_stage)
-                                      S_ij (K_j in buffer k_stage), with P_i,j-1 V_j-1 (p:
-                                      the previous call's weights, a local float32 array of
-                                      NS; V_j-1 in buffer v_stage) behind it; leaves P_ij in
-                                      p; for the block's first tile, weigh_first (the same
-                                      arguments, no product behind); after the last tile,
-                                      the caller's wait and barrier for V_j, then
+                                      on the warpgroup's turn, S_ij (K_j in buffer
+                                      k_stage), with P_i,j-1 V_j-1 (p: the previous call's
+                                      weights, a local float32 array of NS; V_j-1 in buffer
+                                      v_stage) behind it; each buffer released once its
+                                      product has landed; leaves P_ij in p; for the block's
+                                      first tile, weigh_first (the same arguments, no
+                                      product behind); after the last tile, once V_j has
+                                      landed (the ring's wait),
     fold_last(buf, acc, p, v_stage)   acc += P_ij V_j
     ring                              the K/V buffers' mbarriers and the warpgroups' turns
                                       (`hopper.StageRing`): K_j in buffer t % K_BUFFERS,
