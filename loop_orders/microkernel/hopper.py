@@ -22,6 +22,16 @@ product P_i,j-1 V_j-1 is issued beside S_ij and left to run under S_ij's softmax
     wait for S_ij (one group may run on); m, l, P_ij from it
     wait for P_i,j-1 V_j-1; acc *= 2^(m_old - m_new)
 
+There K/V come through a ring of buffers (`make_stage_ring`: K_BUFFERS for K, V_BUFFERS for
+V) instead of a CTA barrier a tile: each fill's landing and each buffer's release are
+mbarriers, and the warpgroups take turns issuing their two products, so one warpgroup's
+softmax runs under the other's products (FlashAttention-3's ping-pong):
+
+    warpgroup g, tile j:  K_j+1, V_j copied (each into a buffer every thread has released)
+                          K_j, V_j-1 landed?  [take the turn]  issue S_ij, P_i,j-1 V_j-1
+                          [pass the turn to g + 1]  S_ij landed: release K_j; softmax;
+                          P_i,j-1 V_j-1 landed: release V_j-1; rescale acc
+
 The tiles lie in shared memory swizzled, as TMA writes them and as FlashAttention-3's
 and CUTLASS's layouts do: rows of W = 64 elements (128 bytes; 32 or 16 where the columns do
 not come in 64s), one after another, in column blocks of W; the 16-byte chunk c of row r of
