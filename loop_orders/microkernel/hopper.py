@@ -238,23 +238,55 @@ def make_wgmma_products(DTYPE: str, BR: int, KP: int, QC: int, VC: int,
                          wait_accumulate)
 
 
+class BufferBarriers(NamedTuple):
+    """One kind of buffer's mbarriers in the ring (`make_stage_ring`), each taking the float32
+    buffer first; `use` counts a buffer's fills from 0."""
+
+    copied: object  # copied(buf, s): this thread's copies into buffer s count once landed
+    landed: object  # landed(buf, s, use): every thread's copies of that fill landed
+    free: object  # free(buf, s): this thread is done reading buffer s's latest fill
+    freed: object  # freed(buf, s, use): every thread is done with that fill
+
+
 class StageRing(NamedTuple):
-    """The pipelined K/V loop's buffers and turns (`make_stage_ring`), each taking the
-    float32 buffer first; `use` counts a buffer's fills from 0, and a warpgroup's calls come
-    in the loop's order."""
+    """The pipelined K/V loop's buffers and turns (`make_stage_ring`); a warpgroup's calls
+    come in the loop's order."""
 
     begin: object  # begin(buf): barriers set up; the kernel's copies (K_j0, Q_i) K buffer 0's
-    k_copied: object  # k_copied(buf, s): this thread's copies into K buffer s, once landed
-    v_copied: object  # v_copied(buf, s)
-    k_landed: object  # k_landed(buf, s, use): every thread's copies of that fill landed
-    v_landed: object  # v_landed(buf, s, use)
-    k_free: object  # k_free(buf, s): this thread is done reading K buffer s's latest fill
-    v_free: object  # v_free(buf, s)
-    k_freed: object  # k_freed(buf, s, use): every thread is done with that fill
-    v_freed: object  # v_freed(buf, s, use)
+    k: object  # the K buffers' `BufferBarriers`
+    v: object  # the V buffers'
     take_turn: object  # take_turn(): this warpgroup's turn at the tensor cores
     pass_turn: object  # pass_turn(): the next warpgroup's turn
     end: object  # end(): the turns balanced (every bar.arrive met by a bar.sync)
+
+
+@cache
+def make_buffer_barriers(LANDED: int, FREE: int) -> BufferBarriers:
+    """The landed mbarriers of a kind of buffer from float LANDED of the buffer, its free ones
+    from FREE, 8 bytes (2 floats) each."""
+
+    @inlined
+    def at(first, s):
+        return uint32(first) + uint32(2) * uint32(s)
+
+    @inlined
+    def copied(buf, s):
+        cp_async_arrive(buf, at(LANDED, s))
+
+    @inlined
+    def landed(buf, s, use):
+        mbarrier_wait(buf, at(LANDED, s), use & 1)
+        fence_async_shared()  # the copies seen by wgmma's reads (the asynchronous proxy)
+
+    @inlined
+    def free(buf, s):
+        mbarrier_arrive(buf, at(FREE, s))
+
+    @inlined
+    def freed(buf, s, use):
+        mbarrier_wait(buf, at(FREE, s), use & 1)
+
+    return BufferBarriers(copied, landed, free, freed)
 
 
 @cache
@@ -271,10 +303,6 @@ def make_stage_ring(AT: int, NT: int) -> StageRing:
     K_FREE, V_FREE = V_LANDED + 2 * V_BUFFERS, V_LANDED + 2 * (V_BUFFERS + K_BUFFERS)
 
     @inlined
-    def at(first, s):
-        return uint32(first) + uint32(2) * uint32(s)
-
-    @inlined
     def warpgroup():
         return uint32(cuda.threadIdx.x) // uint32(128)
 
@@ -287,40 +315,6 @@ def make_stage_ring(AT: int, NT: int) -> StageRing:
         cp_async_arrive(buf, uint32(K_LANDED))
         if NWG > 1 and warpgroup() == uint32(NWG - 1):
             turn_arrive(1)  # the first warpgroup's first turn
-
-    @inlined
-    def k_copied(buf, s):
-        cp_async_arrive(buf, at(K_LANDED, s))
-
-    @inlined
-    def v_copied(buf, s):
-        cp_async_arrive(buf, at(V_LANDED, s))
-
-    @inlined
-    def k_landed(buf, s, use):
-        mbarrier_wait(buf, at(K_LANDED, s), use & 1)
-        fence_async_shared()  # the copies seen by wgmma's reads (the asynchronous proxy)
-
-    @inlined
-    def v_landed(buf, s, use):
-        mbarrier_wait(buf, at(V_LANDED, s), use & 1)
-        fence_async_shared()
-
-    @inlined
-    def k_free(buf, s):
-        mbarrier_arrive(buf, at(K_FREE, s))
-
-    @inlined
-    def v_free(buf, s):
-        mbarrier_arrive(buf, at(V_FREE, s))
-
-    @inlined
-    def k_freed(buf, s, use):
-        mbarrier_wait(buf, at(K_FREE, s), use & 1)
-
-    @inlined
-    def v_freed(buf, s, use):
-        mbarrier_wait(buf, at(V_FREE, s), use & 1)
 
     @inlined
     def take_turn():
@@ -337,5 +331,5 @@ def make_stage_ring(AT: int, NT: int) -> StageRing:
         if NWG > 1 and warpgroup() == uint32(0):
             turn_sync(1)  # the last warpgroup passed the turn once more than it took it
 
-    return StageRing(begin, k_copied, v_copied, k_landed, v_landed, k_free, v_free, k_freed,
-                     v_freed, take_turn, pass_turn, end)
+    return StageRing(begin, make_buffer_barriers(K_LANDED, K_FREE),
+                     make_buffer_barriers(V_LANDED, V_FREE), take_turn, pass_turn, end)

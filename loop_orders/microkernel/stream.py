@@ -75,19 +75,11 @@ def make_counted_loads(BC, COUNT, mk) -> CountedLoads:
 def make_fold_tiles(BC, mk, loads: CountedLoads):
     """fold_tiles(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt): the K/V
     loop of a query block's kernel (q_outer's, split_kv's partial pass) over the micro-kernel
-    mk, K/V blocks j0 .. j1 - 1: staggered (`stream_kv_staggered`) where mk.STAGGERED, else
-    `stream_kv`."""
+    mk, K/V blocks j0 .. j1 - 1: pipelined (`make_stream_kv_pipelined`) where mk.PIPELINED,
+    staggered (`stream_kv_staggered`) where mk.STAGGERED, else `stream_kv`."""
     RM, STAGES = mk.RM, mk.STAGES
     SPANS = 2 * RM  # (first, end) of the keys each row of the thread sees
     weigh, fold = mk.weigh, mk.fold  # online_update's halves, where mk.STAGGERED
-    # where mk.PIPELINED
-    weigh_first, weigh_ahead, fold_last = mk.weigh_first, mk.weigh_ahead, mk.fold_last
-    NS = mk.NS  # a thread's scores: the size of the pipelined update's weights
-    KB, VB = hopper.K_BUFFERS, hopper.V_BUFFERS  # the pipelined ring's buffers
-    ring = mk.ring or hopper.StageRing(*[None] * len(hopper.StageRing._fields))
-    begin, end, k_copied, v_copied = ring.begin, ring.end, ring.k_copied, ring.v_copied
-    k_landed, v_landed, k_freed, v_freed = ring.k_landed, ring.v_landed, ring.k_freed, \
-        ring.v_freed
     online_update, wait_loads = mk.online_update, mk.wait_loads
     load_K_j_counted, load_V_j_counted, load_KV_j = loads.k, loads.v, loads.kv
 
@@ -136,6 +128,22 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, 0, cnt)  # K_j+1, under P_ij V_j
             fold(buf, acc, vis)
 
+    if mk.PIPELINED:
+        return make_stream_kv_pipelined(BC, mk, loads)
+    return stream_kv_staggered if mk.STAGGERED else stream_kv
+
+
+def make_stream_kv_pipelined(BC, mk, loads: CountedLoads):
+    """stream_kv_pipelined: `make_fold_tiles`' K/V loop over a micro-kernel with P_ij V_j a
+    tile behind S_ij (mk.PIPELINED) and its ring of buffers (mk.ring, `hopper.StageRing`)."""
+    weigh_first, weigh_ahead, fold_last = mk.weigh_first, mk.weigh_ahead, mk.fold_last
+    NS = mk.NS  # a thread's scores: the size of the pipelined update's weights
+    KB, VB = hopper.K_BUFFERS, hopper.V_BUFFERS  # the ring's buffers
+    begin, end = mk.ring.begin, mk.ring.end
+    k_copied, k_landed, k_freed = mk.ring.k.copied, mk.ring.k.landed, mk.ring.k.freed
+    v_copied, v_landed, v_freed = mk.ring.v.copied, mk.ring.v.landed, mk.ring.v.freed
+    load_K_j_counted, load_V_j_counted = loads.k, loads.v
+
     @cuda.jit(device=True, inline="always")
     def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
                             cnt):
@@ -174,8 +182,4 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
             fold_last(buf, acc, p, t % VB)
             end()
 
-    if mk.PIPELINED:
-        return stream_kv_pipelined
-    return stream_kv_staggered if mk.STAGGERED else stream_kv
-
-
+    return stream_kv_pipelined

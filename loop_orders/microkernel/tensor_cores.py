@@ -299,7 +299,7 @@ def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     NT = 32 * -(-BR // WARP_ROWS)
     sm = tc_shared_layout(BR, BC, D, DV, RELOAD, SPEC)
     ELEMENT = _tile_type("float32" if SPEC.tf32 else SPEC.dtype)
-    ALIGN = hopper.ALIGN  # a constant of the kernel (a module attribute is not)
+    ALIGN = hopper.buffer_align(SPEC)  # as the kernel's own view of the buffer
 
     @cuda.jit(device=True)
     def clear(buf):
@@ -309,7 +309,7 @@ def make_tc_basics(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     @cuda.jit(device=True, inline="always")
     def tiles():
         """The buffer in the tiles' element type (dynamic shared arrays alias)."""
-        if SPEC.wgmma and not SIMULATOR:  # swizzled tiles from a pattern's start
+        if SPEC.wgmma:  # swizzled tiles from a pattern's start
             return cuda.shared.array(0, ELEMENT, alignment=ALIGN)
         return cuda.shared.array(0, ELEMENT)
 
@@ -833,8 +833,8 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
     tiles, coords, local_row = base.tiles, base.coords, base.local_row
     wg = hopper.make_wgmma_products(SPEC.dtype, BR, KP, D, DV, sm.q)
     ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS))
-    take_turn, pass_turn, k_free, v_free = ring.take_turn, ring.pass_turn, ring.k_free, \
-        ring.v_free
+    take_turn, pass_turn, k_free, v_free = ring.take_turn, ring.pass_turn, ring.k.free, \
+        ring.v.free
     scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
     wait_scores, wait_accumulate, accumulate = wg.wait_scores, wg.wait_accumulate, wg.accumulate
     sc = make_tc_scaling(NKT, MASK.left >= 0)
