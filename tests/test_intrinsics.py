@@ -7,7 +7,7 @@ import pytest
 from numba import float32, uint32
 
 from loop_orders.device import intrinsics as ptx
-from loop_orders.device.runtime import SIMULATOR, cuda, to_device
+from loop_orders.device.runtime import SIMULATOR, cuda, kernel_options, to_device
 from loop_orders.microkernel import hopper
 
 
@@ -319,3 +319,79 @@ def test_wgmma_scores_then_accumulate(kind, n, ksteps, nv, rng):
     p = rnd(s_out.copy_to_host())  # P as the instruction rounds it
     np.testing.assert_allclose(o_out.copy_to_host(), p.astype(np.float64) @ v + c,
                                rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows, cols, tail", [(64, 64, False), (40, 128, True), (16, 32, True),
+                                              (24, 16, False)])
+def test_tma_load_lays_tiles_out_as_the_copier(rows, cols, tail, rng):
+    """One thread's TMA copies of a tile (a box per column block, counted at an mbarrier) lay
+    it out in shared memory exactly as the cp.async copier (`hopper.make_swizzled_copier`) does:
+    the 128-, 64- and 32-byte swizzles, rows past the source's end zero (`tail`)."""
+    if not _hopper_or_simulator():
+        pytest.skip("TMA needs a Hopper GPU (sm_90)")
+    from loop_orders.device import tensor_map
+
+    n = 3 * rows + 5
+    src = rng.standard_normal((3, n, cols)).astype(np.float16)
+    row0 = n - rows // 2 if tail else rows
+    n_rows = min(rows, n - row0)
+    width = hopper.swizzle_width(cols)
+    size = _up(rows * cols, 512)  # each tile from a multiple of 1024 bytes
+    both = 2 * size  # a constant of the kernel's
+    copy_rows = hopper.make_swizzled_copier(rows, cols, 128)
+    load = ptx.tma_load(rows, width)
+    n_bytes, blocks = 2 * rows * cols, cols // width
+
+    @cuda.jit
+    def kernel(src, maps, out):
+        thread = cuda.threadIdx.x
+        tile = cuda.shared.array(both, np.float16, alignment=ALIGN)
+        bars = cuda.shared.array(1, np.uint64)
+        if thread == 0:
+            ptx.mbarrier_init(bars, 0, 1)
+        cuda.syncthreads()  # the mbarrier is set up before the copy counts at it
+        copy_rows(tile, 0, src, 1, row0, n_rows)
+        if thread == 0:
+            ptx.fence_tensor_map(maps, 0)
+            ptx.mbarrier_expect_tx(bars, 0, n_bytes)
+            for c in range(blocks):
+                load(tile, size + c * rows * width, bars, 0, maps, 0, src, c * width, row0, 1)
+        ptx.cp_async_wait_all()
+        ptx.mbarrier_wait(bars, 0, 0)
+        cuda.syncthreads()  # both tiles have landed, every thread's part of the first
+        for e in range(thread, both, 128):
+            out[e] = tile[e]
+
+    src_dev = to_device(src)
+    maps = tensor_map.device_maps([tensor_map.encode(src_dev, rows, width)])
+    out = to_device(np.full(2 * size, 7, np.float16))
+    kernel[1, 128](src_dev, maps, out)
+    got = out.copy_to_host()
+    copied, loaded = got[:rows * cols], got[size:size + rows * cols]
+    np.testing.assert_array_equal(loaded, copied)
+    expect = np.zeros((rows, cols), np.float16)
+    expect[:n_rows] = src[1, row0:row0 + n_rows]
+    np.testing.assert_array_equal(loaded[hopper.k_major(rows, cols).addresses(0, rows, cols)],
+                                  expect)
+
+
+def test_set_max_registers_moves_registers_between_warpgroups():
+    """Three warpgroups at 168 registers a thread: the first gives registers back (40), the
+    others take them (232), the whole pool (the producer/consumer split FlashAttention-3
+    makes); each thread's work after it lands."""
+    if not _hopper_or_simulator():
+        pytest.skip("setmaxnreg needs a Hopper GPU (sm_90a)")
+    fewer, more = ptx.set_max_registers(40, False), ptx.set_max_registers(232, True)
+
+    @cuda.jit(**kernel_options(384, 168))  # 168 registers a thread at launch
+    def kernel(out):
+        thread = cuda.threadIdx.x
+        if thread < 128:
+            fewer()
+        else:
+            more()
+        out[thread] = 3 * thread + 1
+
+    out = to_device(np.zeros(384, np.int32))
+    kernel[1, 384](out)
+    np.testing.assert_array_equal(out.copy_to_host(), 3 * np.arange(384) + 1)

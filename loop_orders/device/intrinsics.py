@@ -73,6 +73,22 @@ next begins; waiting names the parity of the phase it waits for (0, 1, 0, ...):
     mbarrier_wait(tile, at, parity)               wait until the phase of that parity has
                                                   completed (acquire)
 
+Hopper's tensor memory accelerator (TMA), one thread issuing a whole tile's copy:
+
+    tma_load(ROWS, WIDTH)(tile, e, bars, at, maps, m, src, col, row, bh)
+        the box src[bh, row:row + ROWS, col:col + WIDTH] (16-bit elements; zeros past src's
+        ends) into tile[e:], rows of WIDTH swizzled as `WgmmaOperand` lays them out (e where
+        a pattern starts), its bytes counted at the mbarrier bars[at]
+        (cp.async.bulk.tensor.3d ... mbarrier::complete_tx::bytes); maps[16 m:16 m + 16] is
+        src's tensor map (`tensor_map`), in global memory; src itself is read only by the
+        simulator's emulation
+    mbarrier_expect_tx(bars, at, n_bytes)         this thread arrives, and the phase waits
+                                                  also for n_bytes of copies to land
+    fence_tensor_map(maps, m)                     the map the host wrote, seen by the copies
+                                                  (fence.proxy.tensormap acquire)
+    set_max_registers(COUNT, MORE)()              setmaxnreg: this warpgroup's registers per
+                                                  thread raised (MORE) or lowered to COUNT
+
 Hopper's warpgroup products (sm_90a; `hopper`, the Hopper micro-kernel), warpgroup-collective:
 the 128 threads of warps 4 h .. 4 h + 3 call them together. A shared operand is a matrix in
 rows of 32, 64 or 128 bytes, swizzled (`WgmmaOperand`), whose address the instruction reads
@@ -111,8 +127,8 @@ warpgroup) swap their operands through the block (`_group_gather`, two barriers)
 kernels' fragment logic runs in CI exactly as on the GPU, only the arithmetic is NumPy's. The
 emulation needs every lane of a warp at each of its warp-collective calls, which the kernels'
 warp-uniform control flow gives. Named barriers are emulated per CTA, counting threads (a GPU
-counts whole warps: the counts are multiples of 32); cp.async copies at once, so its waits and
-fences do nothing.
+counts whole warps: the counts are multiples of 32); cp.async and TMA copy at once (a TMA
+copy then counts its bytes at its mbarrier), so cp.async's waits and the fences do nothing.
 """
 
 from __future__ import annotations
@@ -189,6 +205,20 @@ def _check_barrier(ident: int, count: int) -> None:
     if not 1 <= ident <= 15 or count <= 0 or count % 32 or count > 1024:
         raise ValueError(f"named barrier {ident} of {count} threads: ids are 1 .. 15 (0 is "
                          "__syncthreads'), counts whole warps up to 1024 threads")
+
+
+def _check_tma(rows: int, width: int) -> None:
+    """A box TMA copies into a swizzled tile: 1 .. 256 rows of a swizzled row's 16-bit
+    elements."""
+    if not 1 <= rows <= 256 or width not in SWIZZLE_MODES:
+        raise ValueError(f"TMA box of {rows} rows x {width} elements: rows 1 .. 256, rows of "
+                         f"{sorted(SWIZZLE_MODES)} elements (the 32/64/128-byte swizzles)")
+
+
+def _check_registers(count: int) -> None:
+    if not 24 <= count <= 256 or count % 8:
+        raise ValueError(f"setmaxnreg {count}: a multiple of 8 from 24 to 256")
+
 
 if SIMULATOR:
     from .arrays import bfloat16_bits
@@ -447,14 +477,25 @@ if SIMULATOR:
 
         def __init__(self, count: int):
             self.count, self.pending, self.phase = count, count, 0
+            self.tx = 0  # bytes expected and not yet landed (it may run below 0 for a while)
             self.cond = threading.Condition()
 
-        def arrive(self):
+        def _settle(self):
+            """The phase completes once every arrival has come and every byte landed."""
+            if self.pending == 0 and self.tx == 0:
+                self.pending, self.phase = self.count, self.phase + 1
+                self.cond.notify_all()
+
+        def arrive(self, expect: int = 0):
             with self.cond:
+                self.tx += expect
                 self.pending -= 1
-                if self.pending == 0:
-                    self.pending, self.phase = self.count, self.phase + 1
-                    self.cond.notify_all()
+                self._settle()
+
+        def complete(self, landed: int):
+            with self.cond:
+                self.tx -= landed
+                self._settle()
 
         def wait(self, parity: int):
             """Until the phase of this parity has completed: the current one is the other's
@@ -482,6 +523,39 @@ if SIMULATOR:
 
     def mbarrier_wait(tile, at, parity):
         _memory_barrier(at).wait(int(parity))
+
+    def mbarrier_expect_tx(tile, at, n_bytes):
+        _memory_barrier(at).arrive(int(n_bytes))
+
+    @functools.cache
+    def tma_load(rows: int, width: int):
+        _check_tma(rows, width)
+
+        def load(tile, e, bars, at, maps, m, src, col, row, bh):
+            """The box's rows of src[bh] (zeros past its end) into tile[e:], swizzled as the
+            hardware does, then its bytes counted at the mbarrier."""
+            n_rows, n_cols = src.shape[1], src.shape[2]
+            for r in range(rows):
+                for c in range(width):
+                    y, x = int(row) + r, int(col) + c
+                    inside = y < n_rows and x < n_cols
+                    tile[swizzled(int(e) + r * width + c, width)] = src[bh, y, x] if inside \
+                        else 0
+            _memory_barrier(at).complete(2 * rows * width)
+
+        return load
+
+    def fence_tensor_map(maps, m):
+        pass
+
+    @functools.cache
+    def set_max_registers(count: int, more: bool):
+        _check_registers(count)
+
+        def setmaxnreg():
+            pass
+
+        return setmaxnreg
 
     def _as_kind(x, kind):
         """float values rounded to KIND (nearest, ties to even), as float64."""
@@ -985,3 +1059,55 @@ else:
         return wait
 
     fence_async_shared = _void_asm("fence.proxy.async.shared::cta;")
+
+    mbarrier_expect_tx = _shared_asm(
+        "{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [$0], $1; }", True)
+
+    def _map_address(context, builder, arg_types, args):
+        """The generic address of tensor map m: maps[16 m] (the arguments (maps, m); maps a
+        uint64 array in global memory, 16 words a map)."""
+        at = builder.mul(context.cast(builder, args[1], arg_types[1], types.intp),
+                         ir.Constant(ir.IntType(64), 16))
+        return _element_pointer(context, builder, arg_types[0], args[0], [at], [types.intp])
+
+    @functools.cache
+    def tma_load(rows: int, width: int):
+        _check_tma(rows, width)
+        text = ("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx"
+                "::bytes [$0], [$1, {$2, $3, $4}], [$5];")
+
+        @intrinsic
+        def load(typingctx, tile, e, bars, at, maps, m, src, col, row, bh):
+            def codegen(context, builder, sig, args):
+                dst = _shared_address(context, builder, sig.args[0], args[0], args[1],
+                                      sig.args[1])
+                bar = _shared_address(context, builder, sig.args[2], args[2], args[3],
+                                      sig.args[3])
+                tmap = _map_address(context, builder, sig.args[4:6], args[4:6])
+                coords = [builder.trunc(context.cast(builder, x, t, types.uint64), _I32)
+                          for x, t in zip(args[7:], sig.args[7:], strict=True)]
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I32, ir.IntType(64)]
+                                                   + [_I32] * 4),
+                                   text, "r,l,r,r,r,r,~{memory}", side_effect=True)
+                builder.call(asm, [dst, tmap, *coords, bar])
+                return context.get_dummy_value()
+
+            return types.void(tile, e, bars, at, maps, m, src, col, row, bh), codegen
+
+        return load
+
+    @intrinsic
+    def fence_tensor_map(typingctx, maps, m):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
+                               "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+                               "l,~{memory}", side_effect=True)
+            builder.call(asm, [_map_address(context, builder, sig.args, args)])
+            return context.get_dummy_value()
+
+        return types.void(maps, m), codegen
+
+    @functools.cache
+    def set_max_registers(count: int, more: bool):
+        _check_registers(count)
+        return _void_asm(f"setmaxnreg.{'inc' if more else 'dec'}.sync.aligned.u32 {count};")

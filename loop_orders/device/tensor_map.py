@@ -1,0 +1,61 @@
+"""Tensor maps for Hopper's TMA copies (`intrinsics.tma_load`): the driver's description of a
+16-bit tensor in HBM and of the box one copy takes from it, encoded on the host
+(cuTensorMapEncodeTiled, cuda-bindings' driver module) and read by the copies from global
+memory.
+
+    words = encode(src, rows, width)      # 16 uint64: src (heads, n, cols) in boxes of
+                                          # rows x width, swizzled rows of width elements
+    maps = device_maps([words, ...])      # one uint64 device array, 16 words a map
+
+A box is `rows` rows of one column block of `width` elements (64, 32, 16: the 128-, 64-, 32-byte
+swizzles, `intrinsics.SWIZZLE_MODES`), and a copy lands it swizzled as the wgmma operands are
+laid out (`hopper.k_major`, `mn_major`). Past src's rows (a tail tile) the copy writes zeros.
+On the simulator the emulated copy reads src itself and a map's words are zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .intrinsics import SWIZZLE_MODES
+from .runtime import SIMULATOR, data_pointer, to_device
+
+WORDS = 16  # a CUtensorMap: 128 bytes, 64-byte aligned
+
+
+def encode(src, rows: int, width: int) -> np.ndarray:
+    """The tensor map of src, a (heads, n, cols) array of 16-bit elements whose rows are
+    16-byte aligned, for boxes of `rows` rows x `width` columns (one column block)."""
+    if SIMULATOR:
+        return np.zeros(WORDS, np.uint64)
+    from cuda.bindings import driver
+
+    heads, n, cols = src.shape
+    row_bytes, head_bytes = (int(s) for s in _byte_strides(src)[:2])
+    if row_bytes % 16 or head_bytes % 16 or data_pointer(src) % 16:
+        raise ValueError(f"TMA needs 16-byte aligned rows: strides {row_bytes}, {head_bytes} "
+                         f"bytes, address {data_pointer(src):#x}")
+    swizzle = driver.CUtensorMapSwizzle(SWIZZLE_MODES[width])  # 1, 2, 3: 128, 64, 32 bytes
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # bits, as copied
+        3, data_pointer(src), [cols, n, heads], [row_bytes, head_bytes], [width, rows, 1],
+        [1, 1, 1], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled of a {tuple(src.shape)} tensor in boxes "
+                           f"of {rows} x {width}: {err!r}")
+    return np.array([int(w) for w in tensor_map.opaque], np.uint64)
+
+
+def _byte_strides(src) -> tuple:
+    """src's (row, head) strides in bytes, whichever array type it is."""
+    strides = src.stride() if callable(getattr(src, "stride", None)) else None
+    if strides is not None:  # torch: in elements
+        return tuple(s * src.element_size() for s in (strides[1], strides[0]))
+    return src.strides[1], src.strides[0]
+
+
+def device_maps(maps) -> object:
+    """The maps in one device array, 16 words each, map m at word 16 m."""
+    return to_device(np.concatenate(list(maps)) if maps else np.zeros(WORDS, np.uint64))
