@@ -4,8 +4,9 @@ SDPA cuDNN, in one process on one GPU (issue 53's table).
     python -m experiments.bench_hopper [--out DIR] [--quick]
 
 First the wgmma build's tiles and variants at N = 4096, float16 (TILES x VARIANTS, per head
-dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's softmax, and the
-one that waits for each product, each with two K/V buffers); then, at each point of the table
+dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's softmax and K/V
+come through a ring every thread copies into; the same with a producer warpgroup filling the
+ring by TMA; and the update that waits for each product); then, at each point of the table
 (N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma with that head
 dim's fastest tiles and variant, q_outer on mma.sync at its own benchmark tiles (`tuning`
 products="mma"), kv_outer on wgmma at q_outer's tiles, and SDPA flash and cuDNN. Each of
@@ -33,10 +34,11 @@ from loop_orders.results import provenance
 TABLE = {"n": [1024, 4096, 16384], "d": [64, 128], "causal": [False, True],
          "dtype": ["float16", "bfloat16"]}
 TILE_N = 4096
-TILES = {64: [(128, 64), (128, 128), (192, 128)],
-         128: [(128, 64), (128, 128), (64, 128)]}
-# (label, tuning products): the default (pipelined, two K/V buffers) and each product waited
-VARIANTS = [("q_outer wgmma", None), ("q_outer wgmma-sync", "wgmma-sync")]
+TILES = {64: [(128, 64), (128, 128)], 128: [(128, 64), (128, 128)]}  # two warpgroups a CTA
+# (label, tuning products): the default (pipelined, the K/V ring filled by every thread's
+# cp.async), each product waited, and the ring filled by a producer warpgroup's TMA copies
+VARIANTS = [("q_outer wgmma", None), ("q_outer wgmma-sync", "wgmma-sync"),
+            ("q_outer wgmma-tma", "wgmma-tma")]
 MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
 
 
@@ -52,16 +54,17 @@ def timed(label: str, name: str, p: lo.Problem, rng, products=None) -> dict:
     with tuning.tuned(products=products):
         try:
             row = br.measure(name, p.dtype, sched, p, rng)
-        except AssertionError as exc:  # out of tolerance: recorded, never timed
+        except (AssertionError, RuntimeError) as exc:  # out of tolerance, or refused at
+            # launch: recorded, never timed
             row = br.blank_row(name, p.dtype, sched, p, f"wrong: {str(exc)[:160]}")
             print(f"{label} d={p.d} causal={p.causal}: {row['status']}", flush=True)
     row["provider"] = label
     return row
 
 
-def sweep_tiles(rng) -> tuple[list[dict], dict]:
-    """The wgmma build's tiles x VARIANTS at N = TILE_N, float16; the fastest tiles and
-    variant per (d, causal)."""
+def sweep_tiles(rng, path: Path, prov: dict) -> tuple[list[dict], dict]:
+    """The wgmma build's tiles x VARIANTS at N = TILE_N, float16, written to `path` row by
+    row; the fastest tiles and variant per (d, causal)."""
     rows, best = [], {}
     warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
          for d in TILES for causal in (False, True) for tiles in TILES[d])
@@ -70,6 +73,7 @@ def sweep_tiles(rng) -> tuple[list[dict], dict]:
             p = problem("q_outer", TILE_N, d, causal, "float16", tiles)
             row = timed(label, "q_outer", p, rng, products=products)
             rows.append(row)
+            write_csv(path, uniform([{"part": "tiles", **r} for r in rows]), prov)
             if row["status"] == "ok" and (best.get((d, causal)) is None
                                           or row["ms_median"] < best[(d, causal)][0]):
                 best[(d, causal)] = (row["ms_median"], tiles, products)
@@ -118,12 +122,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     br.PROV = prov = provenance()
     rng = np.random.default_rng()
-    tile_rows, best = sweep_tiles(rng)
+    path = args.out / "bench_hopper.csv"
+    tile_rows, best = sweep_tiles(rng, path, prov)
     for (d, causal), (tiles, products) in sorted(best.items()):
         print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} {products or 'pipelined'}",
               flush=True)
-    path = args.out / "bench_hopper.csv"
-    write_csv(path, uniform([{"part": "tiles", **r} for r in tile_rows]), prov)
     n = args.n or ([TILE_N] if args.quick else TABLE["n"])
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float16"] if args.quick else TABLE["dtype"])

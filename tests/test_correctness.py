@@ -240,25 +240,29 @@ def test_q_outer_warp_specialised_never_multiplies_a_masked_key(where, monkeypat
 
 # Hopper's build (wgmma; the simulator stands in for an H100): whole warpgroups of query rows,
 # tails of both blocks, n_q != n_k, dv != d, swizzled rows of 32, 64 and 16 elements.
-HOPPER_CASES = [  # (schedule, n_q, n_k, d, dv, block_q, block_k, causal, dtype)
+HOPPER_CASES = [  # (schedule, n_q, n_k, d, dv, block_q, block_k, causal, dtype, products)
     # two warpgroups taking turns, K/V through the ring of buffers and mbarriers
-    ("q_outer", 130, 100, 32, 48, 128, 16, True, "float16"),
-    ("kv_outer", 70, 45, 64, 32, 64, 16, True, "bfloat16"),
-    ("split_kv", 70, 90, 80, 48, 64, 32, False, "float16"),
+    ("q_outer", 130, 100, 32, 48, 128, 16, True, "float16", None),
+    ("kv_outer", 70, 45, 64, 32, 64, 16, True, "bfloat16", None),
+    ("split_kv", 70, 90, 80, 48, 64, 32, False, "float16", None),
+    # the ring filled by a producer warpgroup's TMA copies; the first query block sees no key
+    ("q_outer", 200, 40, 64, 32, 128, 32, True, "bfloat16", "wgmma-tma"),
 ]
 
 
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_hopper_build(case, rng):
-    name, n_q, n_k, d, dv, bq, bk, causal, dtype = case
+    name, n_q, n_k, d, dv, bq, bk, causal, dtype, products = case
     torch = pytest.importorskip("torch")
     tdt = getattr(torch, dtype)
     q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, n, w)).astype(np.float32)).to(tdt)
                for n, w in ((n_q, d), (n_k, d), (n_k, dv)))
     sched = lo.get_schedule(name)
-    res = lo.attention(q, k, v, schedule=name, block_q=bq, block_k=bk, causal=causal,
-                       count=True)
-    assert str(sched.layout(res.problem)).startswith("wgmma.")
+    with tuning.tuned(products=products):
+        res = lo.attention(q, k, v, schedule=name, block_q=bq, block_k=bk, causal=causal,
+                           count=True)
+        build = str(sched.layout(res.problem))
+    assert build.startswith("wgmma.") and build.endswith(".tma") == (products == "wgmma-tma")
     q, k, v = (x.float().numpy() for x in (q, k, v))
     ref, _ = lo.attention_reference(q, k, v, causal=causal)
     roundings = sched.output_roundings(res.problem)

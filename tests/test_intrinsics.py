@@ -323,7 +323,7 @@ def test_wgmma_scores_then_accumulate(kind, n, ksteps, nv, rng):
 
 @pytest.mark.parametrize("rows, cols, tail", [(64, 64, False), (40, 128, True), (16, 32, True),
                                               (24, 16, False)])
-def test_tma_load_lays_tiles_out_as_the_copier(rows, cols, tail, rng):
+def test_hopper_tma_load_lays_tiles_out_as_the_copier(rows, cols, tail, rng):
     """One thread's TMA copies of a tile (a box per column block, counted at an mbarrier) lay
     it out in shared memory exactly as the cp.async copier (`hopper.make_swizzled_copier`) does:
     the 128-, 64- and 32-byte swizzles, rows past the source's end zero (`tail`)."""
@@ -375,7 +375,7 @@ def test_tma_load_lays_tiles_out_as_the_copier(rows, cols, tail, rng):
                                   expect)
 
 
-def test_set_max_registers_moves_registers_between_warpgroups():
+def test_hopper_set_max_registers_moves_registers_between_warpgroups():
     """Three warpgroups at 168 registers a thread: the first gives registers back (40), the
     others take them (232), the whole pool (the producer/consumer split FlashAttention-3
     makes); each thread's work after it lands."""

@@ -6,6 +6,7 @@ memory.
     words = encode(src, rows, width)      # 16 uint64: src (heads, n, cols) in boxes of
                                           # rows x width, swizzled rows of width elements
     maps = device_maps([words, ...])      # one uint64 device array, 16 words a map
+    maps = maps_for([(src, (rows, width)), ...])   # the same, kept for the latest arrays
 
 A box is `rows` rows of one column block of `width` elements (64, 32, 16: the 128-, 64-, 32-byte
 swizzles, `intrinsics.SWIZZLE_MODES`), and a copy lands it swizzled as the wgmma operands are
@@ -15,10 +16,13 @@ On the simulator the emulated copy reads src itself and a map's words are zeros.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
+from .arrays import DeviceView
 from .intrinsics import SWIZZLE_MODES
-from .runtime import SIMULATOR, data_pointer, to_device
+from .runtime import SIMULATOR, data_pointer, is_recording, to_device
 
 WORDS = 16  # a CUtensorMap: 128 bytes, 64-byte aligned
 
@@ -36,10 +40,12 @@ def encode(src, rows: int, width: int) -> np.ndarray:
         raise ValueError(f"TMA needs 16-byte aligned rows: strides {row_bytes}, {head_bytes} "
                          f"bytes, address {data_pointer(src):#x}")
     swizzle = driver.CUtensorMapSwizzle(SWIZZLE_MODES[width])  # 1, 2, 3: 128, 64, 32 bytes
+    wide, narrow = driver.cuuint64_t, driver.cuuint32_t
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # bits, as copied
-        3, data_pointer(src), [cols, n, heads], [row_bytes, head_bytes], [width, rows, 1],
-        [1, 1, 1], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+        3, data_pointer(src), [wide(x) for x in (cols, n, heads)],
+        [wide(row_bytes), wide(head_bytes)], [narrow(x) for x in (width, rows, 1)],
+        [narrow(1)] * 3, driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -59,3 +65,27 @@ def _byte_strides(src) -> tuple:
 def device_maps(maps) -> object:
     """The maps in one device array, 16 words each, map m at word 16 m."""
     return to_device(np.concatenate(list(maps)) if maps else np.zeros(WORDS, np.uint64))
+
+
+_MAPS: OrderedDict = OrderedDict()  # (address, shape, strides, box) of each array -> maps
+_KEPT = 64  # the latest launches' maps stay on the device (a launch may still read them)
+
+
+def maps_for(arrays_and_boxes) -> object:
+    """The device maps of (array, (rows, width)) pairs, in order: encoded and copied once per
+    addresses, shapes and boxes, and kept for the latest _KEPT of those (a call on the same
+    tensors launches with the maps it had)."""
+    pairs = list(arrays_and_boxes)
+    if is_recording():  # launches recorded to be compiled: the maps' type is what counts
+        return DeviceView(0, (WORDS * len(pairs),), (8,), np.uint64)
+    if SIMULATOR:
+        return device_maps([encode(a, *box) for a, box in pairs])
+    key = tuple((data_pointer(a), tuple(a.shape), _byte_strides(a), box) for a, box in pairs)
+    maps = _MAPS.get(key)
+    if maps is None:
+        maps = _MAPS[key] = device_maps([encode(a, *box) for a, box in pairs])
+        if len(_MAPS) > _KEPT:
+            _MAPS.popitem(last=False)
+    else:
+        _MAPS.move_to_end(key)
+    return maps

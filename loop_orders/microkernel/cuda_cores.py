@@ -784,6 +784,9 @@ class MicroKernelSchedule(Schedule):
     # was measured faster with on fewer buffers than KV_STAGES (one, where two would leave a
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
+    # the loop nest has a kernel with a producer warpgroup for Hopper's pipelined build
+    # (`produces`)
+    PRODUCED_KERNEL: ClassVar[bool] = False
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -803,13 +806,21 @@ class MicroKernelSchedule(Schedule):
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
             stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
-            return TensorCores(kind, stages, wgmma, pipelined=wgmma and stages == 2
-                               and tuning.current().products != "wgmma-sync")
+            pipelined = wgmma and stages == 2 and tuning.current().products != "wgmma-sync"
+            return TensorCores(kind, stages, wgmma, pipelined, self.produces(p, pipelined))
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised
         lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
         return lay._replace(stages=stages)
+
+    def produces(self, p: Problem, pipelined: bool) -> bool:
+        """Whether p's pipelined wgmma build has a producer warpgroup fill its ring by TMA
+        (`TensorCores.producer`): where the loop nest has that kernel (PRODUCED_KERNEL), the
+        CTA two computing warpgroups (block_q 128) and a sweep asks for it (`tuning`
+        products "wgmma-tma")."""
+        return (pipelined and self.PRODUCED_KERNEL and p.block_q == 2 * hopper.WARPGROUP_ROWS
+                and tuning.current().products == "wgmma-tma")
 
     def specialised(self, p: Problem, stages: int):
         """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None
@@ -910,5 +921,5 @@ class MicroKernelSchedule(Schedule):
                     plan = self._launch_plan(p, count, forced, plain=True)
                 else:
                     check_aligned(**copied)  # refused, with the reason
-        grid, args = plan.spec.work_grid(grid, args)
+        grid, args = plan.spec.work_grid(grid, args, p)
         launch(plan.fn, grid, plan.threads, plan.shared, *args, np.float32(scale * LOG2E))

@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 from numba import uint32, uint64
 
+from ..core.ledger import slot
 from ..device.intrinsics import (
     WgmmaOperand,
     cp_async16,
@@ -59,9 +60,12 @@ from ..device.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
     fence_async_shared,
+    fence_tensor_map,
     mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
+    tma_load,
     turn_barrier,
     wgmma_accumulate,
     wgmma_scores,
@@ -70,6 +74,7 @@ from ..device.intrinsics import (
 from ..device.runtime import SHARED_ALIGN, SIMULATOR, cuda, inlined
 
 WARPGROUP_ROWS = 64  # query rows of one warpgroup: the m of wgmma m64nNk16
+WARPGROUP = 128  # threads of a warpgroup
 CORE = 8  # a core matrix is 8 x 8 elements
 ALIGN = 1024  # bytes: the 128-byte swizzle's pattern (8 rows) repeats from multiples of it
 K_BUFFERS, V_BUFFERS = 2, 3  # the pipelined K/V loop's ring (`make_stage_ring`)
@@ -246,6 +251,9 @@ class BufferBarriers(NamedTuple):
     landed: object  # landed(buf, s, use): every thread's copies of that fill landed
     free: object  # free(buf, s): this thread is done reading buffer s's latest fill
     freed: object  # freed(buf, s, use): every thread is done with that fill
+    # expect(buf, s, n_bytes): the producer's arrival, the fill's TMA copies to count n_bytes
+    expect: object
+    landing: object  # landing(s): the float offset of buffer s's landed mbarrier
 
 
 class StageRing(NamedTuple):
@@ -286,21 +294,33 @@ def make_buffer_barriers(LANDED: int, FREE: int) -> BufferBarriers:
     def freed(buf, s, use):
         mbarrier_wait(buf, at(FREE, s), use & 1)
 
-    return BufferBarriers(copied, landed, free, freed)
+    @inlined
+    def expect(buf, s, n_bytes):
+        mbarrier_expect_tx(buf, at(LANDED, s), n_bytes)
+
+    @inlined
+    def landing(s):
+        return at(LANDED, s)
+
+    return BufferBarriers(copied, landed, free, freed, expect, landing)
 
 
 @cache
-def make_stage_ring(AT: int, NT: int) -> StageRing:
+def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False) -> StageRing:
     """The mbarriers (at float AT of the buffer, 8 bytes each: the K buffers' landed, the V
-    buffers' landed, the K buffers' free, the V buffers' free) and the warpgroups' turns of a
-    CTA of NT threads. No CTA-wide barrier in the K/V loop: a fill is waited for by whoever
+    buffers' landed, the K buffers' free, the V buffers' free) and the warpgroups' turns of
+    NT computing threads. No CTA-wide barrier in the K/V loop: a fill is waited for by whoever
     reads it and a buffer refilled once all have released it, so the warpgroups run apart,
     each issuing its products on its turn (FlashAttention-3's ping-pong: one warpgroup's
-    softmax under the other's products; bar.sync / bar.arrive 1 + warpgroup)."""
-    NWG = NT // 128  # warpgroups
+    softmax under the other's products; bar.sync / bar.arrive 1 + warpgroup). The fills are
+    every computing thread's cp.async copies, or (PRODUCED) a producer warpgroup's TMA copies
+    (`make_tma_producer`): then a fill lands on one arrival and its bytes, and `begin` is
+    the whole CTA's, producer included, before it splits."""
+    NWG = NT // 128  # computing warpgroups
     turn_sync, turn_arrive = turn_barrier(256)  # the one taking its turn, the one passing it
     K_LANDED, V_LANDED = AT, AT + 2 * K_BUFFERS
     K_FREE, V_FREE = V_LANDED + 2 * V_BUFFERS, V_LANDED + 2 * (V_BUFFERS + K_BUFFERS)
+    FILLERS = 1 if PRODUCED else NT  # arrivals that land a fill
 
     @inlined
     def warpgroup():
@@ -310,9 +330,11 @@ def make_stage_ring(AT: int, NT: int) -> StageRing:
     def begin(buf):
         if cuda.threadIdx.x == 0:
             for e in range(RING_BARRIERS):
-                mbarrier_init(buf, uint32(AT + 2 * e), NT)
+                landed = e < K_BUFFERS + V_BUFFERS
+                mbarrier_init(buf, uint32(AT + 2 * e), FILLERS if landed else NT)
         cuda.syncthreads()  # the barriers are set up before any thread arrives at them
-        cp_async_arrive(buf, uint32(K_LANDED))
+        if not PRODUCED:
+            cp_async_arrive(buf, uint32(K_LANDED))
         if NWG > 1 and warpgroup() == uint32(NWG - 1):
             turn_arrive(1)  # the first warpgroup's first turn
 
@@ -333,3 +355,85 @@ def make_stage_ring(AT: int, NT: int) -> StageRing:
 
     return StageRing(begin, make_buffer_barriers(K_LANDED, K_FREE),
                      make_buffer_barriers(V_LANDED, V_FREE), take_turn, pass_turn, end)
+
+
+Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
+# a producer warpgroup beside two computing ones: 168 registers a thread at launch (384
+# threads, the whole file), 24 for the producer and 240 for the others after setmaxnreg
+LAUNCH_REGISTERS, PRODUCER_REGISTERS, CONSUMER_REGISTERS = 168, 24, 240
+COMPUTING_BARRIER = 5  # the computing threads' own barrier (the turns take 1 + warpgroup)
+MAP_Q, MAP_K, MAP_V = 0, 1, 2  # the kernel's tensor maps (`tensor_map`): of q, k, v
+
+
+class TmaBoxes(NamedTuple):
+    """The TMA boxes of a CTA's tiles (rows, swizzled row width): Q_i's and K_j's (width of
+    the head dims), V_j's (of dv); what a producer copies and the host encodes maps for."""
+
+    q: tuple
+    k: tuple
+    v: tuple
+
+
+def tma_boxes(block_q: int, block_k: int, d: int, dv: int) -> TmaBoxes:
+    keys = -(-block_k // 16) * 16  # a tile's keys, padded (zeros past N_k: TMA's fill)
+    return TmaBoxes((block_q, swizzle_width(d)), (keys, swizzle_width(d)),
+                    (keys, swizzle_width(dv)))
+
+
+@cache
+def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K_STAGE: int,
+                      V_STAGE: int, ring: StageRing, tiles, COUNT: bool):
+    """produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt): the one producer
+    thread's TMA copies of a query block's tiles into the ring
+    (`make_stage_ring` PRODUCED): Q_i with K_j0 (K buffer 0's first fill), then K_j into K
+    buffer t % K_BUFFERS and V_j into V buffer t % V_BUFFERS (t = j - j0), each once every
+    computing thread has released the buffer's previous fill, each counted at the buffer's
+    landed mbarrier in bytes (whole boxes: TMA writes zeros past N_q, N_k). Tiles at element
+    offsets Q, K, V of the tiles' view (`tiles()`), K_STAGE, V_STAGE apart; maps MAP_Q,
+    MAP_K, MAP_V of `maps`. Counted (COUNT), the elements each copy moved from HBM go to their
+    counter slots (the valid rows: TMA reads none past N_q, N_k)."""
+    boxes = tma_boxes(BR, BC, D, DV)
+    (QR, QW), (KR, KW), (VR, VW) = boxes
+    copy_q, copy_k, copy_v = tma_load(QR, QW), tma_load(KR, KW), tma_load(VR, VW)
+    Q_BYTES, K_BYTES, V_BYTES = 2 * QR * D, 2 * KR * D, 2 * VR * DV
+    k_bars, v_bars = ring.k, ring.v
+
+    @inlined
+    def produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt):
+        tile = tiles()
+        for m in range(3):
+            fence_tensor_map(maps, m)  # the maps the host wrote, seen by the copies
+        # Q_i: read from HBM once; with K_j0 on K buffer 0's first fill (or alone)
+        k_bars.expect(buf, 0, Q_BYTES + (K_BYTES if j0 < j1 else 0))
+        for c in range(D // QW):
+            copy_q(tile, uint64(Q + c * QR * QW), buf, k_bars.landing(0), maps, MAP_Q, q,
+                   c * QW, row0, bh)
+        if COUNT:
+            cnt[Q_R] += n_rows * D
+        for j in range(j0, j1):
+            t = j - j0
+            key0 = j * BC
+            n_keys = min(BC, n_k - key0)
+            if t > 0:
+                if t >= K_BUFFERS:  # K_j where K_j-KB was, once every thread is done with it
+                    k_bars.freed(buf, t % K_BUFFERS, (t - K_BUFFERS) // K_BUFFERS)
+                k_bars.expect(buf, t % K_BUFFERS, K_BYTES)
+            # K_j: reloaded from HBM by every query block
+            at = K + (t % K_BUFFERS) * K_STAGE
+            for c in range(D // KW):
+                copy_k(tile, uint64(at + c * KR * KW), buf, k_bars.landing(t % K_BUFFERS),
+                       maps, MAP_K, k, c * KW, key0, kv)
+            if COUNT:
+                cnt[K_R] += n_keys * D
+            if t >= V_BUFFERS:  # V_j where V_j-VB was, likewise
+                v_bars.freed(buf, t % V_BUFFERS, (t - V_BUFFERS) // V_BUFFERS)
+            v_bars.expect(buf, t % V_BUFFERS, V_BYTES)
+            # V_j: reloaded from HBM by every query block
+            at = V + (t % V_BUFFERS) * V_STAGE
+            for c in range(DV // VW):
+                copy_v(tile, uint64(at + c * VR * VW), buf, v_bars.landing(t % V_BUFFERS),
+                       maps, MAP_V, v, c * VW, key0, kv)
+            if COUNT:
+                cnt[V_R] += n_keys * DV
+
+    return produce

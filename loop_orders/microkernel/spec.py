@@ -43,7 +43,7 @@ class Layout(NamedTuple):
         """Bytes of a CTA's dynamic shared buffer (`shared_layout`)."""
         return shared_layout(block_q, block_k, d, dv, self, reload, transpose_q).bytes
 
-    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+    def work_grid(self, grid: tuple, args: tuple, p=None) -> tuple[tuple, tuple]:
         """The launch's grid and kernel arguments: a CTA per work item, as given."""
         return grid, args
 
@@ -165,6 +165,10 @@ class MicroKernel(NamedTuple):
                                       (`hopper.StageRing`): K_j in buffer t % K_BUFFERS,
                                       V_j in t % V_BUFFERS (t = j - j0)
     NS                                a thread's scores (p's size)
+    producer(COUNT)                   where a producer warpgroup fills the ring by TMA
+                                      (else None): its copies, `hopper.make_tma_producer`
+                                      (COUNT: counted); the loop nest's kernel runs it
+                                      beside NT computing threads
     """
 
     clear: object
@@ -198,6 +202,7 @@ class MicroKernel(NamedTuple):
     fold_last: object = None
     ring: object = None
     NS: int = 0
+    producer: object = None
 
 
 def _round4(n: int) -> int:

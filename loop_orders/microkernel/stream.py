@@ -143,6 +143,7 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads):
     k_copied, k_landed, k_freed = mk.ring.k.copied, mk.ring.k.landed, mk.ring.k.freed
     v_copied, v_landed, v_freed = mk.ring.v.copied, mk.ring.v.landed, mk.ring.v.freed
     load_K_j_counted, load_V_j_counted = loads.k, loads.v
+    COPIES = mk.producer is None  # else a producer warpgroup fills the ring and began it
 
     @cuda.jit(device=True, inline="always")
     def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
@@ -152,22 +153,24 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads):
         (t = j - j0), each fill waited for and each buffer refilled through its mbarriers
         (`hopper.make_stage_ring`): no CTA-wide barrier, the warpgroups take turns at the
         tensor cores. K_j+1 and V_j are copied under tile j's arithmetic; K_j0 (with Q_i)
-        comes from the kernel."""
+        comes from the kernel. With a producer (mk.producer) the copies are its, and the
+        kernel began the ring."""
         p = cuda.local.array(NS, float32)  # P_i,j-1: the weights the next update multiplies
-        if j0 < j1:
+        if COPIES and j0 < j1:
             begin(buf)
         for j in range(j0, j1):
             t = j - j0
             key0 = j * BC
-            if j + 1 < j1:
+            if COPIES and j + 1 < j1:
                 if t + 1 >= KB:  # K_j+1 where K_j+1-KB was, once every thread is done with it
                     k_freed(buf, (t + 1) % KB, (t + 1 - KB) // KB)
                 load_K_j_counted(buf, k, bh, key0 + BC, n_k, (t + 1) % KB, cnt)
                 k_copied(buf, (t + 1) % KB)
-            if t >= VB:  # V_j where V_j-VB was, likewise
-                v_freed(buf, t % VB, (t - VB) // VB)
-            load_V_j_counted(buf, v, bh, key0, n_k, t % VB, cnt)
-            v_copied(buf, t % VB)
+            if COPIES:
+                if t >= VB:  # V_j where V_j-VB was, likewise
+                    v_freed(buf, t % VB, (t - VB) // VB)
+                load_V_j_counted(buf, v, bh, key0, n_k, t % VB, cnt)
+                v_copied(buf, t % VB)
             k_landed(buf, t % KB, t // KB)  # K_j (and with K_j0, Q_i) in shared memory
             if t == 0:  # nothing to multiply behind S_ij yet
                 weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,

@@ -55,6 +55,7 @@ tensor cores (`hopper.make_stage_ring`).
 
 from __future__ import annotations
 
+import functools
 import math
 from functools import cache
 from typing import NamedTuple
@@ -63,6 +64,7 @@ import numpy as np
 from numba import float32, uint16, uint32, uint64
 
 from ..core.mask import Mask
+from ..device import tensor_map
 from ..device.intrinsics import (
     cp_async_wait_all,
     exp2,
@@ -106,6 +108,9 @@ class TensorCores(NamedTuple):
     # wgmma with two K/V buffers: P V_j issued a tile behind, under the next softmax
     # (`MicroKernel.PIPELINED`)
     pipelined: bool = False
+    # pipelined, the ring filled by a producer warpgroup's TMA copies (`hopper.
+    # make_tma_producer`) instead of every computing thread's cp.async
+    producer: bool = False
 
     @property
     def tf32(self) -> bool:
@@ -147,9 +152,13 @@ class TensorCores(NamedTuple):
         transposed here)."""
         return tc_shared_layout(block_q, block_k, d, dv, reload, self).bytes
 
-    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
-        """The launch's grid and kernel arguments: a CTA per work item, as given."""
-        return grid, args
+    def work_grid(self, grid: tuple, args: tuple, p=None) -> tuple[tuple, tuple]:
+        """The launch's grid and kernel arguments: a CTA per work item, as given; with a
+        producer, the tensor maps of q, k, v (args' first three) after them."""
+        if not self.producer:
+            return grid, args
+        boxes = hopper.tma_boxes(p.block_q, p.block_k, p.d, p.dv)
+        return grid, (*args, tensor_map.maps_for(zip(args[:3], boxes, strict=True)))
 
     def copies_rows(self, *widths: int) -> bool:
         """Whether rows of these widths arrive by cp.async (whole 16-byte copies; the source
@@ -160,7 +169,8 @@ class TensorCores(NamedTuple):
         return -(-block_q // WARP_ROWS)
 
     def threads(self, block_q: int, block_k: int) -> int:
-        return 32 * self.warps(block_q)
+        """The computing warps' threads, and a producer's warpgroup."""
+        return 32 * self.warps(block_q) + (hopper.WARPGROUP if self.producer else 0)
 
     def registers(self, block_k: int, dv: int, reload: bool = False) -> int:
         """The register cap to compile with: 128 (two CTAs of 256 threads per SM) while a
@@ -177,8 +187,8 @@ class TensorCores(NamedTuple):
     def __str__(self) -> str:
         kind = {"float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         return ("wgmma." if self.wgmma else "mma.") + kind + (
-            "" if self.stages == 1 else f"x{self.stages}") + (".pipelined" if self.pipelined
-                                                              else "")
+            "" if self.stages == 1 else f"x{self.stages}") + (
+                ".pipelined" if self.pipelined else "") + (".tma" if self.producer else "")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
@@ -813,6 +823,9 @@ class TcPipelined(NamedTuple):
     weigh_ahead: object
     fold_last: object
     ring: object  # the K/V loop's buffers and turns (`hopper.StageRing`)
+    # producer(COUNT): the producer's copies into the ring (`hopper.make_tma_producer`),
+    # where SPEC.producer, else None
+    producer: object
 
 
 @cache
@@ -832,7 +845,7 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
     base = make_tc_basics(BR, BC, D, DV, SPEC)
     tiles, coords, local_row = base.tiles, base.coords, base.local_row
     wg = hopper.make_wgmma_products(SPEC.dtype, BR, KP, D, DV, sm.q)
-    ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS))
+    ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS), SPEC.producer)
     take_turn, pass_turn, k_free, v_free = ring.take_turn, ring.pass_turn, ring.k.free, \
         ring.v.free
     scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
@@ -902,7 +915,9 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
         w, lane = coords()
         accumulate(tiles(), p, acc, lane, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
 
-    return TcPipelined(make_weigh(True), make_weigh(False), fold_last, ring)
+    producer = functools.partial(hopper.make_tma_producer, BR, BC, D, DV, sm.q, K, V, K_STAGE,
+                                 V_STAGE, ring, tiles) if SPEC.producer else None
+    return TcPipelined(make_weigh(True), make_weigh(False), fold_last, ring, producer)
 
 
 class TcOStage(NamedTuple):
@@ -1027,6 +1042,7 @@ def make_tc_micro_kernel(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                        weigh_first=ahead and ahead.weigh_first,
                        weigh_ahead=ahead and ahead.weigh_ahead,
                        fold_last=ahead and ahead.fold_last, ring=ahead and ahead.ring,
+                       producer=ahead and ahead.producer,
                        NS=4 * (_up(BC, 16) // 8))
 
 

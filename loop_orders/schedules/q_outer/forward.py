@@ -30,13 +30,14 @@ from numba import float32, int64
 
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
+from ...device.intrinsics import named_barrier, set_max_registers
 from ...device.runtime import (
     SHARED_F32,
     cuda,
     kernel_factory,
     kernel_options,
 )
-from ...microkernel import tuning
+from ...microkernel import hopper, tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
 from ...microkernel.hopper import buffer_align
 from ...microkernel.stream import make_counted_loads, make_fold_tiles
@@ -74,6 +75,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`; GROUP 1)
         return make_specialised_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
+    if getattr(MK, "producer", False):  # a producer warpgroup's TMA copies (Hopper)
+        return make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP)
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
                       transposes_q(D))
     ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
@@ -149,6 +152,83 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     return q_outer
 
 
+def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
+    """The same loop nest on Hopper with a producer warpgroup (`TensorCores.producer`,
+    FlashAttention-3's warp specialisation): past the computing warpgroups, one more whose
+    first thread copies Q_i and every K_j, V_j into the ring by TMA (`hopper.
+    make_tma_producer`) on registers the computing ones take (setmaxnreg); the computing
+    threads only wait for fills and release buffers, and meet at a barrier of their own."""
+    mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
+                      transposes_q(D))
+    ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # computing threads; a thread's rows, accumulators
+    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
+    store_O_i, store_lse = mk.store_o, mk.store_lse
+    begin, end, q_landed = mk.ring.begin, mk.ring.end, mk.ring.k.landed
+    produce = mk.producer(COUNT)
+    fewer = set_max_registers(hopper.PRODUCER_REGISTERS, False)
+    more = set_max_registers(hopper.CONSUMER_REGISTERS, True)
+    computing_sync, _ = named_barrier(hopper.COMPUTING_BARRIER, NT)
+    start = make_online_start(NACC, RM, COUNT, mk.clear)
+    fold_tiles = make_fold_tiles(BC, mk, make_counted_loads(BC, COUNT, mk))
+    flush_counts = counts_flusher()
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
+    kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
+    NCNT = counter_slots(COUNT)
+    kv_head = make_kv_head(GROUP)
+
+    @cuda.jit(**kernel_options(NT + hopper.WARPGROUP, hopper.LAUNCH_REGISTERS))
+    def q_outer_tma(q, k, v, o, lse, counts, maps, scale_log2):
+        # masked: the query blocks that see the most K/V blocks start first (`block_grid`)
+        i, bh = block_of(q.shape[0])
+        kv = kv_head(bh)  # query head bh's K/V head (grouped-query attention)
+        n_q = q.shape[1]
+        n_k = k.shape[1]
+        row0 = i * BR
+        n_rows = min(BR, n_q - row0)
+        diag0 = row0 + n_k - n_q  # the first row's diagonal key (bottom-right aligned)
+
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)  # Q_i, K_j, V_j, ...
+        acc = cuda.local.array(NACC, float32)
+        m_i = cuda.local.array(RM, float32)
+        l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
+        l_row = cuda.local.array(RM, float32)
+        inv_l = cuda.local.array(RM, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        start(buf, acc, m_i, l_i, cnt)  # zeros, -inf; the buffer cleared
+        j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
+        begin(buf)  # the ring's mbarriers, for the producer and the computing threads
+        if cuda.threadIdx.x >= NT:  # the producer warpgroup: one thread copies
+            fewer()
+            if cuda.threadIdx.x == NT:
+                produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt)
+        else:
+            more()
+            fold_tiles(buf, k, v, kv, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2, cnt)
+            if j0 >= j1:
+                # a query block that sees no key: Q_i's copy lands before O_i's stage takes
+                # its place, and the warpgroups' first turn is taken
+                q_landed(buf, 0, 0)
+                end()
+            row_sums(buf, l_i, l_row)
+            reciprocal(l_row, inv_l)
+            computing_sync()  # every computing thread is done with the tiles: O_i may take
+            give_o(buf, acc, inv_l)  # normalised, into its stage
+            computing_sync()  # O_i is complete in shared memory
+            # O_i: written to HBM once, normalised
+            moved = store_O_i(buf, o, bh, row0, n_rows)
+            if COUNT:
+                cnt[O_W] += moved
+            if SAVE_LSE:
+                moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
+                if COUNT:
+                    cnt[LSE_W] += moved
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer_tma
+
+
 @register
 class QOuter(MicroKernelSchedule):
     name = "q_outer"
@@ -172,6 +252,7 @@ class QOuter(MicroKernelSchedule):
     PERSISTENT = {(128, 64, 128, 128, True): (2048, (3, 8, False))}
     # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
+    PRODUCED_KERNEL = True  # `make_produced_kernel`
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}

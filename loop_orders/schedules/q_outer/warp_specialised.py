@@ -197,7 +197,7 @@ class Specialised(NamedTuple):
         """Bytes of a CTA's dynamic shared buffer (`shared_floats`)."""
         return 4 * shared_floats(block_q, block_k, d, dv)
 
-    def work_grid(self, grid: tuple, args: tuple) -> tuple[tuple, tuple]:
+    def work_grid(self, grid: tuple, args: tuple, p=None) -> tuple[tuple, tuple]:
         """The launch's grid and kernel arguments: persistent CTAs, one an SM, drawing the
         work items of `grid` from a counter in HBM (`tickets`); else a CTA per item."""
         if self.persistent:
