@@ -114,6 +114,32 @@ def test_no_tape_where_slots_overlap_or_a_parameter_points_elsewhere():
         is None
 
 
+def test_a_tape_rebuilds_a_derived_parameter_from_its_sources_on_replay():
+    """An array derived from the call's arrays (a TMA kernel's tensor maps, `runtime.
+    derived`) is taped as its rebuild from its sources' offsets: a replay makes it again from
+    the new call's addresses and launches with it; one whose source is not among the call's
+    arrays leaves the call untaped."""
+    q, k = _view(1 << 20, (4, 8)), _view(2 << 20, (4, 8))
+    made = []
+
+    def rebuild(addresses):
+        made.append(list(addresses))
+        return _view(100 << 20 | len(made) << 8, (16,), np.uint64)
+
+    maps = _view(99 << 20, (16,), np.uint64)
+    args = (q, k, maps, np.float32(0.5))
+    launcher = _FakeLauncher(args)
+    derivations = {99 << 20: (rebuild, (1 << 20, (2 << 20) + 32))}  # k 32 bytes on
+    tape = runtime.Tape.of([(launcher, (1, 1, 1), 32, 0, args)], (q, k), None, derivations)
+    assert tape is not None
+    tape.replay([5 << 20, 6 << 20], 0)
+    assert made == [[5 << 20, (6 << 20) + 32]]
+    assert launcher.started[-1][4] == [5 << 20, 6 << 20, 100 << 20 | 1 << 8]
+    elsewhere = {99 << 20: (rebuild, (9 << 20,))}
+    assert runtime.Tape.of([(launcher, (1, 1, 1), 32, 0, args)], (q, k), None,
+                           elsewhere) is None
+
+
 def test_taped_keeps_a_tape_that_serves_and_stops_recording_what_it_cannot_tape(monkeypatch):
     """A key's first GPU call records (its Python runs), later ones replay; calls whose
     recording makes no tape (a parameter in no array of the call, at another alignment)

@@ -530,13 +530,25 @@ def _extent(a) -> int:
     return math.prod(iface["shape"]) * np.dtype(iface["typestr"]).itemsize
 
 
+def derived(array, rebuild, sources):
+    """Say that `array`, a launch's parameter, derives from the call's arrays `sources`
+    (anything `data_pointer` reads) alone: rebuild(addresses) makes the one for arrays of the
+    same shapes at those addresses (a tensor map's, `tensor_map.maps_for`), so that a `Tape`
+    can replay the launch on another call's arrays. Returns the array."""
+    taping = getattr(_stream, "derived", None)
+    if taping is not None:
+        taping[data_pointer(array)] = (rebuild, tuple(data_pointer(a) for a in sources))
+    return array
+
+
 class Tape:
     """The launches one call of a key made, each as its launcher, launch shape, scalars and,
     for each array parameter, which of the call's arrays (its slot) it points into and at
-    what byte offset; `replay` launches them again on another call's arrays of the same
-    key. What a schedule's launch works out in Python (kernels, grids, views of its
-    arrays) depends on the key alone, and on the arrays only through their addresses'
-    alignment, which `pointers` checks."""
+    what byte offset, or for one derived from them (`derived`) how to make it again from
+    theirs; `replay` launches them again on another call's arrays of the same key. What a
+    schedule's launch works out in Python (kernels, grids, views of its arrays) depends on
+    the key alone, and on the arrays only through their addresses' alignment, which
+    `pointers` checks."""
 
     __slots__ = ("steps", "residues", "context")
 
@@ -544,25 +556,36 @@ class Tape:
         self.steps, self.residues, self.context = steps, residues, context
 
     @classmethod
-    def of(cls, recorded: list, slots: tuple, context) -> Tape | None:
+    def of(cls, recorded: list, slots: tuple, context, derivations=None) -> Tape | None:
         """The tape of `recorded` launches over the call's arrays `slots`, or None where an
-        array parameter points into none of them, or two of them overlap (q passed as k
-        too: a replay could not tell them apart)."""
+        array parameter points into none of them and was not derived from them
+        (`derivations`: `derived`'s record), or two of them overlap (q passed as k too: a
+        replay could not tell them apart). A parameter's source: (slot, byte offset), or
+        (rebuild, its sources' (slot, offset)s) for a derived one."""
         bases = [data_pointer(a) for a in slots]
         ends = [base + _extent(a) for base, a in zip(bases, slots, strict=True)]
         spans = sorted(zip(bases, ends, strict=True))
         if any(nxt[0] < prev[1] for prev, nxt in itertools.pairwise(spans)):
             return None
+
+        def source(ptr):
+            slot = next((j for j, (base, end) in enumerate(zip(bases, ends, strict=True))
+                         if base <= ptr < max(end, base + 1)), None)
+            return None if slot is None else (slot, ptr - bases[slot])
+
         steps = []
         for launcher, grid, block, shared, args in recorded:
             sources = []
             for i, _ in launcher.pointers:
                 ptr = data_pointer(args[i])
-                slot = next((j for j, (base, end) in enumerate(zip(bases, ends, strict=True))
-                             if base <= ptr < max(end, base + 1)), None)
-                if slot is None:
+                found = source(ptr)
+                if found is None and ptr in (derivations or {}):
+                    rebuild, inputs = derivations[ptr]
+                    found = (rebuild, tuple(source(p) for p in inputs))
+                    found = None if None in found[1] else found
+                if found is None:
                     return None
-                sources.append((slot, ptr - bases[slot]))
+                sources.append(found)
             scalars = tuple(args[i] for i, _ in launcher.scalars)
             steps.append((launcher, grid, block, shared, tuple(sources), scalars))
         return cls(tuple(steps), tuple(b % TAPE_ALIGNMENT for b in bases), context)
@@ -579,8 +602,16 @@ class Tape:
 
     def replay(self, bases: list, stream: int) -> None:
         for launcher, grid, block, shared, sources, scalars in self.steps:
-            launcher.launch_with([bases[slot] + offset for slot, offset in sources], scalars,
+            launcher.launch_with([_address(source, bases) for source in sources], scalars,
                                  grid, block, shared, stream)
+
+
+def _address(source, bases: list) -> int:
+    """A taped parameter's address on these slots' addresses (`Tape.of`'s sources)."""
+    where, offset = source
+    if isinstance(where, int):
+        return bases[where] + offset
+    return data_pointer(where([bases[slot] + off for slot, off in offset]))
 
 
 # Recordings in a row that made no tape (a launch reading an array the call did not name, such
@@ -617,13 +648,14 @@ class Taped:
             launch_on(stream, launches)
             return
         previous, taping = set_stream(stream), []
-        _stream.taping = taping
+        _stream.taping, _stream.derived = taping, {}
         try:
             launches()
+            derivations = _stream.derived
         finally:
-            _stream.taping = None
+            _stream.taping = _stream.derived = None
             set_stream(previous)
-        tape = Tape.of(taping, slots, context)
+        tape = Tape.of(taping, slots, context, derivations)
         if tape is None:  # the key's earlier tape, if any, still serves its own alignment
             self.untaped += 1
         else:
