@@ -35,6 +35,7 @@ TABLE = {"n": [1024, 4096, 16384], "d": [64, 128], "causal": [False, True],
          "dtype": ["float16", "bfloat16"]}
 TILE_N = 4096
 TILES = {64: [(128, 64), (128, 128)], 128: [(128, 64), (128, 128)]}  # two warpgroups a CTA
+VARIANT_TILES = {64: (128, 64), 128: (128, 128)}  # --variants-only: the ring's fastest (H200)
 # (label, tuning products): the default (pipelined, the K/V ring filled by every thread's
 # cp.async), each product waited, and the ring filled by a producer warpgroup's TMA copies
 VARIANTS = [("q_outer wgmma", None), ("q_outer wgmma-sync", "wgmma-sync"),
@@ -118,12 +119,18 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="N = 4096 only, float16 only")
     parser.add_argument("--n", type=int, nargs="+", help="the table's N (default: TABLE's)")
     parser.add_argument("--dtypes", help="comma-separated (default: float16,bfloat16)")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="the sweep's variants at VARIANT_TILES only, no table")
     args = parser.parse_args(argv)
+    if args.variants_only:
+        TILES.update({d: [tiles] for d, tiles in VARIANT_TILES.items()})
     args.out.mkdir(parents=True, exist_ok=True)
     br.PROV = prov = provenance()
     rng = np.random.default_rng()
     path = args.out / "bench_hopper.csv"
     tile_rows, best = sweep_tiles(rng, path, prov)
+    if args.variants_only:
+        return 0
     for (d, causal), (tiles, products) in sorted(best.items()):
         print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} {products or 'pipelined'}",
               flush=True)

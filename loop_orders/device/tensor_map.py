@@ -22,10 +22,13 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import DeviceView
-from .intrinsics import SWIZZLE_MODES
 from .runtime import SIMULATOR, data_pointer, derived, is_recording, to_device
 
 WORDS = 16  # a CUtensorMap: 128 bytes, 64-byte aligned
+# a swizzled row's elements -> the driver's swizzle (its numbering is not wgmma's descriptor's,
+# `intrinsics.SWIZZLE_MODES`)
+TMA_SWIZZLES = {64: "CU_TENSOR_MAP_SWIZZLE_128B", 32: "CU_TENSOR_MAP_SWIZZLE_64B",
+                16: "CU_TENSOR_MAP_SWIZZLE_32B"}
 
 
 class Tensor(NamedTuple):
@@ -60,7 +63,7 @@ def encode(src, rows: int, width: int) -> np.ndarray:
     if row_bytes % 16 or head_bytes % 16 or t.address % 16:
         raise ValueError(f"TMA needs 16-byte aligned rows: strides {row_bytes}, {head_bytes} "
                          f"bytes, address {t.address:#x}")
-    swizzle = driver.CUtensorMapSwizzle(SWIZZLE_MODES[width])  # 1, 2, 3: 128, 64, 32 bytes
+    swizzle = getattr(driver.CUtensorMapSwizzle, TMA_SWIZZLES[width])
     wide, narrow = driver.cuuint64_t, driver.cuuint32_t
     err, tensor_map = driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,  # bits, as copied
