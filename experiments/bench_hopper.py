@@ -36,9 +36,9 @@ TABLE = {"n": [1024, 4096, 16384], "d": [64, 128], "causal": [False, True],
 TILE_N = 4096
 TILES = {64: [(128, 64), (128, 128)], 128: [(128, 64), (128, 128)]}  # two warpgroups a CTA
 VARIANT_TILES = {64: (128, 64), 128: (128, 128)}  # --variants-only: the ring's fastest (H200)
-# (label, tuning products): the default (pipelined, the K/V ring filled by every thread's
-# cp.async), each product waited, and the ring filled by a producer warpgroup's TMA copies
-VARIANTS = [("q_outer wgmma", None), ("q_outer wgmma-sync", "wgmma-sync"),
+# (label, tuning products, `MicroKernelSchedule.hopper_build`): pipelined, the K/V ring filled
+# by every thread's cp.async; each product waited; the ring filled by a producer's TMA copies
+VARIANTS = [("q_outer wgmma-ring", "wgmma-ring"), ("q_outer wgmma-sync", "wgmma-sync"),
             ("q_outer wgmma-tma", "wgmma-tma")]
 MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
 

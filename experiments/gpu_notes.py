@@ -349,13 +349,33 @@ def _model_gbs(r: dict) -> float:
     return lo.get_schedule(name).model(p).bytes(p.itemsize) / float(r["ms_median"]) / 1e6
 
 
+HOPPER_RUNS = ("bench_hopper.csv", "bench_hopper_h200.csv")  # the latest run first
+
+
 def hopper(results_dir: Path) -> str:
-    """The forward on wgmma beside its mma.sync build, SDPA flash and cuDNN
-    (bench_hopper.csv), and Nsight Compute on the wgmma kernel."""
-    path = results_dir / "bench_hopper.csv"
+    """The forward on wgmma beside its mma.sync build, SDPA flash and cuDNN (each of
+    HOPPER_RUNS there is), and Nsight Compute on the wgmma kernel."""
+    runs = [_hopper_run(results_dir / name) for name in HOPPER_RUNS
+            if (results_dir / name).exists()]
+    out = "\n\n".join(runs) if runs else _missing(results_dir / HOPPER_RUNS[0])
+    profile = results_dir / HOPPER_PROFILE
+    if profile.exists():
+        text = profile.read_text()
+        stalls = {name: _profile_value(text, f"smsp__average_warps_issue_stalled_{name}_per_"
+                                       "issue_active.ratio")
+                  for name in ("long_scoreboard", "mio_throttle", "wait", "selected",
+                               "lg_throttle", "barrier", "gmma")}
+        out += ("\n\n" + f"Nsight Compute on the d = 128, 128×128 pipelined kernel (`results/"
+                f"{HOPPER_PROFILE}`, the first wgmma build's): " + "; ".join(
+                    f"{m} {_profile_value(text, m)}" for m in HOPPER_PROFILE_METRICS)
+                + "; stalls per issued instruction: " + ", ".join(
+                    f"{k} {v.split()[0]}" for k, v in stalls.items()) + ".")
+    return out
+
+
+def _hopper_run(path: Path) -> str:
+    """One bench_hopper run: its table and what its tile sweep found."""
     rows = _rows(path)
-    if rows is None:
-        return _missing(path)
     table = [r for r in rows if r["part"] == "table" and r["status"] == "ok"]
     points = list(dict.fromkeys((r["n"], r["d"], r["causal"], r["dtype"]) for r in table))
     lines = ["| N | d | causal | dtype | SDPA flash | SDPA cuDNN | q_outer wgmma (tiles, build) "
@@ -376,12 +396,12 @@ def hopper(results_dir: Path) -> str:
     for r in sweep:
         variant = r["provider"].split()[-1].removeprefix("wgmma-")  # wgmma, sync, tma
         pairs.setdefault((r["d"], r["causal"], r["block_q"], r["block_k"]), {})[
-            "pipelined" if variant == "wgmma" else variant] = float(r["ms_median"])
+            "pipelined" if variant in ("wgmma", "ring") else variant] = float(r["ms_median"])
     faster = sum(1 for v in pairs.values() if v.get("pipelined", 1e9) < v.get("sync", 0))
     produced = [v["pipelined"] / v["tma"] for v in pairs.values() if "tma" in v
                 and "pipelined" in v]
     first = table[0] if table else rows[0]
-    out = [f"On the {first['device']} at {first['git_sha']} (`results/bench_hopper.csv`; B·H·N "
+    out = [f"On the {first['device']} at {first['git_sha']} (`results/{path.name}`; B·H·N "
            f"= {_bhn(first)}, median ms, kernels alone, each checked against float64 first; "
            "q_outer's tiles and build the fastest of the tile sweep at N = 4096 for that head "
            "dim and mask):", "", *lines, "",
@@ -391,18 +411,6 @@ def hopper(results_dir: Path) -> str:
            + (f" A producer warpgroup filling the ring by TMA (`wgmma-tma`) against every "
               f"thread copying by cp.async: {min(produced):.2f}-{max(produced):.2f}× the "
               f"speed over {len(produced)} tiles and masks." if produced else "")]
-    profile = results_dir / HOPPER_PROFILE
-    if profile.exists():
-        text = profile.read_text()
-        stalls = {name: _profile_value(text, f"smsp__average_warps_issue_stalled_{name}_per_"
-                                       "issue_active.ratio")
-                  for name in ("long_scoreboard", "mio_throttle", "wait", "selected",
-                               "lg_throttle", "barrier", "gmma")}
-        out += ["", f"Nsight Compute on the d = 128, 128×128 pipelined kernel (`results/"
-                f"{HOPPER_PROFILE}`): " + "; ".join(
-                    f"{m} {_profile_value(text, m)}" for m in HOPPER_PROFILE_METRICS)
-                + "; stalls per issued instruction: " + ", ".join(
-                    f"{k} {v.split()[0]}" for k, v in stalls.items()) + "."]
     return "\n".join(out)
 
 

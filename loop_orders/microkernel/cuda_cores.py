@@ -785,8 +785,11 @@ class MicroKernelSchedule(Schedule):
     # CTA alone on its SM)
     TC_KV_STAGES: ClassVar[dict] = {}
     # the loop nest has a kernel with a producer warpgroup for Hopper's pipelined build
-    # (`produces`)
+    # (`hopper_build` "tma")
     PRODUCED_KERNEL: ClassVar[bool] = False
+    # (block_q, block_k, d) -> `hopper_build`: Hopper builds this loop nest was measured
+    # fastest with (results/bench_hopper.csv); "ring" elsewhere
+    HOPPER_BUILDS: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -806,21 +809,30 @@ class MicroKernelSchedule(Schedule):
         if kind is not None:
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
             stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
-            pipelined = wgmma and stages == 2 and tuning.current().products != "wgmma-sync"
-            return TensorCores(kind, stages, wgmma, pipelined, self.produces(p, pipelined))
+            build = self.hopper_build(p) if wgmma and stages == 2 else "sync"
+            return TensorCores(kind, stages, wgmma, pipelined=build != "sync",
+                               producer=build == "tma")
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised
         lay = thread_layout(p.block_q, p.block_k, p.dv, self.TUNED_LAYOUTS)
         return lay._replace(stages=stages)
 
-    def produces(self, p: Problem, pipelined: bool) -> bool:
-        """Whether p's pipelined wgmma build has a producer warpgroup fill its ring by TMA
-        (`TensorCores.producer`): where the loop nest has that kernel (PRODUCED_KERNEL), the
-        CTA two computing warpgroups (block_q 128) and a sweep asks for it (`tuning`
-        products "wgmma-tma")."""
-        return (pipelined and self.PRODUCED_KERNEL and p.block_q == 2 * hopper.WARPGROUP_ROWS
-                and tuning.current().products == "wgmma-tma")
+    def hopper_build(self, p: Problem) -> str:
+        """How p's wgmma build (two K/V buffers) runs its K/V loop: "sync" (each product
+        waited for, the K/V tiles double-buffered), "ring" (the pipelined update, K/V through
+        a ring every thread copies into) or "tma" (the same ring filled by a producer
+        warpgroup's TMA copies, where the loop nest has that kernel (PRODUCED_KERNEL) and a
+        CTA two computing warpgroups): a sweep's choice (`tuning` products "wgmma-sync",
+        "wgmma-ring", "wgmma-tma"), else HOPPER_BUILDS' for p's tiles and head dim, else
+        "ring"."""
+        forced = {"wgmma-sync": "sync", "wgmma-ring": "ring", "wgmma-tma": "tma"}.get(
+            tuning.current().products or "")
+        build = forced or self.HOPPER_BUILDS.get((p.block_q, p.block_k, p.d), "ring")
+        if build == "tma" and not (self.PRODUCED_KERNEL
+                                   and p.block_q == 2 * hopper.WARPGROUP_ROWS):
+            return "ring"
+        return build
 
     def specialised(self, p: Problem, stages: int):
         """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None

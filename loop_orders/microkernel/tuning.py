@@ -6,9 +6,10 @@ overrides it with a `Tuning`: `layout`, a CUDA-core thread tile "RM,KN[,STAGES[,
 (q_outer's `Specialised.parse`); `kv_stages`, at most this many K/V buffers (1 turns off the
 double-buffered or staggered loads); `q_stages`, at most this many Q_i/dO_i buffers in a
 tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit tiles on
-mma.sync where Hopper's wgmma build would run (the A/B baseline), "wgmma-sync" for wgmma
-without the pipelined update, "wgmma-tma" for the pipelined update with a producer warpgroup
-copying by TMA (where the loop nest has that kernel: `MicroKernelSchedule.produces`). The
+mma.sync where Hopper's wgmma build would run (the A/B baseline), or the wgmma build's K/V
+loop (`MicroKernelSchedule.hopper_build`): "wgmma-sync" without the pipelined update,
+"wgmma-ring" pipelined with every thread copying into the ring, "wgmma-tma" pipelined with a
+producer warpgroup copying by TMA (where the loop nest has that kernel). The
 environment gives the process's value, read once at import (LOOP_ORDERS_LAYOUT,
 LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS: a sweep run by a shell
 script); within a process `tuned(...)` overrides it for a block.

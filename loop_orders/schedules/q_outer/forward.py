@@ -253,6 +253,9 @@ class QOuter(MicroKernelSchedule):
     # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     PRODUCED_KERNEL = True  # `make_produced_kernel`
+    # Hopper, 16-bit: the K/V loop measured fastest (results/bench_hopper.csv): each product
+    # waited at d = 64 on 128 x 64, the TMA producer at d = 128 on 128 x 128
+    HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 128): "tma"}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}
