@@ -381,6 +381,22 @@ def tma_boxes(block_q: int, block_k: int, d: int, dv: int) -> TmaBoxes:
 
 
 @cache
+def make_tma_tile(ROWS: int, W: int, COLS: int, MAP: int):
+    """copy_tile(tile, at, buf, landing, maps, src, row0, head): rows row0 .. row0 + ROWS - 1
+    of src[head] (COLS columns) into the swizzled tile at element `at`, a TMA box per column
+    block of W (map MAP of `maps`), counted at the mbarrier at float `landing` of buf."""
+    copy = tma_load(ROWS, W)
+
+    @inlined
+    def copy_tile(tile, at, buf, landing, maps, src, row0, head):
+        for c in range(COLS // W):
+            copy(tile, uint64(at + c * ROWS * W), buf, landing, maps, MAP, src, c * W, row0,
+                 head)
+
+    return copy_tile
+
+
+@cache
 def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K_STAGE: int,
                       V_STAGE: int, ring: StageRing, tiles, COUNT: bool):
     """produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt): the one producer
@@ -393,8 +409,9 @@ def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int,
     MAP_K, MAP_V of `maps`. Counted (COUNT), the elements each copy moved from HBM go to their
     counter slots (the valid rows: TMA reads none past N_q, N_k)."""
     boxes = tma_boxes(BR, BC, D, DV)
-    (QR, QW), (KR, KW), (VR, VW) = boxes
-    copy_q, copy_k, copy_v = tma_load(QR, QW), tma_load(KR, KW), tma_load(VR, VW)
+    (QR, _), (KR, _), (VR, _) = boxes
+    copy_q, copy_k = make_tma_tile(*boxes.q, D, MAP_Q), make_tma_tile(*boxes.k, D, MAP_K)
+    copy_v = make_tma_tile(*boxes.v, DV, MAP_V)
     Q_BYTES, K_BYTES, V_BYTES = 2 * QR * D, 2 * KR * D, 2 * VR * DV
     k_bars, v_bars = ring.k, ring.v
 
@@ -405,9 +422,7 @@ def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int,
             fence_tensor_map(maps, m)  # the maps the host wrote, seen by the copies
         # Q_i: read from HBM once; with K_j0 on K buffer 0's first fill (or alone)
         k_bars.expect(buf, 0, Q_BYTES + (K_BYTES if j0 < j1 else 0))
-        for c in range(D // QW):
-            copy_q(tile, uint64(Q + c * QR * QW), buf, k_bars.landing(0), maps, MAP_Q, q,
-                   c * QW, row0, bh)
+        copy_q(tile, Q, buf, k_bars.landing(0), maps, q, row0, bh)
         if COUNT:
             cnt[Q_R] += n_rows * D
         for j in range(j0, j1):
@@ -419,20 +434,16 @@ def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int,
                     k_bars.freed(buf, t % K_BUFFERS, (t - K_BUFFERS) // K_BUFFERS)
                 k_bars.expect(buf, t % K_BUFFERS, K_BYTES)
             # K_j: reloaded from HBM by every query block
-            at = K + (t % K_BUFFERS) * K_STAGE
-            for c in range(D // KW):
-                copy_k(tile, uint64(at + c * KR * KW), buf, k_bars.landing(t % K_BUFFERS),
-                       maps, MAP_K, k, c * KW, key0, kv)
+            copy_k(tile, K + (t % K_BUFFERS) * K_STAGE, buf, k_bars.landing(t % K_BUFFERS),
+                   maps, k, key0, kv)
             if COUNT:
                 cnt[K_R] += n_keys * D
             if t >= V_BUFFERS:  # V_j where V_j-VB was, likewise
                 v_bars.freed(buf, t % V_BUFFERS, (t - V_BUFFERS) // V_BUFFERS)
             v_bars.expect(buf, t % V_BUFFERS, V_BYTES)
             # V_j: reloaded from HBM by every query block
-            at = V + (t % V_BUFFERS) * V_STAGE
-            for c in range(DV // VW):
-                copy_v(tile, uint64(at + c * VR * VW), buf, v_bars.landing(t % V_BUFFERS),
-                       maps, MAP_V, v, c * VW, key0, kv)
+            copy_v(tile, V + (t % V_BUFFERS) * V_STAGE, buf, v_bars.landing(t % V_BUFFERS),
+                   maps, v, key0, kv)
             if COUNT:
                 cnt[V_R] += n_keys * DV
 

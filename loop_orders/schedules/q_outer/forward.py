@@ -34,6 +34,7 @@ from ...device.intrinsics import named_barrier, set_max_registers
 from ...device.runtime import (
     SHARED_F32,
     cuda,
+    inlined,
     kernel_factory,
     kernel_options,
 )
@@ -84,9 +85,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     # staggered or pipelined K/V loads: K_j0 first, under Q_i's
     STAGGERED = mk.STAGGERED or mk.PIPELINED
     # Numba compiles closure variables as constants: take the device functions by name
-    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
     wait_loads = mk.wait_loads
-    store_O_i, store_lse = mk.store_o, mk.store_lse
+    write_block = make_write_block(mk, SAVE_LSE, COUNT, cta_sync)
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     loads = make_counted_loads(BC, COUNT, mk)
     load_K_j_counted, load_Q_i_counted = loads.k, loads.q
@@ -133,11 +133,32 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             # must land before O_i's stage takes their place
             wait_loads()
 
+        write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt)
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer
+
+
+@inlined
+def cta_sync():
+    cuda.syncthreads()
+
+
+def make_write_block(mk, SAVE_LSE: bool, COUNT: bool, sync):
+    """write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt): a query
+    block's end: l_i summed over the lanes, O_i = acc / l_i through its stage to HBM, and
+    lse_i, each counted; `sync()` the barrier of the threads holding the block's rows."""
+    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
+    store_O_i, store_lse = mk.store_o, mk.store_lse
+
+    @inlined
+    def write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt):
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
-        cuda.syncthreads()  # every thread is done with the tiles: O_i may take their place
+        sync()  # every thread is done with the tiles: O_i may take their place
         give_o(buf, acc, inv_l)  # normalised, into its stage
-        cuda.syncthreads()  # O_i is complete in shared memory
+        sync()  # O_i is complete in shared memory
         # O_i: written to HBM once, normalised
         moved = store_O_i(buf, o, bh, row0, n_rows)
         if COUNT:
@@ -146,10 +167,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
             if COUNT:
                 cnt[LSE_W] += moved
-        if COUNT:
-            flush_counts(cnt, counts)
 
-    return q_outer
+    return write_block
 
 
 def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -162,13 +181,12 @@ def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
                       transposes_q(D))
     ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
     NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # computing threads; a thread's rows, accumulators
-    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
-    store_O_i, store_lse = mk.store_o, mk.store_lse
     begin, end, q_landed = mk.ring.begin, mk.ring.end, mk.ring.k.landed
     produce = mk.producer(COUNT)
     fewer = set_max_registers(hopper.PRODUCER_REGISTERS, False)
     more = set_max_registers(hopper.CONSUMER_REGISTERS, True)
     computing_sync, _ = named_barrier(hopper.COMPUTING_BARRIER, NT)
+    write_block = make_write_block(mk, SAVE_LSE, COUNT, computing_sync)
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     fold_tiles = make_fold_tiles(BC, mk, make_counted_loads(BC, COUNT, mk))
     flush_counts = counts_flusher()
@@ -210,19 +228,7 @@ def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
                 # its place, and the warpgroups' first turn is taken
                 q_landed(buf, 0, 0)
                 end()
-            row_sums(buf, l_i, l_row)
-            reciprocal(l_row, inv_l)
-            computing_sync()  # every computing thread is done with the tiles: O_i may take
-            give_o(buf, acc, inv_l)  # normalised, into its stage
-            computing_sync()  # O_i is complete in shared memory
-            # O_i: written to HBM once, normalised
-            moved = store_O_i(buf, o, bh, row0, n_rows)
-            if COUNT:
-                cnt[O_W] += moved
-            if SAVE_LSE:
-                moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
-                if COUNT:
-                    cnt[LSE_W] += moved
+            write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt)
         if COUNT:
             flush_counts(cnt, counts)
 
