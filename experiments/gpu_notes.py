@@ -943,7 +943,7 @@ def provenances(results_dir: Path) -> list[tuple[str, dict]]:
                  "fig2_setting.csv", "train_tiny.csv", "bench_tensor_cores.csv",
                  "bench_tc_tiles.csv", "hw_traffic_tensor_cores.csv", "hw_traffic_q_outer.csv",
                  "bench_tf32x3.csv", "bench_causal_tiles.csv", "hw_traffic_float32_paths.csv",
-                 "hw_traffic_q_outer_d128.csv", "bench_hopper.csv"):
+                 "hw_traffic_q_outer_d128.csv", "bench_hopper.csv", "bench_hopper_h200.csv"):
         rows = _rows(results_dir / name)
         if rows:  # a file re-measured in part names every commit its rows come from
             shas = " + ".join(dict.fromkeys(r["git_sha"] for r in rows))
