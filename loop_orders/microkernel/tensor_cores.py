@@ -55,9 +55,8 @@ tensor cores (`hopper.make_stage_ring`).
 
 from __future__ import annotations
 
-import functools
 import math
-from functools import cache
+from functools import cache, partial
 from typing import NamedTuple
 
 import numpy as np
@@ -915,8 +914,8 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
         w, lane = coords()
         accumulate(tiles(), p, acc, lane, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
 
-    producer = functools.partial(hopper.make_tma_producer, BR, BC, D, DV, sm.q, K, V, K_STAGE,
-                                 V_STAGE, ring, tiles) if SPEC.producer else None
+    producer = partial(hopper.make_tma_producer, BR, BC, D, DV, sm.q, K, V, K_STAGE, V_STAGE,
+                       ring, tiles) if SPEC.producer else None
     return TcPipelined(make_weigh(True), make_weigh(False), fold_last, ring, producer)
 
 
