@@ -295,8 +295,9 @@ def test_make_clear_zeroes_every_float_of_the_buffer_and_nothing_past_it(size, t
 def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it():
     """float16 runs kv_outer, q_outer and split_kv on tensor cores (q_outer double-buffers
     K/V), on Hopper's wgmma where the tiles allow (the simulator stands in for an H100; q_outer
-    pipelines it), else, or asked (`tuning` products="mma"), on mma.sync; float32 keeps the
-    CUDA-core layout."""
+    pipelines it through the ring, or as its HOPPER_BUILDS say: each product waited at d = 64
+    on 128 x 64, the TMA producer at d = 128 on 128 x 128, one warpgroup more), else, or asked
+    (`tuning` products="mma"), on mma.sync; float32 keeps the CUDA-core layout."""
     import loop_orders as lo
     from loop_orders.device.runtime import dynamic_shared_limit
     from loop_orders.microkernel import tuning
@@ -305,7 +306,14 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
     for name, stages in (("q_outer", 2), ("kv_outer", 1)):
         sched = lo.get_schedule(name)
         p16 = lo.make_problem(name, n_q=4096, d=64, block_q=128, block_k=64, dtype="float16")
-        assert sched.layout(p16) == TensorCores("float16", stages, True, stages == 2)
+        assert sched.layout(p16) == TensorCores("float16", stages, True)  # waited / one buffer
+        with tuning.tuned(products="wgmma-ring"):
+            assert sched.layout(p16) == TensorCores("float16", stages, True, stages == 2)
+        wide = lo.make_problem(name, n_q=4096, d=128, block_q=128, block_k=128,
+                               dtype="float16")
+        producer = name == "q_outer"
+        assert sched.layout(wide) == TensorCores("float16", stages, True, stages == 2, producer)
+        assert sched.threads(wide) == 256 + 128 * producer
         with tuning.tuned(products="wgmma-sync"):
             assert sched.layout(p16) == TensorCores("float16", stages, True)
         with tuning.tuned(products="mma"):
