@@ -8,12 +8,13 @@ dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's softma
 come through a ring every thread copies into; the same with a producer warpgroup filling the
 ring by TMA; and the update that waits for each product); then, at each point of the table
 (N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma with that head
-dim's fastest tiles and variant, q_outer on mma.sync at its own benchmark tiles (`tuning`
-products="mma"), kv_outer on wgmma at q_outer's tiles, and SDPA flash and cuDNN. Each of
-ours is checked against the float64 reference on sampled rows before it is timed
-(`bench_runtime.measure`). Writes bench_hopper.csv (one row a
-timing, with the tiles, the build in effect and the ratio to SDPA flash and cuDNN at the same
-point) with provenance.
+dim's fastest tiles and variant, q_outer's public call naming no tiles (`lo.attention` on
+torch tensors: the tiles and build a user gets), q_outer on mma.sync at its own benchmark
+tiles (`tuning` products="mma"), kv_outer on wgmma at q_outer's tiles, dense's matmuls on
+wgmma and on mma.sync (N <= DENSE_N), and SDPA flash and cuDNN. Each of ours is checked
+against the float64 reference on sampled rows before it is timed (`bench_runtime.measure`).
+Writes bench_hopper.csv (one row a timing, with the tiles, the build in effect and the ratio
+to SDPA flash and cuDNN at the same point) with provenance.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 import loop_orders as lo
 from experiments import bench_runtime as br
-from experiments.gpu_common import input_kind, warm, write_csv
+from experiments.gpu_common import check_output, input_kind, warm, write_csv
 from loop_orders.device import runtime
 from loop_orders.microkernel import tuning
 from loop_orders.results import provenance
@@ -41,6 +42,7 @@ VARIANT_TILES = {64: (128, 64), 128: (128, 128)}  # --variants-only: the ring's 
 VARIANTS = [("q_outer wgmma-ring", "wgmma-ring"), ("q_outer wgmma-sync", "wgmma-sync"),
             ("q_outer wgmma-tma", "wgmma-tma")]
 MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
+DENSE_N, DENSE_TILES = 4096, (128, 64)  # dense's matmuls, on wgmma and on mma.sync
 
 
 def problem(name: str, n: int, d: int, causal: bool, dtype: str, tiles) -> lo.Problem:
@@ -82,6 +84,38 @@ def sweep_tiles(rng, path: Path, prov: dict) -> tuple[list[dict], dict]:
     return rows, {key: (tiles, products) for key, (_, tiles, products) in best.items()}
 
 
+def public_call(p: lo.Problem, rng) -> dict:
+    """q_outer through `lo.attention` on torch tensors naming no tiles (the tiles and build a
+    user gets on this GPU, `Schedule.fast_tiles`), timed as the kernels are, host included
+    (its calls queue while the GPU runs the last)."""
+    import torch
+
+    sched = lo.get_schedule("q_outer")
+    sets = [tuple(torch.randn(p.batch, p.heads, p.n_q, p.d, device="cuda",
+                              dtype=getattr(torch, p.dtype)) for _ in range(3))
+            for _ in range(br.input_sets(p))]
+
+    def launch(i):
+        return lo.attention(*sets[i % len(sets)], causal=p.causal)
+
+    chosen = launch(0).problem
+    row = br.blank_row("q_outer public call", p.dtype, sched, chosen)
+    row["provider"] = "q_outer public call"
+    try:
+        out = launch(0).out.float().cpu().numpy().reshape(p.bh, p.n_q, p.dv)
+        host = [t.float().cpu().numpy().reshape(p.bh, p.n_q, -1) for t in sets[0]]
+        err = check_output(sched, chosen, *host, out, rng)
+        ms = br.time_launches(launch)
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        row["status"] = f"wrong: {str(exc)[:160]}"
+        return row
+    row.update(ms_median=round(ms, 4), tflops=round(br.flops(p) / ms / 1e9, 3),
+               rel_error=f"{err:.2e}")
+    print(f"q_outer public call d={p.d} causal={p.causal} N={p.n_q} {chosen.block_q}x"
+          f"{chosen.block_k} {row['layout']}: {ms:.3f} ms", flush=True)
+    return row
+
+
 def table(rng, best: dict, points) -> list[dict]:
     rows = []
     for n, d, causal, dtype in points:
@@ -91,11 +125,16 @@ def table(rng, best: dict, points) -> list[dict]:
                  for backend in ("flash", "cudnn")]
         point.append(timed(f"q_outer {products or 'wgmma'}", "q_outer", p, rng,
                            products=products))
+        point.append(public_call(p, rng))
         point.append(timed("kv_outer wgmma", "kv_outer",
                            problem("kv_outer", n, d, causal, dtype, tiles), rng))
         point.append(timed("q_outer mma.sync", "q_outer",
                            problem("q_outer", n, d, causal, dtype, MMA_TILES), rng,
                            products="mma"))
+        if n <= DENSE_N:  # S and P in HBM: B H N^2 floats each
+            dense = problem("dense", n, d, causal, dtype, DENSE_TILES)
+            point += [timed("dense wgmma", "dense", dense, rng),
+                      timed("dense mma.sync", "dense", dense, rng, products="mma")]
         base = {r["provider"]: r["ms_median"] for r in point if r["status"] == "ok"}
         for r in point:
             for backend in ("flash", "cudnn"):
@@ -135,6 +174,11 @@ def main(argv=None) -> int:
     n = args.n or ([TILE_N] if args.quick else TABLE["n"])
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float16"] if args.quick else TABLE["dtype"])
+    warm(((name, problem(name, n[0], d, causal, dtype,
+                         DENSE_TILES if name == "dense" else best.get((d, causal), MMA_TILES)[0]),
+           False) for name in ("q_outer", "kv_outer", "dense")
+          for d, causal, dtype in itertools.product(TABLE["d"], TABLE["causal"], dtypes)),
+         counted=(False,))  # the table's default builds (mma.sync's compile as they come)
     rows = []
     for point in itertools.product(n, TABLE["d"], TABLE["causal"], dtypes):
         rows += table(rng, best, [point])

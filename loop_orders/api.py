@@ -519,8 +519,10 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
     group's heads run as one block against it (K/V read once per group; no mask but causal
     decode, `packed_rows`).
     `block_q` x `block_k` are the tiles (Br x Bc): left out (None), 64 x 64, or where those do
-    not fit in shared memory the first of `DEFAULT_TILES` that does; tiles named that do not
-    fit are refused. Tiles larger than the problem are clamped to it (`Result.clamped`).
+    not fit in shared memory the first of `DEFAULT_TILES` that does, and on a Hopper GPU with
+    16-bit inputs first the tiles the schedule was measured fastest with there
+    (`Schedule.fast_tiles`: q_outer's 128 x 64 at d = 64, 128 x 128 at d = 128); tiles named
+    that do not fit are refused. Tiles larger than the problem are clamped to it (`Result.clamped`).
     float32, float16 or bfloat16 (torch tensors: NumPy has no bfloat16); accumulation is
     float32, 16-bit inputs run on tensor cores. Outputs are the same kind of array as q
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the
@@ -586,7 +588,8 @@ def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
     p = fitting_tiles(p, problem, block_q, block_k,
-                      lambda p: check_launch(sched, p, count, host_inputs=inp.host))
+                      lambda p: check_launch(sched, p, count, host_inputs=inp.host),
+                      first=sched.fast_tiles(p))
     return _Call(sched, p, inp, scale, count, timed, clamped_blocks(p, block_q, block_k))
 
 
@@ -602,16 +605,17 @@ def named_tiles(block_q: int | None, block_k: int | None) -> tuple[int, int]:
             DEFAULT_TILES[0][1] if block_k is None else block_k)
 
 
-def fitting_tiles(p: Problem, problem, block_q, block_k, check) -> Problem:
+def fitting_tiles(p: Problem, problem, block_q, block_k, check, first=None) -> Problem:
     """p (its tiles `named_tiles(block_q, block_k)`) after `check(p)`; when the caller named
-    neither tile, the first Problem of `DEFAULT_TILES` (`problem(block_q, block_k)` makes
-    one) that `check` accepts, where only refusals of the tiles (a ValueError naming block_q
-    or block_k: shared memory) move on to the next; if none fits, the first's refusal."""
+    neither tile, the first Problem of `first` (a schedule's `fast_tiles`, if any) and then
+    `DEFAULT_TILES` (`problem(block_q, block_k)` makes one) that `check` accepts, where only
+    refusals of the tiles (a ValueError naming block_q or block_k: shared memory) move on to
+    the next; if none fits, the first default's refusal."""
     if block_q is not None or block_k is not None:
         check(p)
         return p
-    first = None
-    for tiles in DEFAULT_TILES:
+    refused = None
+    for tiles in ((first,) if first else ()) + DEFAULT_TILES:
         candidate = p if tiles == DEFAULT_TILES[0] else problem(*tiles)
         try:
             check(candidate)
@@ -619,8 +623,9 @@ def fitting_tiles(p: Problem, problem, block_q, block_k, check) -> Problem:
         except ValueError as exc:
             if not str(exc).startswith(("block_q:", "block_k:")):
                 raise
-            first = first or exc
-    raise first
+            if tiles != first:
+                refused = refused or exc
+    raise refused
 
 
 def predict_traffic(schedule: str, n: int | None, d: int, dv: int | None = None, batch: int = 1,

@@ -245,6 +245,7 @@ HOPPER_CASES = [  # (schedule, n_q, n_k, d, dv, block_q, block_k, causal, dtype,
     ("q_outer", 130, 100, 32, 48, 128, 16, True, "float16", None),
     ("kv_outer", 70, 45, 64, 32, 64, 16, True, "bfloat16", None),
     ("split_kv", 70, 90, 80, 48, 64, 32, False, "float16", None),
+    ("dense", 70, 45, 32, 48, 64, 32, True, "float16", None),  # its two matmul kernels
     # the ring filled by a producer warpgroup's TMA copies; the first query block sees no key
     ("q_outer", 200, 40, 64, 32, 128, 32, True, "bfloat16", "wgmma-tma"),
 ]

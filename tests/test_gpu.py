@@ -257,6 +257,39 @@ def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
+    """On a Hopper GPU a float16 q_outer call that names no tiles runs the tiles and build
+    HOPPER_BUILDS name for its head dim (128 x 64 waited at d = 64, 128 x 128 with the TMA
+    producer at d = 128), right beside SDPA; dense's matmuls there run on wgmma."""
+    torch = pytest.importorskip("torch")
+    from loop_orders.device import runtime
+
+    if runtime.compute_capability()[:2] != (9, 0):
+        pytest.skip("the Hopper builds need a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", generator=gen).half()
+               for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v).double()
+    for name in ("q_outer", "dense"):
+        sched = lo.get_schedule(name)
+        res = lo.attention(q, k, v, schedule=name, count=True)
+        build = str(sched.layout(res.problem))
+        tiles = (res.problem.block_q, res.problem.block_k)
+        if name == "q_outer":
+            assert tiles == {64: (128, 64), 128: (128, 128)}[d]
+            assert build == {64: "wgmma.f16x2", 128: "wgmma.f16x2.pipelined.tma"}[d]
+        else:
+            assert tiles == (64, 64) and build == "wgmma.f16"
+        err = float((res.out.double() - ref).abs().max())
+        print(f"{name} d={d} {tiles} {build}: error {err:.2e}, SDPA's "
+              f"{float((theirs - ref).abs().max()):.2e}")
+        assert err <= 2 * float((theirs - ref).abs().max())
+        assert res.counts == sched.model(res.problem)
+
+
+@gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if lo.get_schedule(s).TENSOR_CORES])
 def test_tf32_at_scale_beside_torch(schedule, causal, rng):

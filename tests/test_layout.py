@@ -335,6 +335,49 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
     assert isinstance(split.layout(p32), Layout)
 
 
+def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(monkeypatch):
+    """On a Hopper GPU (patched in: the simulator keeps 64 x 64) a forward call that names no
+    tiles tries q_outer's HOPPER_BUILDS tiles for its head dim first, where the sequences hold
+    them whole and the inputs are 16-bit; other head dims, float32, mma.sync asked, short
+    sequences and the other schedules keep DEFAULT_TILES; tiles named are kept."""
+    import loop_orders as lo
+    from loop_orders import api
+    from loop_orders.microkernel import cuda_cores, tuning
+
+    q_outer, kv_outer = lo.get_schedule("q_outer"), lo.get_schedule("kv_outer")
+
+    def problem(d=128, n=1024, dtype="float16"):
+        return lo.make_problem("q_outer", n_q=n, d=d, dtype=dtype, block_q=64, block_k=64)
+
+    assert q_outer.fast_tiles(problem()) is None  # the simulator
+    monkeypatch.setattr(cuda_cores, "SIMULATOR", False)
+    monkeypatch.setattr(cuda_cores, "has_wgmma", lambda: True)
+    assert q_outer.fast_tiles(problem()) == (128, 128)
+    assert q_outer.fast_tiles(problem(d=64, dtype="bfloat16")) == (128, 64)
+    assert q_outer.fast_tiles(problem(d=96)) is None  # not measured
+    assert q_outer.fast_tiles(problem(dtype="float32")) is None
+    assert q_outer.fast_tiles(problem(n=100)) is None  # a query block shorter than 128
+    assert kv_outer.fast_tiles(problem()) is None
+    with tuning.tuned(products="mma"):
+        assert q_outer.fast_tiles(problem()) is None
+    tried = []
+
+    def check(p):
+        tried.append((p.block_q, p.block_k))
+        if p.block_q == 128:
+            raise ValueError("block_q: too big here")
+
+    def make(bq, bk):
+        return lo.make_problem("q_outer", n_q=1024, d=128, dtype="float16", block_q=bq,
+                               block_k=bk)
+
+    chosen = api.fitting_tiles(make(64, 64), make, None, None, check, first=(128, 128))
+    assert tried == [(128, 128), (64, 64)] and (chosen.block_q, chosen.block_k) == (64, 64)
+    tried.clear()
+    named = api.fitting_tiles(make(64, 32), make, 64, 32, check, first=(128, 128))
+    assert tried == [(64, 32)] and named.block_k == 32
+
+
 def test_q_outer_staggers_its_float32_loads_with_cp_async_where_rows_are_whole_copies(
         monkeypatch):
     """On CUDA cores q_outer (KV_STAGES 2) loads V_j under S_ij and K_j+1 under P_ij V_j;
@@ -407,15 +450,22 @@ def test_misaligned_keys_get_the_plain_load_kernel_on_cuda_cores(monkeypatch):
 
 
 def test_dense_runs_its_two_products_on_tensor_cores_for_16_bit_inputs():
-    """dense: kernels 1 and 3 on mma.sync for float16 and bfloat16 (a warp per 16 query rows,
-    P rounded to 16 bits: one more output rounding), the CUDA-core kernels for float32."""
+    """dense: kernels 1 and 3 on tensor cores for float16 and bfloat16 (a warp per 16 query
+    rows, P rounded to 16 bits: one more output rounding): on Hopper's wgmma where the tiles
+    allow (the simulator stands in for an H100), else or asked (`tuning` products="mma") on
+    mma.sync; the CUDA-core kernels for float32."""
     import loop_orders as lo
+    from loop_orders.microkernel import tuning
     from loop_orders.microkernel.tensor_cores import TensorCores
 
     dense = lo.get_schedule("dense")
     for dtype in ("float16", "bfloat16"):
         p = lo.make_problem("dense", n_q=1024, d=64, block_q=64, block_k=64, dtype=dtype)
-        assert dense.layout(p) == TensorCores(dtype)
+        assert dense.layout(p) == TensorCores(dtype, 1, True)
+        with tuning.tuned(products="mma"):
+            assert dense.layout(p) == TensorCores(dtype)
+        odd = lo.make_problem("dense", n_q=1024, d=40, block_q=64, block_k=64, dtype=dtype)
+        assert dense.layout(odd) == TensorCores(dtype)  # d not a whole 16
         assert [k.name for k in dense.kernels(p, False)] == [
             "dense_scores_tc", "dense_softmax", "dense_pv_tc"]
         assert dense.threads(p) == 128 and dense.output_roundings(p) == 2

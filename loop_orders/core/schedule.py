@@ -269,6 +269,12 @@ class Schedule(ABC):
         benchmark takes at every N (experiments/bench_runtime.py BLOCKS), else None."""
         return None
 
+    def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
+        """(block_q, block_k) a forward call that names no tiles tries first, where this loop
+        nest was measured faster at p's head dim with other tiles than 64 x 64 on this device
+        (`api.fitting_tiles`), else None."""
+        return None
+
     def ctas(self, p: Problem) -> int:
         """CTAs of the main kernel: how many tile chains run side by side (B H Tr)."""
         return p.bh * p.tr

@@ -834,6 +834,17 @@ class MicroKernelSchedule(Schedule):
             return "ring"
         return build
 
+    def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
+        """HOPPER_BUILDS' tiles for p's head dim where p's 16-bit products run on a Hopper
+        GPU's wgmma (64 x 64 leaves a CTA one warpgroup) and the sequences hold them whole;
+        None on the simulator, whose calls keep 64 x 64 (its Hopper is a stand-in, not a
+        speed)."""
+        if (SIMULATOR or tensor_core_kind(self, p) not in hopper.OPERAND_KINDS
+                or tuning.current().products == "mma" or not has_wgmma()):
+            return None
+        return next(((bq, bk) for bq, bk, d in self.HOPPER_BUILDS
+                     if d == p.d and bq <= p.n_q and bk <= p.n_k), None)
+
     def specialised(self, p: Problem, stages: int):
         """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None
         for the shared micro-kernel. LOOP_ORDERS_LAYOUT=ws forces one (for tuning): refused

@@ -194,13 +194,17 @@ class WgmmaProducts(NamedTuple):
 def make_wgmma_products(DTYPE: str, BR: int, KP: int, QC: int, VC: int,
                         Q: int) -> WgmmaProducts:
     """S = Q_i K_j^T and acc += P V_j for tiles of BR query rows, KP keys, QC head dims of Q
-    and K, VC of V (each a whole 16), Q_i at element Q of the tiles."""
+    and K, VC of V (each a whole 16, or 0 where a kernel makes only the other product), Q_i
+    at element Q of the tiles."""
     kind = OPERAND_KINDS[DTYPE]
     q_op, k_op, v_op = k_major(BR, QC), k_major(KP, QC), mn_major(KP, VC)
-    product_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op)
-    product_pv = wgmma_accumulate(kind, VC, KP // 16, v_op)
-    issue_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op, wait=False)
-    issue_pv = wgmma_accumulate(kind, VC, KP // 16, v_op, wait=False)
+    product_s = issue_s = product_pv = issue_pv = None  # a kernel of one product (dense's)
+    if QC:
+        product_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op)
+        issue_s = wgmma_scores(kind, KP, QC // 16, q_op, k_op, wait=False)
+    if VC:
+        product_pv = wgmma_accumulate(kind, VC, KP // 16, v_op)
+        issue_pv = wgmma_accumulate(kind, VC, KP // 16, v_op, wait=False)
     s_landed, s_landed_behind = wgmma_wait(0, KP // 2), wgmma_wait(1, KP // 2)
     acc_landed = wgmma_wait(0, VC // 2)
     Q_ROWS = WARPGROUP_ROWS * q_op.width  # where a warpgroup's rows start in each block

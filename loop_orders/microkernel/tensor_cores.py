@@ -402,6 +402,8 @@ def make_tc_loads(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
     tiles = make_tc_basics(BR, BC, D, DV, SPEC, RELOAD).tiles
 
     def make_loader(R: int, C: int, AT: int, S: int, STAGE: int):
+        if C == 0:
+            return None  # a kernel of one product (dense's) has no such tile
         if SPEC.wgmma:
             return make_wgmma_tile_loader(R, C, AT, STAGE, NT, tiles)
         return make_tc_tile_loader(R, C, AT, S, STAGE, NT, SPEC.per_copy, VEC, tiles)

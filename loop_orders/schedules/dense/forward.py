@@ -16,11 +16,12 @@ Kernel 2 keeps one row of S in shared memory so that S is read exactly once; tha
 to what 48 KB of shared memory holds.
 
 16-bit inputs run kernels 1 and 3 on tensor cores, with the flash orders' matmul operands
-(`tensor_cores.make_tc_operands`): a warp per 16 query rows, S_ij = Q_i K_j^T on mma.sync
-written from its accumulator fragments, and acc += P_ij V_j with P_ij read from HBM straight
-into the A fragment (rounded to 16 bits, as the flash orders' P is). S and P stay float32 in
-HBM, so the traffic in elements is the same on either path (in bytes, a 16-bit S and P would
-halve the quadratic terms; we keep one declared type per tensor).
+(`tensor_cores.make_tc_operands`): a warp per 16 query rows, S_ij = Q_i K_j^T on mma.sync (on
+Hopper's wgmma where the tiles allow, `hopper.supports`) written from its accumulator
+fragments, and acc += P_ij V_j with P_ij read from HBM straight into the A fragment (rounded
+to 16 bits, as the flash orders' P is). S and P stay float32 in HBM, so the traffic in
+elements is the same on either path (in bytes, a 16-bit S and P would halve the quadratic
+terms; we keep one declared type per tensor).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from ...device.runtime import (
     kernel_factory,
     launch,
 )
-from ...microkernel.cuda_cores import tensor_core_kind
+from ...microkernel.cuda_cores import tensor_core_kind, uses_wgmma
+from ...microkernel.hopper import buffer_align
 from ...microkernel.tensor_cores import (
     TensorCores,
     check_aligned,
@@ -342,6 +344,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT, GROUP):
     NS = 4 * NKT
     NEG_INF = float32(-math.inf)
     kv_head = make_kv_head(GROUP)
+    ALIGN = buffer_align(SPEC) if SPEC.wgmma else None  # as the operands' views
 
     @cuda.jit
     def dense_scores_tc(q, k, s_hbm, counts, scale):
@@ -352,7 +355,7 @@ def make_tc_scores_kernel(BR, BC, D, SPEC, MASK, COUNT, GROUP):
         n_k = k.shape[1]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
-        buf = cuda.shared.array(0, SHARED_F32)
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)
         tile = ops.tiles()
         w, lane = ops.coords()
         t2 = 2 * (lane & uint32(3))
@@ -410,6 +413,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT, GROUP):
     NS = 4 * NKT
     NACC = mk.NACC
     kv_head = make_kv_head(GROUP)
+    ALIGN = buffer_align(SPEC) if SPEC.wgmma else None  # as the operands' views
 
     @cuda.jit
     def dense_pv_tc(p_hbm, v, o, counts):
@@ -420,7 +424,7 @@ def make_tc_pv_kernel(BR, BC, DV, SPEC, COUNT, GROUP):
         n_k = v.shape[1]
         row0 = i * BR
         n_rows = min(BR, n_q - row0)
-        buf = cuda.shared.array(0, SHARED_F32)
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)
         tile = ops.tiles()
         w, lane = ops.coords()
         t2 = 2 * (lane & uint32(3))
@@ -561,10 +565,10 @@ class Dense(Schedule):
         return empty(shape, np.float32), empty(shape, np.float32)
 
     def layout(self, p: Problem) -> TensorCores | None:
-        """Tensor cores for kernels 1 and 3 on 16-bit inputs (and TF32, opted in), else None
-        (CUDA cores)."""
+        """Tensor cores for kernels 1 and 3 on 16-bit inputs (and TF32, opted in), on wgmma
+        where the device and the tiles have it (`uses_wgmma`), else None (CUDA cores)."""
         kind = tensor_core_kind(self, p)
-        return None if kind is None else TensorCores(kind)
+        return None if kind is None else TensorCores(kind, wgmma=uses_wgmma(kind, p))
 
     def threads(self, p: Problem) -> int:
         lay = self.layout(p)
