@@ -3,7 +3,8 @@
 The measurements themselves need a GPU and minutes of device time, so `loop-orders figures`
 does not rerun them: the GPU experiments do (README, "GPU experiments"). This step plots
 whatever of their results files (bench_runtime, hw_traffic, bench_blocksize, bench_decode,
-bench_backward, train_tiny, fig2_setting) the results directory holds, and says which is
+bench_backward, train_tiny, fig2_setting, bench_tensor_cores, bench_hopper) the results
+directory holds, and says which is
 missing.
 """
 
@@ -318,6 +319,42 @@ def plot_fig2(rows: list[dict], out: Path) -> list[Path]:
     return plot_bench.save_with_provenance(fig, rows[0], out, "fig2_setting")
 
 
+def plot_hopper(rows: list[dict], out: Path) -> list[Path]:
+    """Hopper's forward (bench_hopper's table): q_outer's fastest wgmma build and its public
+    call (naming no tiles) as speed-ups over SDPA's FlashAttention-2 and cuDNN kernels in the
+    same run, per N, d and mask, float16 and bfloat16, the 1.0 line marked."""
+    table = [r for r in rows if r.get("part") == "table" and r["status"] == "ok"]
+    points = sorted({(int(r["n"]), int(r["d"]), r["causal"]) for r in table})
+    labels = [f"N={n}\nd={d}{' causal' if c == 'True' else ''}" for n, d, c in points]
+    series = [(f"{who}, {dtype}", who, dtype) for who in ("wgmma", "public call")
+              for dtype in ("float16", "bfloat16")]
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.6), sharey=True)
+    width = 0.8 / len(series)
+    for ax, (against, name) in zip(axes, (("flash", "FlashAttention-2"), ("cudnn", "cuDNN")),
+                                   strict=True):
+        for k, (label, who, dtype) in enumerate(series):
+            at = {(int(r["n"]), int(r["d"]), r["causal"]): _f(r[f"vs_{against}"])
+                  for r in table if r["dtype"] == dtype and r["provider"].startswith("q_outer")
+                  and (r["provider"] == "q_outer public call") == (who == "public call")
+                  and "mma.sync" not in r["provider"]}
+            ax.bar([i + k * width for i in range(len(points))],
+                   [at.get(x, float("nan")) for x in points], width, label=label,
+                   color=f"C{k}")
+        ax.axhline(1.0, color="k", lw=1, ls="--")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], labels, fontsize=7)
+        ax.set_title(f"q_outer on wgmma against SDPA's {name} (same run; > 1: ours faster)",
+                     fontsize=9)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+    axes[0].set_ylabel("speed-up (their ms / ours)")
+    axes[0].set_ylim(0, 1.25 * max(_f(r["vs_flash"]) for r in table
+                                  if r["provider"].startswith("q_outer")
+                                  and r["vs_flash"] != ""))
+    runs = {**table[0], "git_sha": " + ".join(dict.fromkeys(r["git_sha"] for r in table)),
+            "date": table[0]["date"][:10]}
+    return plot_bench.save_with_provenance(fig, runs, out, "bench_hopper")
+
+
 def plot(ctx: common.Context) -> list:
     written = []
     for name, required, draw in (("bench_runtime.csv", "provider", plot_bench.plot),
@@ -328,7 +365,8 @@ def plot(ctx: common.Context) -> list:
                                  ("bench_backward.csv", "ms_backward", plot_backward),
                                  ("train_tiny.csv", "loss", plot_train),
                                  ("fig2_setting.csv", "counted_bytes", plot_fig2),
-                                 ("bench_tensor_cores.csv", "layout", plot_tensor_cores)):
+                                 ("bench_tensor_cores.csv", "layout", plot_tensor_cores),
+                                 ("bench_hopper.csv", "vs_cudnn", plot_hopper)):
         path = ctx.results_dir / name
         if path.exists():
             written += draw(plot_bench.read_rows(path, required), ctx.figures_dir)
