@@ -373,16 +373,27 @@ def hopper(results_dir: Path) -> str:
     return out
 
 
+def _hopper_provider(provider: str) -> str:
+    """A bench_hopper row's column: its schedule ("q_outer wgmma-sync": q_outer), " mma" on
+    mma.sync, "public" for q_outer's public call."""
+    if provider == "q_outer public call":
+        return "public"
+    return provider.split()[0] + (" mma" if "mma.sync" in provider else "")
+
+
 def _hopper_run(path: Path) -> str:
     """One bench_hopper run: its table and what its tile sweep found."""
     rows = _rows(path)
     table = [r for r in rows if r["part"] == "table" and r["status"] == "ok"]
     points = list(dict.fromkeys((r["n"], r["d"], r["causal"], r["dtype"]) for r in table))
+    public = any(r["provider"] == "q_outer public call" for r in table)
     lines = ["| N | d | causal | dtype | SDPA flash | SDPA cuDNN | q_outer wgmma (tiles, build) "
              "| / flash | / cuDNN | q_outer mma.sync 128×64 | wgmma / mma.sync | kv_outer "
-             "wgmma | kv_outer, model bytes / time |", "|---" * 13 + "|"]
+             "wgmma | kv_outer, model bytes / time |"
+             + (" public call | / flash | dense wgmma | dense mma.sync |" if public else ""),
+             "|---" * (17 if public else 13) + "|"]
     for point in points:
-        at = {r["provider"].split()[0] + (" mma" if "mma.sync" in r["provider"] else ""): r
+        at = {_hopper_provider(r["provider"]): r
               for r in table if (r["n"], r["d"], r["causal"], r["dtype"]) == point}
         wg, mma, kv = at.get("q_outer"), at.get("q_outer mma"), at.get("kv_outer")
         fl, cu = at.get("torch_sdpa_flash"), at.get("torch_sdpa_cudnn")
@@ -390,7 +401,10 @@ def _hopper_run(path: Path) -> str:
         lines.append(f"| {' | '.join(point)} | {_row_ms(fl)} | {_row_ms(cu)} | "
                      f"{_row_ms(wg)} ({build}) | {_ratio(fl, wg)} | {_ratio(cu, wg)} | "
                      f"{_row_ms(mma)} | {_ratio(mma, wg)} | {_row_ms(kv)} | "
-                     + (f"{_model_gbs(kv):.0f} GB/s |" if kv else "— |"))
+                     + (f"{_model_gbs(kv):.0f} GB/s |" if kv else "— |")
+                     + (f" {_row_ms(at.get('public'))} | {_ratio(fl, at.get('public'))} | "
+                        f"{_row_ms(at.get('dense'))} | {_row_ms(at.get('dense mma'))} |"
+                        if public else ""))
     sweep = [r for r in rows if r["part"] == "tiles" and r["status"] == "ok"]
     pairs = {}
     for r in sweep:
