@@ -3,18 +3,19 @@ SDPA cuDNN, in one process on one GPU (issue 53's table).
 
     python -m experiments.bench_hopper [--out DIR] [--quick]
 
-First the wgmma build's tiles and variants at N = 4096, float16 (TILES x VARIANTS, per head
-dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's softmax and K/V
-come through a ring every thread copies into; the same with a producer warpgroup filling the
-ring by TMA; and the update that waits for each product); then, at each point of the table
-(N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma with that head
-dim's fastest tiles and variant, q_outer's public call naming no tiles (`lo.attention` on
-torch tensors: the tiles and build a user gets), q_outer on mma.sync at its own benchmark
-tiles (`tuning` products="mma"), kv_outer on wgmma at q_outer's tiles, dense's matmuls on
-wgmma and on mma.sync (N <= DENSE_N), and SDPA flash and cuDNN. Each of ours is checked
-against the float64 reference on sampled rows before it is timed (`bench_runtime.measure`).
-Writes bench_hopper.csv (one row a timing, with the tiles, the build in effect and the ratio
-to SDPA flash and cuDNN at the same point) with provenance.
+First the wgmma build's tiles and variants at N = 4096 (or each N of --sweep-n), float16 (TILES
+x VARIANTS, per head dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's
+softmax and K/V come through a ring every thread copies into; the same with a producer
+warpgroup filling the ring by TMA; and the update that waits for each product); then, at each
+point of the table (N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma
+with the tiles and variant fastest for that head dim and mask at the largest swept N <= N,
+q_outer's public call naming no tiles (`lo.attention` on torch tensors: the tiles and build a
+user gets), q_outer on mma.sync at its own benchmark tiles (`tuning` products="mma"), kv_outer
+on wgmma at q_outer's tiles, dense's matmuls on wgmma and on mma.sync (N <= DENSE_N), and SDPA
+flash and cuDNN. Each of ours is checked against the float64 reference on sampled rows before
+it is timed (`bench_runtime.measure`). Writes bench_hopper.csv (one row a timing, with the
+tiles, the build in effect and the ratio to SDPA flash and cuDNN at the same point) with
+provenance.
 """
 
 from __future__ import annotations
@@ -65,23 +66,32 @@ def timed(label: str, name: str, p: lo.Problem, rng, products=None) -> dict:
     return row
 
 
-def sweep_tiles(rng, path: Path, prov: dict) -> tuple[list[dict], dict]:
-    """The wgmma build's tiles x VARIANTS at N = TILE_N, float16, written to `path` row by
-    row; the fastest tiles and variant per (d, causal)."""
+def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,)) -> tuple[list[dict], dict]:
+    """The wgmma build's tiles x VARIANTS at each N of `sweep_n`, float16, written to `path`
+    row by row; the fastest tiles and variant per (N, d, causal)."""
     rows, best = [], {}
     warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
          for d in TILES for causal in (False, True) for tiles in TILES[d])
-    for d, causal in itertools.product(TILES, (False, True)):
+    for n, d, causal in itertools.product(sweep_n, TILES, (False, True)):
         for tiles, (label, products) in itertools.product(TILES[d], VARIANTS):
-            p = problem("q_outer", TILE_N, d, causal, "float16", tiles)
+            p = problem("q_outer", n, d, causal, "float16", tiles)
             row = timed(label, "q_outer", p, rng, products=products)
             rows.append(row)
             write_csv(path, uniform([{"part": "tiles", **r} for r in rows]), prov)
-            if row["status"] == "ok" and (best.get((d, causal)) is None
-                                          or row["ms_median"] < best[(d, causal)][0]):
-                best[(d, causal)] = (row["ms_median"], tiles, products)
+            if row["status"] == "ok" and (best.get((n, d, causal)) is None
+                                          or row["ms_median"] < best[(n, d, causal)][0]):
+                best[(n, d, causal)] = (row["ms_median"], tiles, products)
         runtime.release_memory()
     return rows, {key: (tiles, products) for key, (_, tiles, products) in best.items()}
+
+
+def best_at(best: dict, n: int, d: int, causal: bool) -> tuple:
+    """The sweep's fastest (tiles, products) for (d, causal) at the largest swept N <= n (the
+    smallest swept N where none is), or mma.sync's tiles and the default build."""
+    swept = sorted(k[0] for k in best if k[1:] == (d, causal))
+    if not swept:
+        return MMA_TILES, None
+    return best[(max([m for m in swept if m <= n] or swept[:1]), d, causal)]
 
 
 def public_call(p: lo.Problem, rng) -> dict:
@@ -119,7 +129,7 @@ def public_call(p: lo.Problem, rng) -> dict:
 def table(rng, best: dict, points) -> list[dict]:
     rows = []
     for n, d, causal, dtype in points:
-        tiles, products = best.get((d, causal), (MMA_TILES, None))
+        tiles, products = best_at(best, n, d, causal)
         p = problem("q_outer", n, d, causal, dtype, tiles)
         point = [br.measure(f"torch_sdpa_{backend}", dtype, backend, p, rng)
                  for backend in ("flash", "cudnn")]
@@ -158,6 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="N = 4096 only, float16 only")
     parser.add_argument("--n", type=int, nargs="+", help="the table's N (default: TABLE's)")
     parser.add_argument("--dtypes", help="comma-separated (default: float16,bfloat16)")
+    parser.add_argument("--sweep-n", type=int, nargs="+", default=[TILE_N],
+                        help=f"the N of the tile sweep (default {TILE_N}); the table takes "
+                        "the fastest at the largest swept N <= its own")
     parser.add_argument("--variants-only", action="store_true",
                         help="the sweep's variants at VARIANT_TILES only")
     args = parser.parse_args(argv)
@@ -167,15 +180,15 @@ def main(argv=None) -> int:
     br.PROV = prov = provenance()
     rng = np.random.default_rng()
     path = args.out / "bench_hopper.csv"
-    tile_rows, best = sweep_tiles(rng, path, prov)
-    for (d, causal), (tiles, products) in sorted(best.items()):
-        print(f"fastest wgmma tiles, d={d} causal={causal}: {tiles} {products or 'pipelined'}",
+    tile_rows, best = sweep_tiles(rng, path, prov, args.sweep_n)
+    for (n, d, causal), (tiles, products) in sorted(best.items()):
+        print(f"fastest wgmma tiles, N={n} d={d} causal={causal}: {tiles} {products}",
               flush=True)
     n = args.n or ([TILE_N] if args.quick else TABLE["n"])
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float16"] if args.quick else TABLE["dtype"])
     warm(((name, problem(name, n[0], d, causal, dtype,
-                         DENSE_TILES if name == "dense" else best.get((d, causal), MMA_TILES)[0]),
+                         DENSE_TILES if name == "dense" else best_at(best, n[0], d, causal)[0]),
            False) for name in ("q_outer", "kv_outer", "dense")
           for d, causal, dtype in itertools.product(TABLE["d"], TABLE["causal"], dtypes)),
          counted=(False,))  # the table's default builds (mma.sync's compile as they come)

@@ -13,7 +13,10 @@ cache control), so DRAM bytes are those of a kernel starting from a cold L2.
 
 The tensor-core kernels copy their tiles with cp.async (LDGSTS), which ncu counts apart from
 plain loads: the run asks ncu which l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts metrics it
-has and adds them to the loads (the columns say which it used).
+has and adds them to the loads (the columns say which it used). On Hopper q_outer's producer
+warpgroup copies by TMA, outside the LSU pipe: ncu's
+l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld (bytes from the L2 into the SM for TMA
+loads) is added to the loads where ncu has it (`ncu_tma_ld_bytes`).
 
 With --backward each configuration's backward pass is measured instead (the forward runs
 first, unprofiled and uncounted; ncu sees the backward's kernels only): its counters against
@@ -72,15 +75,24 @@ METRICS = {
 LDGSTS = "l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts"  # cp.async's global -> shared bytes
 
 
-def ldgsts_metrics(ncu: str) -> dict[str, str]:
-    """The columns and metrics of cp.async's bytes this ncu offers: the aggregate if it has
-    one, else each of its parts (cache access, cache bypass)."""
+# Hopper's TMA loads (cp.async.bulk.tensor, q_outer's producer warpgroup) bypass the LSU pipe:
+# ncu counts them as the bytes the L2 sends the SM's L1TEX M-stage for them
+TMA_LD = "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld"
+
+
+def copy_metrics(ncu: str) -> dict[str, str]:
+    """The columns and metrics of the asynchronous copies' bytes this ncu offers: cp.async's
+    aggregate if it has one, else each of its parts (cache access, cache bypass); and TMA's
+    loads (`ncu_tma_ld_bytes`) where the GPU has them."""
     listed = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
-    names = {words[0] for words in map(str.split, listed.splitlines())
-             if words and words[0].startswith(LDGSTS)}
-    chosen = [LDGSTS] if LDGSTS in names else sorted(names)
-    return {"ncu_" + n.removeprefix("l1tex__t_bytes_pipe_lsu_mem_global_op_") + "_bytes":
-            n + ".sum" for n in chosen}
+    names = {words[0] for words in map(str.split, listed.splitlines()) if words}
+    ldgsts = {n for n in names if n.startswith(LDGSTS)}
+    chosen = [LDGSTS] if LDGSTS in ldgsts else sorted(ldgsts)
+    columns = {"ncu_" + n.removeprefix("l1tex__t_bytes_pipe_lsu_mem_global_op_") + "_bytes":
+               n + ".sum" for n in chosen}
+    if TMA_LD in names:
+        columns["ncu_tma_ld_bytes"] = TMA_LD + ".sum"
+    return columns
 
 
 def configs(quick: bool, dtypes=None, schedules=None, d: int = D, ns=None,
@@ -180,12 +192,13 @@ def counted_row(cfg: dict, rng) -> dict:
 
 
 def logical_bytes(row: dict) -> int:
-    """ncu's logical global traffic in our convention: loads (plain and cp.async) + stores
+    """ncu's logical global traffic in our convention: loads (plain, cp.async, TMA) + stores
     + reductions and atomics, whose ncu bytes are already twice what each updates (8 for a
     float32 reduction: q_outer's 8,388,608 dQ reductions at N = 1024 came to 67,108,864
     bytes, results/hw_traffic_backward.csv), as our ledgers count a read and a write."""
-    ldgsts = sum(v for k, v in row.items() if k.startswith("ncu_ldgsts") and v != "")
-    return (row["ncu_ld_bytes"] + ldgsts + row["ncu_st_bytes"]
+    copies = sum(v for k, v in row.items()
+                 if k.startswith(("ncu_ldgsts", "ncu_tma_ld")) and v != "")
+    return (row["ncu_ld_bytes"] + copies + row["ncu_st_bytes"]
             + row.get("ncu_red_bytes", 0) + row.get("ncu_atom_bytes", 0))
 
 
@@ -273,7 +286,7 @@ def main(argv=None) -> int:
                    args.schedules.split(",") if args.schedules else None, args.d, args.n,
                    blocks, args.backward, dict(o.split("=", 1) for o in args.option)) \
         if not args.gqa_decode else decode_configs(args.n)
-    METRICS.update(ldgsts_metrics(ncu))
+    METRICS.update(copy_metrics(ncu))
     print(f"hw_traffic: metrics {sorted(METRICS.values())}", flush=True)
     # counted builds: counters, checked against the model and the reference
     rows = [counted_row(cfg, rng) for cfg in cfgs]
