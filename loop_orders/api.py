@@ -520,9 +520,10 @@ def attention(q, k, v, schedule: str = "q_outer", block_q: int | None = None,
     decode, `packed_rows`).
     `block_q` x `block_k` are the tiles (Br x Bc): left out (None), 64 x 64, or where those do
     not fit in shared memory the first of `DEFAULT_TILES` that does, and on a Hopper GPU with
-    16-bit inputs first the tiles the schedule was measured fastest with there
-    (`Schedule.fast_tiles`: q_outer's 128 x 64 at d = 64, 128 x 128 at d = 128); tiles named
-    that do not fit are refused. Tiles larger than the problem are clamped to it (`Result.clamped`).
+    16-bit inputs first the tiles the schedule was measured fastest with there for the head
+    dim, mask and N (`Schedule.fast_tiles`: q_outer's HOPPER_TILES, 128 x 64 or 128 x 128 at
+    d = 64 and 128); tiles named that do not fit are refused. Tiles larger than the problem
+    are clamped to it (`Result.clamped`).
     float32, float16 or bfloat16 (torch tensors: NumPy has no bfloat16); accumulation is
     float32, 16-bit inputs run on tensor cores. Outputs are the same kind of array as q
     (NumPy, torch, CuPy, Numba; README "Arrays in, arrays out"); with torch or CuPy inputs the

@@ -260,8 +260,8 @@ def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
     """On a Hopper GPU a float16 q_outer call that names no tiles runs the tiles and build
-    HOPPER_BUILDS name for its head dim (128 x 64 waited at d = 64, 128 x 128 with the TMA
-    producer at d = 128), within 2x plain PyTorch's same-dtype error against a float32
+    HOPPER_TILES and HOPPER_BUILDS name at N = 1000 (128 x 64 waited at d = 64, 128 x 128
+    with the TMA producer at d = 128), within 2x plain PyTorch's same-dtype error against a float32
     reference (FlashAttention's rule); dense's matmuls there run on wgmma."""
     torch = pytest.importorskip("torch")
     from loop_orders.device import runtime

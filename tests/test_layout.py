@@ -337,8 +337,9 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
 
 def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(monkeypatch):
     """On a Hopper GPU (patched in: the simulator keeps 64 x 64) a forward call that names no
-    tiles tries q_outer's HOPPER_BUILDS tiles for its head dim first, where the sequences hold
-    them whole and the inputs are 16-bit; other head dims, float32, mma.sync asked, short
+    tiles tries q_outer's HOPPER_TILES for its head dim, mask and N first (128 x 64 at d = 64
+    but 128 x 128 without a mask from N = 4096, 128 x 128 at d = 128), where the sequences
+    hold them whole and the inputs are 16-bit; other head dims, float32, mma.sync asked, short
     sequences and the other schedules keep DEFAULT_TILES; tiles named are kept."""
     import loop_orders as lo
     from loop_orders import api
@@ -346,14 +347,21 @@ def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(
 
     q_outer, kv_outer = lo.get_schedule("q_outer"), lo.get_schedule("kv_outer")
 
-    def problem(d=128, n=1024, dtype="float16"):
-        return lo.make_problem("q_outer", n_q=n, d=d, dtype=dtype, block_q=64, block_k=64)
+    def problem(d=128, n=1024, dtype="float16", causal=False):
+        return lo.make_problem("q_outer", n_q=n, d=d, dtype=dtype, block_q=64, block_k=64,
+                               causal=causal)
 
     assert q_outer.fast_tiles(problem()) is None  # the simulator
     monkeypatch.setattr(cuda_cores, "SIMULATOR", False)
     monkeypatch.setattr(cuda_cores, "has_wgmma", lambda: True)
     assert q_outer.fast_tiles(problem()) == (128, 128)
+    assert q_outer.fast_tiles(problem(causal=True)) == (128, 128)
     assert q_outer.fast_tiles(problem(d=64, dtype="bfloat16")) == (128, 64)
+    assert q_outer.fast_tiles(problem(d=64, n=4096)) == (128, 128)
+    assert q_outer.fast_tiles(problem(d=64, n=4096, causal=True)) == (128, 64)
+    for d, bq, bk in ((64, 128, 64), (64, 128, 128), (128, 128, 128)):  # measured builds
+        p = lo.make_problem("q_outer", n_q=4096, d=d, block_q=bq, block_k=bk, dtype="float16")
+        assert q_outer.hopper_build(p) == q_outer.HOPPER_BUILDS[(bq, bk, d)]
     assert q_outer.fast_tiles(problem(d=96)) is None  # not measured
     assert q_outer.fast_tiles(problem(dtype="float32")) is None
     assert q_outer.fast_tiles(problem(n=100)) is None  # a query block shorter than 128

@@ -790,6 +790,9 @@ class MicroKernelSchedule(Schedule):
     # (block_q, block_k, d) -> `hopper_build`: Hopper builds this loop nest was measured
     # fastest with (results/bench_hopper.csv); "ring" elsewhere
     HOPPER_BUILDS: ClassVar[dict] = {}
+    # (d, causal) -> ((from N_q, (block_q, block_k)), ...): the Hopper tiles measured fastest
+    # for 16-bit inputs, which a call naming no tiles takes (`fast_tiles`)
+    HOPPER_TILES: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -835,15 +838,18 @@ class MicroKernelSchedule(Schedule):
         return build
 
     def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
-        """HOPPER_BUILDS' tiles for p's head dim where p's 16-bit products run on a Hopper
-        GPU's wgmma (64 x 64 leaves a CTA one warpgroup) and the sequences hold them whole;
-        None on the simulator, whose calls keep 64 x 64 (its Hopper is a stand-in, not a
-        speed)."""
+        """HOPPER_TILES' tiles for p's head dim, mask and N_q where p's 16-bit products run
+        on a Hopper GPU's wgmma (64 x 64 leaves a CTA one warpgroup) and the sequences hold
+        them whole; None on the simulator, whose calls keep 64 x 64 (its Hopper is a
+        stand-in, not a speed)."""
         if (SIMULATOR or tensor_core_kind(self, p) not in hopper.OPERAND_KINDS
                 or tuning.current().products == "mma" or not has_wgmma()):
             return None
-        return next(((bq, bk) for bq, bk, d in self.HOPPER_BUILDS
-                     if d == p.d and bq <= p.n_q and bk <= p.n_k), None)
+        reached = [tiles for from_n, tiles in self.HOPPER_TILES.get((p.d, p.causal), ())
+                   if p.n_q >= from_n]
+        if not reached or reached[-1][0] > p.n_q or reached[-1][1] > p.n_k:
+            return None
+        return reached[-1]
 
     def specialised(self, p: Problem, stages: int):
         """A build of the loop nest's own for p (q_outer's warp-specialised kernel), or None

@@ -259,9 +259,16 @@ class QOuter(MicroKernelSchedule):
     # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     PRODUCED_KERNEL = True  # `make_produced_kernel`
-    # Hopper, 16-bit: the K/V loop measured fastest (results/bench_hopper.csv): each product
-    # waited at d = 64 on 128 x 64, the TMA producer at d = 128 on 128 x 128
-    HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 128): "tma"}
+    # Hopper, 16-bit: the K/V loop measured fastest on each tile (results/bench_hopper_builds
+    # .csv, N = 1024 and 4096): each product waited at d = 64 on 128 x 64, the TMA producer
+    # elsewhere
+    HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 64): "tma", (128, 64, 128): "tma",
+                     (128, 128, 128): "tma"}
+    # ... and the tiles (the fastest build on them) a call naming none takes, per (d, causal):
+    # ((from N_q, tiles), ...), the last that N_q reaches
+    HOPPER_TILES = {(64, False): ((0, (128, 64)), (4096, (128, 128))),
+                    (64, True): ((0, (128, 64)),),
+                    (128, False): ((0, (128, 128)),), (128, True): ((0, (128, 128)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
     EXPECTED_SLOPES = {"m": -1, "n": 2, "d": 2}

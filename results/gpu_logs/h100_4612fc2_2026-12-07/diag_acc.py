@@ -1,5 +1,6 @@
-"""Which build is off at d = 128 (a one-off diagnostic, not committed)."""
+"""Which build is off at d = 128: a one-off diagnostic run on the H100 (diag_acc.log)."""
 import torch
+
 import loop_orders as lo
 from loop_orders.microkernel import tuning
 
