@@ -327,7 +327,9 @@ def plot_hopper(rows: list[dict], out: Path) -> list[Path]:
     points = sorted({(int(r["n"]), int(r["d"]), r["causal"]) for r in table})
     labels = [f"N={n}\nd={d}{' causal' if c == 'True' else ''}" for n, d, c in points]
     series = [(f"{who}, {dtype}", who, dtype) for who in ("wgmma", "public call")
-              for dtype in ("float16", "bfloat16")]
+              for dtype in ("float16", "bfloat16")
+              if any(r["dtype"] == dtype and (r["provider"] == "q_outer public call")
+                     == (who == "public call") for r in table)]  # those the run has
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.6), sharey=True)
     width = 0.8 / len(series)

@@ -333,9 +333,14 @@ def tensor_cores(results_dir: Path) -> str:
             "`precision=\"tf32\"`) beside the float32 paths:\n\n" + "\n".join(tf32) + tail)
 
 
-HOPPER_PROFILE = "gpu_logs/h100_d3e75b5_2026-12-06/profile_q_outer_wgmma_d128_128x128.log"
+HOPPER_PROFILE = ("gpu_logs/h100_4612fc2_2026-12-07/profile_q_outer_tma_d128_causal_n1024.log",
+                  "the TMA producer kernel, 128×128, d = 128, causal, N = 1024, B = H = 16, "
+                  "float16")
 HOPPER_PROFILE_METRICS = ["Duration", "Registers Per Thread", "Theoretical Occupancy",
-                          "Issue Slots Busy", "Mem Busy", "Compute (SM) Throughput"]
+                          "Issue Slots Busy", "Compute (SM) Throughput", "DRAM Throughput",
+                          "L2 Hit Rate"]
+HOPPER_BUILDS_RUN = "bench_hopper_builds.csv"  # the builds swept at several N
+HOPPER_TRAFFIC = "hw_traffic_hopper.csv"  # ncu on the wgmma and TMA kernels
 
 
 def _model_gbs(r: dict) -> float:
@@ -358,19 +363,76 @@ def hopper(results_dir: Path) -> str:
     runs = [_hopper_run(results_dir / name) for name in HOPPER_RUNS
             if (results_dir / name).exists()]
     out = "\n\n".join(runs) if runs else _missing(results_dir / HOPPER_RUNS[0])
-    profile = results_dir / HOPPER_PROFILE
+    for part in (_hopper_builds(results_dir / HOPPER_BUILDS_RUN),
+                 _hopper_traffic(results_dir / HOPPER_TRAFFIC)):
+        out += "\n\n" + part if part else ""
+    path, what = HOPPER_PROFILE
+    profile = results_dir / path
     if profile.exists():
         text = profile.read_text()
         stalls = {name: _profile_value(text, f"smsp__average_warps_issue_stalled_{name}_per_"
                                        "issue_active.ratio")
-                  for name in ("long_scoreboard", "mio_throttle", "wait", "selected",
-                               "lg_throttle", "barrier", "gmma")}
-        out += ("\n\n" + f"Nsight Compute on the d = 128, 128×128 pipelined kernel (`results/"
-                f"{HOPPER_PROFILE}`, the first wgmma build's): " + "; ".join(
+                  for name in ("selected", "wait", "math_pipe_throttle", "long_scoreboard",
+                               "barrier", "mio_throttle", "gmma")}
+        out += ("\n\n" + f"Nsight Compute on {what} (`results/{path}`, ncu's locked "
+                "clocks): " + "; ".join(
                     f"{m} {_profile_value(text, m)}" for m in HOPPER_PROFILE_METRICS)
                 + "; stalls per issued instruction: " + ", ".join(
                     f"{k} {v.split()[0]}" for k, v in stalls.items()) + ".")
     return out
+
+
+def _hopper_builds(path: Path) -> str | None:
+    """q_outer's Hopper builds swept at several N (bench_hopper --sweep-n): ms per tiles and
+    build, the fastest in bold."""
+    rows = [r for r in _rows(path) or () if r["part"] == "tiles" and r["status"] == "ok"]
+    if not rows:
+        return None
+    tiles = sorted({(int(r["block_q"]), int(r["block_k"])) for r in rows})
+    builds = ("ring", "sync", "tma")
+    names = {"ring": "ring", "sync": "waited", "tma": "TMA producer"}
+    lines = ["| N | d | causal | " + " | ".join(f"{names[b]} {bq}×{bk}" for bq, bk in tiles
+                                               for b in builds) + " |",
+             "|---" * (3 + len(tiles) * len(builds)) + "|"]
+    points = sorted({(int(r["n"]), int(r["d"]), r["causal"]) for r in rows})
+    for n, d, causal in points:
+        at = {(int(r["block_q"]), int(r["block_k"]), r["provider"].split("-")[-1]):
+              float(r["ms_median"]) for r in rows
+              if (int(r["n"]), int(r["d"]), r["causal"]) == (n, d, causal)}
+        best = min(at.values())
+        cells = [at.get((*t, b)) for t in tiles for b in builds]
+        lines.append(f"| {n} | {d} | {causal} | " + " | ".join(
+            "—" if c is None else (f"**{c:.3f}**" if c == best else f"{c:.3f}")
+            for c in cells) + " |")
+    first = rows[0]
+    return (f"q_outer's builds on the {first['device']} at {first['git_sha'][:7]} "
+            f"(`results/{path.name}`; float16, B·H·N = {_bhn(first)}, median ms, kernels alone, "
+            "each checked against float64 first):\n\n" + "\n".join(lines))
+
+
+def _hopper_traffic(path: Path) -> str | None:
+    """ncu's bytes on the Hopper kernels (hw_traffic --name hw_traffic_hopper)."""
+    rows = _rows(path)
+    if not rows:
+        return None
+    lines = ["| schedule | tiles, build | causal | counted bytes | ncu loads (plain + cp.async "
+             "+ TMA) | ncu stores | ncu / counted − 1 | DRAM bytes |", "|---" * 8 + "|"]
+    for r in rows:
+        loads = sum(int(float(r[k])) for k in r if r[k] != "" and (
+            k in ("ncu_ld_bytes", "ncu_tma_ld_bytes")
+            or (k.startswith("ncu_ldgsts") and "_lookup_" not in k)))
+        copies = "TMA" if float(r.get("ncu_tma_ld_bytes") or 0) > 0 else "cp.async"
+        lines.append(f"| {r['schedule']} | {r['block_q']}×{r['block_k']}, "
+                     f"{r.get('build') or 'wgmma'}, tiles by {copies} | "
+                     f"{r['causal']} | {int(r['counted_bytes']):,} | {loads:,} | "
+                     f"{int(r['ncu_st_bytes']):,} | {float(r['ncu_vs_counted']):+.4f} | "
+                     f"{int(r['dram_read_bytes']) + int(r['dram_write_bytes']):,} |")
+    first = rows[0]
+    return (f"Nsight Compute on the wgmma and TMA kernels ({first['device']}, "
+            f"{first['git_sha'][:7]}, `results/{path.name}`; B = {first['batch']}, H = "
+            f"{first['heads']}, N = {first['n']}, d = {first['d']}, {first['dtype']}; TMA's "
+            "loads are ncu's l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld):\n\n"
+            + "\n".join(lines))
 
 
 def _hopper_provider(provider: str) -> str:
@@ -415,7 +477,7 @@ def _hopper_run(path: Path) -> str:
     produced = [v["pipelined"] / v["tma"] for v in pairs.values() if "tma" in v
                 and "pipelined" in v]
     first = table[0] if table else rows[0]
-    out = [f"On the {first['device']} at {first['git_sha']} (`results/{path.name}`; B·H·N "
+    out = [f"On the {first['device']} at {first['git_sha'][:7]} (`results/{path.name}`; B·H·N "
            f"= {_bhn(first)}, median ms, kernels alone, each checked against float64 first; "
            "q_outer's tiles and build the fastest of the tile sweep at N = 4096 for that head "
            "dim and mask):", "", *lines, "",

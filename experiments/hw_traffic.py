@@ -86,7 +86,8 @@ def copy_metrics(ncu: str) -> dict[str, str]:
     loads (`ncu_tma_ld_bytes`) where the GPU has them."""
     listed = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
     names = {words[0] for words in map(str.split, listed.splitlines()) if words}
-    ldgsts = {n for n in names if n.startswith(LDGSTS)}
+    # (not the lookup hit/miss split of the cache-access part: parts of a part)
+    ldgsts = {n for n in names if n.startswith(LDGSTS) and "_lookup_" not in n}
     chosen = [LDGSTS] if LDGSTS in ldgsts else sorted(ldgsts)
     columns = {"ncu_" + n.removeprefix("l1tex__t_bytes_pipe_lsu_mem_global_op_") + "_bytes":
                n + ".sum" for n in chosen}
@@ -185,7 +186,9 @@ def counted_row(cfg: dict, rng) -> dict:
     counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
     model = measured(cfg).model(p)
     assert counted == model, f"counters != model for {cfg}"
+    layout = getattr(measured(cfg), "layout", None)  # the build its kernels ran, if named
     return {"batch": BATCH, "heads": HEADS, **cfg, "dv": cfg["d"],
+            "build": str(layout(p) or "") if layout else "",
             "options": json.dumps(sched.resolved_options(p), sort_keys=True),
             "model_bytes": model.bytes(p.itemsize), "counted_bytes": counted.bytes(p.itemsize),
             "kernels": len(measured(cfg).kernels(p, False))}
