@@ -52,10 +52,11 @@ def problem(name: str, n: int, d: int, causal: bool, dtype: str, tiles) -> lo.Pr
                            block_q=tiles[0], block_k=tiles[1], **input_kind(dtype))
 
 
-def timed(label: str, name: str, p: lo.Problem, rng, products=None) -> dict:
-    """One row of ours: the schedule at p under this override (None: the default choice)."""
+def timed(label: str, name: str, p: lo.Problem, rng, products=None, heads=None) -> dict:
+    """One row of ours: the schedule at p under this override (None: the default choice;
+    heads: a causal grid's heads a group, `tuning` causal_heads)."""
     sched = lo.get_schedule(name)
-    with tuning.tuned(products=products):
+    with tuning.tuned(products=products, causal_heads=heads):
         try:
             row = br.measure(name, p.dtype, sched, p, rng)
         except (AssertionError, RuntimeError) as exc:  # out of tolerance, or refused at
@@ -63,34 +64,39 @@ def timed(label: str, name: str, p: lo.Problem, rng, products=None) -> dict:
             row = br.blank_row(name, p.dtype, sched, p, f"wrong: {str(exc)[:160]}")
             print(f"{label} d={p.d} causal={p.causal}: {row['status']}", flush=True)
     row["provider"] = label
+    row["causal_heads"] = heads or ""
     return row
 
 
-def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,)) -> tuple[list[dict], dict]:
-    """The wgmma build's tiles x VARIANTS at each N of `sweep_n`, float16, written to `path`
-    row by row; the fastest tiles and variant per (N, d, causal)."""
+def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
+                causal_heads=()) -> tuple[list[dict], dict]:
+    """The wgmma build's tiles x VARIANTS at each N of `sweep_n`, float16, and on causal
+    points each again with its grid taking `causal_heads` heads at a time, written to `path`
+    row by row; the fastest (tiles, products, heads) per (N, d, causal)."""
     rows, best = [], {}
     warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
          for d in TILES for causal in (False, True) for tiles in TILES[d])
     for n, d, causal in itertools.product(sweep_n, TILES, (False, True)):
-        for tiles, (label, products) in itertools.product(TILES[d], VARIANTS):
+        grids = (None, *causal_heads) if causal else (None,)
+        for tiles, (label, products), heads in itertools.product(TILES[d], VARIANTS, grids):
             p = problem("q_outer", n, d, causal, "float16", tiles)
-            row = timed(label, "q_outer", p, rng, products=products)
+            row = timed(label + (f" heads{heads}" if heads else ""), "q_outer", p, rng,
+                        products=products, heads=heads)
             rows.append(row)
             write_csv(path, uniform([{"part": "tiles", **r} for r in rows]), prov)
             if row["status"] == "ok" and (best.get((n, d, causal)) is None
                                           or row["ms_median"] < best[(n, d, causal)][0]):
-                best[(n, d, causal)] = (row["ms_median"], tiles, products)
+                best[(n, d, causal)] = (row["ms_median"], tiles, products, heads)
         runtime.release_memory()
-    return rows, {key: (tiles, products) for key, (_, tiles, products) in best.items()}
+    return rows, {key: choice for key, (_, *choice) in best.items()}
 
 
 def best_at(best: dict, n: int, d: int, causal: bool) -> tuple:
-    """The sweep's fastest (tiles, products) for (d, causal) at the largest swept N <= n (the
-    smallest swept N where none is), or mma.sync's tiles and the default build."""
+    """The sweep's fastest (tiles, products, heads) for (d, causal) at the largest swept
+    N <= n (the smallest swept N where none is), or mma.sync's tiles and the default build."""
     swept = sorted(k[0] for k in best if k[1:] == (d, causal))
     if not swept:
-        return MMA_TILES, None
+        return MMA_TILES, None, None
     return best[(max([m for m in swept if m <= n] or swept[:1]), d, causal)]
 
 
@@ -129,12 +135,13 @@ def public_call(p: lo.Problem, rng) -> dict:
 def table(rng, best: dict, points) -> list[dict]:
     rows = []
     for n, d, causal, dtype in points:
-        tiles, products = best_at(best, n, d, causal)
+        tiles, products, heads = best_at(best, n, d, causal)
         p = problem("q_outer", n, d, causal, dtype, tiles)
         point = [br.measure(f"torch_sdpa_{backend}", dtype, backend, p, rng)
                  for backend in ("flash", "cudnn")]
-        point.append(timed(f"q_outer {products or 'wgmma'}", "q_outer", p, rng,
-                           products=products))
+        point.append(timed(f"q_outer {products or 'wgmma'}" + (f" heads{heads}" if heads
+                                                              else ""),
+                           "q_outer", p, rng, products=products, heads=heads))
         point.append(public_call(p, rng))
         point.append(timed("kv_outer wgmma", "kv_outer",
                            problem("kv_outer", n, d, causal, dtype, tiles), rng))
@@ -171,6 +178,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-n", type=int, nargs="+", default=[TILE_N],
                         help=f"the N of the tile sweep (default {TILE_N}); the table takes "
                         "the fastest at the largest swept N <= its own")
+    parser.add_argument("--causal-heads", type=int, nargs="+", default=(),
+                        help="sweep causal points again with the grid taking this many "
+                        "heads at a time (`tuning` causal_heads; default: none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="the sweep's variants at VARIANT_TILES only")
     args = parser.parse_args(argv)
@@ -180,10 +190,10 @@ def main(argv=None) -> int:
     br.PROV = prov = provenance()
     rng = np.random.default_rng()
     path = args.out / "bench_hopper.csv"
-    tile_rows, best = sweep_tiles(rng, path, prov, args.sweep_n)
-    for (n, d, causal), (tiles, products) in sorted(best.items()):
-        print(f"fastest wgmma tiles, N={n} d={d} causal={causal}: {tiles} {products}",
-              flush=True)
+    tile_rows, best = sweep_tiles(rng, path, prov, args.sweep_n, args.causal_heads)
+    for (n, d, causal), (tiles, products, heads) in sorted(best.items()):
+        print(f"fastest wgmma tiles, N={n} d={d} causal={causal}: {tiles} {products}"
+              + (f", heads {heads} a group" if heads else ""), flush=True)
     n = args.n or ([TILE_N] if args.quick else TABLE["n"])
     dtypes = args.dtypes.split(",") if args.dtypes else (
         ["float16"] if args.quick else TABLE["dtype"])

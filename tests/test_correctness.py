@@ -251,6 +251,33 @@ HOPPER_CASES = [  # (schedule, n_q, n_k, d, dv, block_q, block_k, causal, dtype,
 ]
 
 
+def test_a_causal_grid_by_groups_of_heads_is_each_blocks_once_heaviest_first(rng):
+    """`tiles.grouped_block` (the causal grid by groups of heads, `tuning` causal_heads) visits
+    every (query block, head) once, the heaviest blocks first within each group; q_outer's
+    Hopper build on that grid (3 heads by 2: a group of one last) is right, counted == model."""
+    from loop_orders.microkernel.tiles import grouped_block
+
+    n_blocks, n_bh, group = 5, 7, 3
+    order = [grouped_block(c, n_blocks, n_bh, group) for c in range(n_blocks * n_bh)]
+    assert sorted(order) == [(i, h) for i in range(n_blocks) for h in range(n_bh)]
+    for g in range(0, n_bh, group):
+        blocks = [i for i, h in order if g <= h < g + group]
+        assert blocks == sorted(blocks, reverse=True)  # heaviest first
+        assert {h for _, h in order[g * n_blocks:(g + group) * n_blocks]} == set(
+            range(g, min(g + group, n_bh)))  # a group's CTAs run together
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 3, 200, 32)).astype(np.float32)).half()
+               for _ in range(3))
+    sched = lo.get_schedule("q_outer")
+    with tuning.tuned(causal_heads=2):
+        res = lo.attention(q, k, v, block_q=64, block_k=32, causal=True, count=True)
+        assert str(sched.layout(res.problem)).endswith(".heads2")
+    ref, _ = lo.attention_reference(*(x.float().numpy() for x in (q, k, v)), causal=True)
+    assert relative_error(res.out.float().numpy(), ref) <= tolerance(
+        "float16", sched.output_roundings(res.problem), v.float().numpy(), ref)
+    assert res.counts == sched.model(res.problem)
+
+
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_hopper_build(case, rng):
     name, n_q, n_k, d, dv, bq, bk, causal, dtype, products = case

@@ -793,6 +793,9 @@ class MicroKernelSchedule(Schedule):
     # (d, causal) -> ((from N_q, (block_q, block_k)), ...): the Hopper tiles measured fastest
     # for 16-bit inputs, which a call naming no tiles takes (`fast_tiles`)
     HOPPER_TILES: ClassVar[dict] = {}
+    # the tensor-core kernels order a causal grid by groups of heads when a sweep asks
+    # (`tuning` causal_heads)
+    GROUPS_HEADS: ClassVar[bool] = False
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -813,8 +816,10 @@ class MicroKernelSchedule(Schedule):
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
             stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
             build = self.hopper_build(p) if wgmma and stages == 2 else "sync"
+            heads = tuning.current().causal_heads if self.GROUPS_HEADS and p.mask.bounded \
+                else None
             return TensorCores(kind, stages, wgmma, pipelined=build != "sync",
-                               producer=build == "tma")
+                               producer=build == "tma", causal_heads=heads or 0)
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised

@@ -110,6 +110,9 @@ class TensorCores(NamedTuple):
     # pipelined, the ring filled by a producer warpgroup's TMA copies (`hopper.
     # make_tma_producer`) instead of every computing thread's cp.async
     producer: bool = False
+    # a causal grid's heads taken this many at a time, heaviest blocks first within each
+    # group (`tiles.grouped_block`; 0: first over every head), where the loop nest reads it
+    causal_heads: int = 0
 
     @property
     def tf32(self) -> bool:
@@ -187,7 +190,8 @@ class TensorCores(NamedTuple):
         kind = {"float16": "f16", "bfloat16": "bf16"}.get(self.dtype, self.dtype)
         return ("wgmma." if self.wgmma else "mma.") + kind + (
             "" if self.stages == 1 else f"x{self.stages}") + (
-                ".pipelined" if self.pipelined else "") + (".tma" if self.producer else "")
+                ".pipelined" if self.pipelined else "") + (".tma" if self.producer else "") + (
+                    f".heads{self.causal_heads}" if self.causal_heads else "")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:

@@ -305,12 +305,35 @@ def make_kv_head(GROUP: int):
     return kv_head
 
 
+def grouped_block(c, n_blocks, n_bh, group):
+    """(block, bh) of CTA c of a causal grid of n_blocks x n_bh that takes its heads `group`
+    at a time (the last group the rest), each group's heaviest (last) query blocks first: the
+    CTAs on the GPU at once then read the K/V of a few heads, which the L2 can keep, instead
+    of one query block of every head. The host's and the device's rule (`make_block_of`)."""
+    span = n_blocks * group
+    g = c // span
+    heads = min(group, n_bh - g * group)
+    w = c - g * span
+    return n_blocks - 1 - w // heads, g * group + w % heads
+
+
+grouped_block_device = cuda.jit(device=True, inline="always")(grouped_block)
+
+
 @cache
-def make_block_of(CAUSAL: bool, HEAVY_LAST: bool):
+def make_block_of(CAUSAL: bool, HEAVY_LAST: bool, GROUP_HEADS: int = 0):
     """Device function block_of(n_bh) -> (block, bh) of this CTA on `block_grid`'s grid, with
     n_bh = B H. The causal grid starts with the heaviest blocks: the last (HEAVY_LAST: query
     blocks, which see more keys the later they are) or the first (K/V blocks, which more
-    queries see the earlier they are)."""
+    queries see the earlier they are); with GROUP_HEADS, the last first within each group of
+    that many heads (`grouped_block`)."""
+    if CAUSAL and HEAVY_LAST and GROUP_HEADS:
+        @inlined
+        def block_of(n_bh):
+            n_blocks = int64(cuda.gridDim.x // uint32(n_bh))
+            return grouped_block_device(int64(cuda.blockIdx.x), n_blocks, int64(n_bh),
+                                        int64(GROUP_HEADS))
+        return block_of
     if not CAUSAL:
         @inlined
         def block_of(n_bh):

@@ -9,10 +9,12 @@ tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit ti
 mma.sync where Hopper's wgmma build would run (the A/B baseline), or the wgmma build's K/V
 loop (`MicroKernelSchedule.hopper_build`): "wgmma-sync" without the pipelined update,
 "wgmma-ring" pipelined with every thread copying into the ring, "wgmma-tma" pipelined with a
-producer warpgroup copying by TMA (where the loop nest has that kernel). The
+producer warpgroup copying by TMA (where the loop nest has that kernel); `causal_heads`,
+heads a causal q_outer grid on tensor cores takes at a time, its heaviest query blocks first
+within each group (`tiles.grouped_block`; None: first over every head). The
 environment gives the process's value, read once at import (LOOP_ORDERS_LAYOUT,
-LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS: a sweep run by a shell
-script); within a process `tuned(...)` overrides it for a block.
+LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS, LOOP_ORDERS_CAUSAL_HEADS:
+a sweep run by a shell script); within a process `tuned(...)` overrides it for a block.
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ class Tuning(NamedTuple):
     kv_stages: int | None = None
     q_stages: int | None = None
     products: str | None = None
+    causal_heads: int | None = None
 
     @classmethod
     def from_environment(cls) -> Tuning:
         stages = os.environ.get("LOOP_ORDERS_KV_STAGES")
         q_stages = os.environ.get("LOOP_ORDERS_Q_STAGES")
+        heads = os.environ.get("LOOP_ORDERS_CAUSAL_HEADS")
         return cls(os.environ.get("LOOP_ORDERS_LAYOUT") or None,
                    int(stages) if stages else None, int(q_stages) if q_stages else None,
-                   os.environ.get("LOOP_ORDERS_PRODUCTS") or None)
+                   os.environ.get("LOOP_ORDERS_PRODUCTS") or None,
+                   int(heads) if heads else None)
 
     def forces_own_kernel(self) -> bool:
         """Whether `layout` names a loop nest's own kernel ("ws...") rather than a thread tile."""
@@ -52,10 +57,11 @@ def current() -> Tuning:
 
 @contextlib.contextmanager
 def tuned(layout: str | None = None, kv_stages: int | None = None,
-          q_stages: int | None = None, products: str | None = None):
+          q_stages: int | None = None, products: str | None = None,
+          causal_heads: int | None = None):
     """Inside the block, kernels are chosen under this override (a tuning sweep's row)."""
     global CURRENT
-    previous, CURRENT = CURRENT, Tuning(layout, kv_stages, q_stages, products)
+    previous, CURRENT = CURRENT, Tuning(layout, kv_stages, q_stages, products, causal_heads)
     try:
         yield CURRENT
     finally:

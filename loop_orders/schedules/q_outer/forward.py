@@ -92,7 +92,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     load_K_j_counted, load_Q_i_counted = loads.k, loads.q
     fold_tiles = make_fold_tiles(BC, mk, loads)
     flush_counts = counts_flusher()
-    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True,
+                             GROUP_HEADS=getattr(MK, "causal_heads", 0))
     kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
     NCNT = counter_slots(COUNT)
     kv_head = make_kv_head(GROUP)
@@ -190,7 +191,8 @@ def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     fold_tiles = make_fold_tiles(BC, mk, make_counted_loads(BC, COUNT, mk))
     flush_counts = counts_flusher()
-    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True)
+    block_of = make_block_of(MASK.bounded, HEAVY_LAST=True,
+                             GROUP_HEADS=getattr(MK, "causal_heads", 0))
     kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
     NCNT = counter_slots(COUNT)
     kv_head = make_kv_head(GROUP)
@@ -259,6 +261,7 @@ class QOuter(MicroKernelSchedule):
     # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     PRODUCED_KERNEL = True  # `make_produced_kernel`
+    GROUPS_HEADS = True  # its tensor-core kernels' causal grid, by `tuning` causal_heads
     # Hopper, 16-bit: the K/V loop measured fastest on each tile (results/bench_hopper_builds
     # .csv, N = 1024 and 4096): each product waited at d = 64 on 128 x 64, the TMA producer
     # elsewhere
