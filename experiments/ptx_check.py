@@ -134,9 +134,11 @@ def check(kernel, args, dump: Path | None = None) -> dict:
 
 def build(sched, p) -> str:
     """The forward micro-kernel build p runs (mma.f16x2, wgmma.f16x2.pipelined, a CUDA-core
-    thread tile RM,KN), or "" for a schedule with kernels of its own."""
+    thread tile RM,KN), a schedule's own kernels' tensor-core operands (dense's matmuls:
+    mma.f16, wgmma.f16), or "" for CUDA-core kernels of its own."""
     if not getattr(sched, "uses_micro_kernel", False):
-        return ""
+        lay = sched.layout(p) if sched.TENSOR_CORES else None
+        return "" if lay is None else str(lay)
     lay = sched.layout(p)
     return str(lay) if hasattr(lay, "dtype") else f"{lay.rm},{lay.kn}" \
         if hasattr(lay, "rm") else type(lay).__name__
