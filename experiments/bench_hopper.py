@@ -68,6 +68,11 @@ def timed(label: str, name: str, p: lo.Problem, rng, products=None, heads=None) 
     return row
 
 
+def with_heads(label: str, heads: int | None) -> str:
+    """A row's provider, naming the causal grid's heads a group where the row sets them."""
+    return label + (f" heads{heads}" if heads else "")
+
+
 def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
                 causal_heads=()) -> tuple[list[dict], dict]:
     """The wgmma build's tiles x VARIANTS at each N of `sweep_n`, float16, and on causal
@@ -80,8 +85,8 @@ def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
         grids = (None, *causal_heads) if causal else (None,)
         for tiles, (label, products), heads in itertools.product(TILES[d], VARIANTS, grids):
             p = problem("q_outer", n, d, causal, "float16", tiles)
-            row = timed(label + (f" heads{heads}" if heads else ""), "q_outer", p, rng,
-                        products=products, heads=heads)
+            row = timed(with_heads(label, heads), "q_outer", p, rng, products=products,
+                        heads=heads)
             rows.append(row)
             write_csv(path, uniform([{"part": "tiles", **r} for r in rows]), prov)
             if row["status"] == "ok" and (best.get((n, d, causal)) is None
@@ -139,9 +144,8 @@ def table(rng, best: dict, points) -> list[dict]:
         p = problem("q_outer", n, d, causal, dtype, tiles)
         point = [br.measure(f"torch_sdpa_{backend}", dtype, backend, p, rng)
                  for backend in ("flash", "cudnn")]
-        point.append(timed(f"q_outer {products or 'wgmma'}" + (f" heads{heads}" if heads
-                                                              else ""),
-                           "q_outer", p, rng, products=products, heads=heads))
+        point.append(timed(with_heads(f"q_outer {products or 'wgmma'}", heads), "q_outer", p,
+                           rng, products=products, heads=heads))
         point.append(public_call(p, rng))
         point.append(timed("kv_outer wgmma", "kv_outer",
                            problem("kv_outer", n, d, causal, dtype, tiles), rng))

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 import loop_orders as lo
+from experiments.bench_runtime import layout_in_effect
 from experiments.gpu_common import (
     Buffers,
     GradBuffers,
@@ -184,14 +185,15 @@ def counted_row(cfg: dict, rng) -> dict:
         bufs.launch(0, count=True)
         check_output(sched, p, *bufs.host[0], runtime.to_host(bufs.out), rng)
     counted = lo.Ledger.from_array(runtime.to_host(bufs.counts))
-    model = measured(cfg).model(p)
+    ran = measured(cfg)
+    model = ran.model(p)
     assert counted == model, f"counters != model for {cfg}"
-    layout = getattr(measured(cfg), "layout", None)  # the build its kernels ran, if named
     return {"batch": BATCH, "heads": HEADS, **cfg, "dv": cfg["d"],
-            "build": str(layout(p) or "") if layout else "",
+            # the forward's build, named as the benchmarks name it (a backward's: none)
+            "build": "" if cfg.get("backward") else layout_in_effect(sched, p),
             "options": json.dumps(sched.resolved_options(p), sort_keys=True),
             "model_bytes": model.bytes(p.itemsize), "counted_bytes": counted.bytes(p.itemsize),
-            "kernels": len(measured(cfg).kernels(p, False))}
+            "kernels": len(ran.kernels(p, False))}
 
 
 def logical_bytes(row: dict) -> int:

@@ -268,6 +268,7 @@ def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
 
     if runtime.compute_capability()[:2] != (9, 0):
         pytest.skip("the Hopper builds need a Hopper GPU")
+
     def plain(q, k, v):  # FlashAttention's reference: every step in the inputs' dtype
         return torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1) @ v
 
