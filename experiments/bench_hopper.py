@@ -79,8 +79,11 @@ def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
     points each again with its grid taking `causal_heads` heads at a time, written to `path`
     row by row; the fastest (tiles, products, heads) per (N, d, causal)."""
     rows, best = [], {}
-    warm(("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False)
-         for d in TILES for causal in (False, True) for tiles in TILES[d])
+    warm((("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False,
+           (("products", products), ("causal_heads", heads)))
+          for d in TILES for causal in (False, True) for tiles in TILES[d]
+          for _, products in VARIANTS for heads in ((None, *causal_heads) if causal
+                                                    else (None,))), counted=(False,))
     for n, d, causal in itertools.product(sweep_n, TILES, (False, True)):
         grids = (None, *causal_heads) if causal else (None,)
         for tiles, (label, products), heads in itertools.product(TILES[d], VARIANTS, grids):
@@ -187,9 +190,13 @@ def main(argv=None) -> int:
                         "heads at a time (`tuning` causal_heads; default: none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="the sweep's variants at VARIANT_TILES only")
+    parser.add_argument("--variants", nargs="+", choices=[v for _, v in VARIANTS],
+                        help="sweep only these variants (default: all of VARIANTS)")
     args = parser.parse_args(argv)
     if args.variants_only:
         TILES.update({d: [tiles] for d, tiles in VARIANT_TILES.items()})
+    if args.variants:
+        VARIANTS[:] = [v for v in VARIANTS if v[1] in args.variants]
     args.out.mkdir(parents=True, exist_ok=True)
     br.PROV = prov = provenance()
     rng = np.random.default_rng()

@@ -199,13 +199,14 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
 
 
 def warm(problems, counted=(False, True), workers: int = 12) -> None:
-    """On a GPU, compile the kernels of [(schedule name, Problem, backward)] (each counted
-    and not, as `counted` says) into the disk cache in parallel first; prints what it did."""
+    """On a GPU, compile the kernels of [(schedule name, Problem, backward[, tuning
+    override])] (each counted and not, as `counted` says; the override as `Job.tuned`)
+    into the disk cache in parallel first; prints what it did."""
     import time
 
     if runtime.SIMULATOR:
         return
-    jobs = [Job(name, p, count, backward) for name, p, backward in problems
+    jobs = [Job(name, p, count, backward, *tuned) for name, p, backward, *tuned in problems
             for count in counted]
     t0 = time.time()
     done = warm_cache(jobs, workers)

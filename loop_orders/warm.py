@@ -14,6 +14,7 @@ takes concurrent writers); later calls, in this process or any other, load them.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -29,16 +30,19 @@ from .core.ledger import n_slots
 from .core.schedule import Problem, backward_of, get_schedule
 from .device import kernel_cache, runtime
 from .device.arrays import DeviceView, c_strides
+from .microkernel import tuning
 
 
 class Job(NamedTuple):
-    """One call to compile for: its schedule, its problem, counted or not, and whether its
-    backward pass is compiled too."""
+    """One call to compile for: its schedule, its problem, counted or not, whether its
+    backward pass is compiled too, and the `tuning.tuned` override it runs under (name,
+    value pairs: a sweep's row; none for the default choice)."""
 
     schedule: str
     problem: Problem
     count: bool = False
     backward: bool = False
+    tuned: tuple = ()
 
 
 def view(shape, dtype) -> DeviceView:
@@ -66,10 +70,18 @@ def recorded_launches(sched, p: Problem, count: bool, backward: bool) -> list:
     return launches
 
 
+def job_launches(job: Job) -> list:
+    """`recorded_launches` of the job's call, under its tuning override if it names one
+    (else under the caller's: a call inside a `tuning.tuned` block compiles what it runs)."""
+    override = tuning.tuned(**dict(job.tuned)) if job.tuned else contextlib.nullcontext()
+    with override:
+        return recorded_launches(get_schedule(job.schedule), job.problem, job.count,
+                                 job.backward)
+
+
 def _all_cached(job: Job) -> bool:
     """Whether the disk cache holds every kernel build of the job already."""
-    launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
-                                 job.backward)
+    launches = job_launches(job)
     return all(runtime.is_cached(kernel, args) for kernel, _, _, _, args in launches)
 
 
@@ -100,9 +112,7 @@ def _builds(jobs: list) -> list:
     1258). Kernels no factory made are left out: they cannot be cached."""
     seen, builds = set(), []
     for job in jobs:
-        launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
-                                     job.backward)
-        for kernel, _, _, _, args in launches:
+        for kernel, _, _, _, args in job_launches(job):
             key = runtime.build_key(kernel, args)
             made_by = runtime.factory_key(kernel)
             if made_by and key not in seen and not runtime.is_cached(kernel, args):
@@ -166,8 +176,7 @@ def compile_ahead(job: Job) -> int:
     if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
             or os.environ.get("LOOP_ORDERS_COMPILE_AHEAD", "1") == "0"):
         return 0
-    launches = recorded_launches(get_schedule(job.schedule), job.problem, job.count,
-                                 job.backward)
+    launches = job_launches(job)
     missing = {}  # build -> its first launch (a kernel may launch twice with the same types)
     for i, (kernel, _, _, _, args) in enumerate(launches):
         if not runtime.is_built(kernel, args) and not runtime.is_cached(kernel, args):

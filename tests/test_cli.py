@@ -199,6 +199,27 @@ def test_a_compile_worker_remakes_a_kernel_from_its_factory_key():
         assert made_by is not None and runtime.kernel_of(made_by) is kernel
 
 
+def test_a_warm_job_compiles_its_tuning_override():
+    """A Job naming a `tuning.tuned` override records the builds that override runs (a
+    sweep's row warmed ahead), and one naming none the caller's: the causal grid by groups
+    of heads is a build of its own."""
+    from loop_orders import warm
+    from loop_orders.device import runtime
+    from loop_orders.microkernel import tuning
+
+    p = lo.make_problem("q_outer", n_q=128, d=64, batch=1, heads=2, causal=True, block_q=64,
+                        block_k=64, dtype="float16")
+
+    def layouts(job):
+        return [runtime.factory_key(kernel)[2][4] for kernel, *_ in warm.job_launches(job)]
+
+    (default,) = layouts(warm.Job("q_outer", p))
+    (grouped,) = layouts(warm.Job("q_outer", p, tuned=(("causal_heads", 2),)))
+    assert (default.causal_heads, grouped.causal_heads) == (0, 2)
+    with tuning.tuned(causal_heads=2):
+        assert layouts(warm.Job("q_outer", p)) == [grouped]
+
+
 def test_warm_drops_what_the_api_refuses():
     """A sweep's job whose backward the API refuses (kv_outer's float32 backward at d = 128 on
     64 x 64 tiles needs more shared memory than a CTA may take: its build would not load)
