@@ -64,13 +64,14 @@ def timed(label: str, name: str, p: lo.Problem, rng, products=None, heads=None) 
             row = br.blank_row(name, p.dtype, sched, p, f"wrong: {str(exc)[:160]}")
             print(f"{label} d={p.d} causal={p.causal}: {row['status']}", flush=True)
     row["provider"] = label
-    row["causal_heads"] = heads or ""
+    row["causal_heads"] = "" if heads is None else heads
     return row
 
 
 def with_heads(label: str, heads: int | None) -> str:
-    """A row's provider, naming the causal grid's heads a group where the row sets them."""
-    return label + (f" heads{heads}" if heads else "")
+    """A row's provider, naming the causal grid's heads a group where the row sets them (0:
+    over every head)."""
+    return label + ("" if heads is None else f" heads{heads}")
 
 
 def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
@@ -176,6 +177,13 @@ def uniform(rows: list[dict]) -> list[dict]:
     return [{k: r.get(k, "") for k in keys} for r in rows]
 
 
+def swept_tiles(text: str) -> tuple[int, tuple[int, int]]:
+    """--tiles' "D:BQxBK" as (d, (block_q, block_k))."""
+    d, tiles = text.split(":")
+    block_q, block_k = tiles.split("x")
+    return int(d), (int(block_q), int(block_k))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -187,14 +195,22 @@ def main(argv=None) -> int:
                         "the fastest at the largest swept N <= its own")
     parser.add_argument("--causal-heads", type=int, nargs="+", default=(),
                         help="sweep causal points again with the grid taking this many "
-                        "heads at a time (`tuning` causal_heads; default: none)")
+                        "heads at a time (`tuning` causal_heads, 0: over every head; default: "
+                        "none)")
     parser.add_argument("--variants-only", action="store_true",
                         help="the sweep's variants at VARIANT_TILES only")
     parser.add_argument("--variants", nargs="+", choices=[v for _, v in VARIANTS],
                         help="sweep only these variants (default: all of VARIANTS)")
+    parser.add_argument("--tiles", nargs="+", type=swept_tiles, metavar="D:BQxBK",
+                        help="sweep only these head dims and tiles, e.g. 128:64x128 "
+                        "(default: TILES)")
     args = parser.parse_args(argv)
     if args.variants_only:
         TILES.update({d: [tiles] for d, tiles in VARIANT_TILES.items()})
+    if args.tiles:
+        TILES.clear()
+        for d, tiles in args.tiles:
+            TILES.setdefault(d, []).append(tiles)
     if args.variants:
         VARIANTS[:] = [v for v in VARIANTS if v[1] in args.variants]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -572,3 +572,29 @@ def test_q_outer_takes_the_warp_specialised_kernel_where_it_was_measured_faster(
     regions = [sm.q, sm.k, sm.v, sm.p, sm.alpha, sm.l_row, sm.size]
     assert all(r % 4 == 0 for r in regions) and regions == sorted(regions)
     assert (sm.qs // 4) % 2 == 1 and (sm.ps // 4) % 2 == 1  # odd 16-byte chunks a row
+
+
+def test_hoppers_causal_grid_by_groups_of_heads_where_measured_faster():
+    """q_outer's causal wgmma build at d = 128 on 128 x 128 orders its grid by HOPPER_CAUSAL_
+    HEADS' eight heads a group (measured faster); without a mask, at d = 64, on mma.sync
+    and on float32 the grid runs over every head; a sweep's causal_heads overrides it, 0
+    turning it off."""
+    import loop_orders as lo
+    from loop_orders.microkernel import tuning
+
+    q_outer = lo.get_schedule("q_outer")
+
+    def heads(d=128, tiles=(128, 128), causal=True, dtype="float16"):
+        p = lo.make_problem("q_outer", n_q=1024, d=d, dtype=dtype, block_q=tiles[0],
+                            block_k=tiles[1], causal=causal)
+        return getattr(q_outer.layout(p), "causal_heads", 0)
+
+    assert heads() == q_outer.HOPPER_CAUSAL_HEADS[(128, 128, 128)] == 8
+    assert heads(causal=False) == heads(d=64, tiles=(128, 64)) == heads(tiles=(64, 64)) == 0
+    assert heads(dtype="float32") == 0
+    with tuning.tuned(products="mma"):
+        assert heads() == 0
+    with tuning.tuned(causal_heads=0):
+        assert heads() == 0
+    with tuning.tuned(causal_heads=16):
+        assert heads() == heads(d=64, tiles=(128, 64)) == 16

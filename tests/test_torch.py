@@ -100,6 +100,25 @@ def test_two_dimensional_inputs_and_a_custom_scale():
     assert torch.allclose(q.grad.double(), ref[0].grad, atol=1e-6)
 
 
+def test_a_call_with_nothing_to_differentiate_is_loop_orders_attention():
+    """Under torch.no_grad (or on inputs needing no grad) the op is `lo.attention`'s call:
+    the same output to the bit, no autograd node, a transposed (non-contiguous) input taken,
+    and `lo.attention`'s errors; the same call with grad gives the same output within
+    float32 rounding."""
+    q, k, v = leaves((1, 2, 9, 8), seed=3)
+    kt = k.detach().transpose(-1, -2).contiguous().transpose(-1, -2)  # strides of a transpose
+    with torch.no_grad():
+        out = lot.attention(q, kt, v, schedule="kv_outer", causal=True, block_q=4)
+        with pytest.raises(ValueError, match="block_k"):
+            lot.attention(q, k, v, block_k=0)
+    want = lo.attention(*(x.detach() for x in (q, k, v)), schedule="kv_outer", causal=True,
+                        block_q=4).out
+    assert not kt.is_contiguous() and out.grad_fn is None and torch.equal(out, want)
+    with_grad = lot.attention(q, k, v, schedule="kv_outer", causal=True, block_q=4)
+    assert with_grad.grad_fn is not None
+    assert torch.allclose(with_grad.detach(), out, atol=1e-6)
+
+
 @pytest.mark.parametrize("schedule, options", VARIANTS,
                          ids=[f"{s}-{o}" for s, o in VARIANTS])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -793,9 +793,11 @@ class MicroKernelSchedule(Schedule):
     # (d, causal) -> ((from N_q, (block_q, block_k)), ...): the Hopper tiles measured fastest
     # for 16-bit inputs, which a call naming no tiles takes (`fast_tiles`)
     HOPPER_TILES: ClassVar[dict] = {}
-    # the tensor-core kernels order a causal grid by groups of heads when a sweep asks
-    # (`tuning` causal_heads)
+    # the tensor-core kernels can order a causal grid by groups of heads (`causal_heads`)
     GROUPS_HEADS: ClassVar[bool] = False
+    # (block_q, block_k, d) -> heads a group: the causal grids measured faster by groups of
+    # heads on Hopper's wgmma build (results/bench_hopper_builds.csv); over every head elsewhere
+    HOPPER_CAUSAL_HEADS: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
     def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -816,10 +818,9 @@ class MicroKernelSchedule(Schedule):
             tuned = self.TC_KV_STAGES.get((kind, p.block_q, p.block_k, p.d, p.dv), stages)
             stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
             build = self.hopper_build(p) if wgmma and stages == 2 else "sync"
-            heads = tuning.current().causal_heads if self.GROUPS_HEADS and p.mask.bounded \
-                else None
             return TensorCores(kind, stages, wgmma, pipelined=build != "sync",
-                               producer=build == "tma", causal_heads=heads or 0)
+                               producer=build == "tma",
+                               causal_heads=self.causal_heads(p, wgmma))
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised
@@ -841,6 +842,20 @@ class MicroKernelSchedule(Schedule):
                                    and p.block_q == 2 * hopper.WARPGROUP_ROWS):
             return "ring"
         return build
+
+    def causal_heads(self, p: Problem, wgmma: bool) -> int:
+        """Heads p's tensor-core grid takes at a time, its heaviest query blocks first within
+        each group (0: first over every head; `tiles.grouped_block`): a sweep's (`tuning`
+        causal_heads, 0 turning it off), else HOPPER_CAUSAL_HEADS' for p's tiles and head
+        dim where p is causal on Hopper's wgmma build, else 0."""
+        if not (self.GROUPS_HEADS and p.mask.bounded):
+            return 0
+        forced = tuning.current().causal_heads
+        if forced is not None:
+            return forced
+        if not (wgmma and p.causal):
+            return 0
+        return self.HOPPER_CAUSAL_HEADS.get((p.block_q, p.block_k, p.d), 0)
 
     def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
         """HOPPER_TILES' tiles for p's head dim, mask and N_q where p's 16-bit products run

@@ -11,7 +11,8 @@ loop (`MicroKernelSchedule.hopper_build`): "wgmma-sync" without the pipelined up
 "wgmma-ring" pipelined with every thread copying into the ring, "wgmma-tma" pipelined with a
 producer warpgroup copying by TMA (where the loop nest has that kernel); `causal_heads`,
 heads a causal q_outer grid on tensor cores takes at a time, its heaviest query blocks first
-within each group (`tiles.grouped_block`; None: first over every head). The
+within each group (`tiles.grouped_block`; 0: first over every head;
+`MicroKernelSchedule.causal_heads`). The
 environment gives the process's value, read once at import (LOOP_ORDERS_LAYOUT,
 LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS, LOOP_ORDERS_CAUSAL_HEADS:
 a sweep run by a shell script); within a process `tuned(...)` overrides it for a block.

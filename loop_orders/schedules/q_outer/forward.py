@@ -261,7 +261,10 @@ class QOuter(MicroKernelSchedule):
     # causal 3xTF32 at d = 128 up to N_q = 2048: 64 x 64 tiles on one K/V buffer
     TC_SHORT_TILES = {("tf32x3", 128, True): ((2048, (64, 64)),)}
     PRODUCED_KERNEL = True  # `make_produced_kernel`
-    GROUPS_HEADS = True  # its tensor-core kernels' causal grid, by `tuning` causal_heads
+    GROUPS_HEADS = True  # its tensor-core kernels' causal grid, by groups of heads
+    # Hopper, 16-bit, causal, d = 128 on 128 x 128: eight heads a group (the K/V of the heads
+    # on the GPU at once stay in L2)
+    HOPPER_CAUSAL_HEADS = {(128, 128, 128): 8}
     # Hopper, 16-bit: the K/V loop measured fastest on each tile (results/bench_hopper_builds
     # .csv, N = 1024 and 4096): each product waited at d = 64 on 128 x 64, the TMA producer
     # elsewhere
