@@ -341,6 +341,7 @@ HOPPER_PROFILE_METRICS = ["Duration", "Registers Per Thread", "Theoretical Occup
                           "L2 Hit Rate"]
 HOPPER_BUILDS_RUN = "bench_hopper_builds.csv"  # the builds swept at several N
 HOPPER_TRAFFIC = "hw_traffic_hopper.csv"  # ncu on the wgmma and TMA kernels
+HOPPER_GRID_RUN = "bench_hopper_grid.csv"  # the causal grid by groups of heads, swept
 
 
 def _model_gbs(r: dict) -> float:
@@ -364,6 +365,7 @@ def hopper(results_dir: Path) -> str:
             if (results_dir / name).exists()]
     out = "\n\n".join(runs) if runs else _missing(results_dir / HOPPER_RUNS[0])
     for part in (_hopper_builds(results_dir / HOPPER_BUILDS_RUN),
+                 _hopper_grid(results_dir / HOPPER_GRID_RUN),
                  _hopper_traffic(results_dir / HOPPER_TRAFFIC)):
         out += "\n\n" + part if part else ""
     path, what = HOPPER_PROFILE
@@ -422,6 +424,40 @@ def _hopper_builds(path: Path) -> str | None:
 def _sweep_key(r: dict) -> tuple:
     """A sweep row's point and build, whatever its grid's order."""
     return r["n"], r["d"], r["causal"], r["block_q"], r["block_k"], r["provider"].split()[1]
+
+
+def _grid_heads(layout: str) -> int:
+    """The heads a group of a causal grid, from a row's build (".heads8"; 0: every head)."""
+    return int(layout.rsplit(".heads", 1)[1]) if ".heads" in layout else 0
+
+
+def _hopper_grid(path: Path) -> str | None:
+    """q_outer's causal Hopper grid by groups of heads (bench_hopper --causal-heads): ms per
+    N, head dim, tiles and build, over every head and by each group size swept."""
+    swept = [r for r in _rows(path) or () if r["part"] == "tiles" and r["status"] == "ok"
+             and r["causal"] == "True"]
+    if not swept:
+        return None
+    groups = sorted({_grid_heads(r["layout"]) for r in swept} - {0})
+    at: dict = {}
+    for r in swept:
+        build = r["layout"].split(".heads")[0]
+        at.setdefault((int(r["n"]), int(r["d"]), f"{r['block_q']}×{r['block_k']}, {build}"),
+                      {})[_grid_heads(r["layout"])] = float(r["ms_median"])
+    lines = ["| N | d | tiles, build | over every head | " + " | ".join(
+        f"{g} heads a group" for g in groups) + " | every head ÷ fastest |",
+             "|---" * (5 + len(groups)) + "|"]
+    for (n, d, build), ms in sorted(at.items()):
+        best = min(ms.values())
+        lines.append(f"| {n} | {d} | {build} | " + " | ".join(
+            "—" if ms.get(g) is None else (f"**{ms[g]:.3f}**" if ms[g] == best
+                                            else f"{ms[g]:.3f}") for g in (0, *groups))
+            + (f" | {ms[0] / best:.3f}× |" if 0 in ms else " | — |"))
+    first = swept[0]
+    return (f"The causal grid by groups of heads, each group's heaviest query blocks first "
+            f"(`tiles.grouped_block`; q_outer's HOPPER_CAUSAL_HEADS; on the {first['device']} "
+            f"at {first['git_sha'][:7]}, `results/{path.name}`, float16, B·H·N = "
+            f"{_bhn(first)}, median ms):\n\n" + "\n".join(lines))
 
 
 def _hopper_traffic(path: Path) -> str | None:
