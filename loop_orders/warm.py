@@ -123,8 +123,10 @@ def _builds(jobs: list) -> list:
 
 def _compile_build(build: tuple) -> int:
     """In a worker process: compile one build, (factory key, argument types, compute
-    capability, cache environment), to PTX without a CUDA context and store it in the disk
-    cache (the process that loads it links it: `kernel_cache.load`); 1 when done. A build
+    capability, cache environment), to PTX without a CUDA context, link it to its cubin
+    where the linker needs no context (`runtime.link_without_a_device`; else the process
+    that loads it links it: `kernel_cache.load`) and store it in the disk cache; 1 when
+    done. A build
     that fails is reported and skipped (0): the call that needs it compiles it again and
     raises there, where its caller sees it."""
     made_by, sig, cc, env = build
@@ -134,6 +136,7 @@ def _compile_build(build: tuple) -> int:
         return 0
     try:
         compiled = runtime.compile_without_a_device(runtime.kernel_of(made_by), sig, cc)
+        runtime.link_without_a_device(compiled, cc)  # its cubin too, where that needs no GPU
         kernel_cache.store(made_by, sig, compiled, env)
         return 1
     except Exception as exc:  # reported; the sweep goes on

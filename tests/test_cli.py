@@ -186,6 +186,25 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
     assert warm.compile_ahead(job) == 0 and len(here) == len(builds)
 
 
+def test_a_compile_worker_links_its_cubin_only_where_no_gpu_is_needed(monkeypatch):
+    """A compile worker links the PTX to a cubin itself where cuda.core links by nvJitLink
+    (no CUDA context), so the loading process only loads it; with the driver's linker (it
+    needs a context) it leaves the linking to the loading process."""
+    import types
+
+    from loop_orders.device import runtime
+
+    assert runtime.linker_backend() in ("nvJitLink", "driver")
+    asked = []
+    compiled = types.SimpleNamespace(_codelibrary=types.SimpleNamespace(
+        get_cubin=lambda cc: asked.append(cc)))
+    for backend, links in (("nvJitLink", True), ("driver", False)):
+        monkeypatch.setattr(runtime, "linker_backend", lambda b=backend: b)
+        asked.clear()
+        assert runtime.link_without_a_device(compiled, (9, 0, "a")) is links
+        assert asked == ([(9, 0, "a")] if links else [])
+
+
 def test_a_compile_worker_remakes_a_kernel_from_its_factory_key():
     """What a worker is sent names the kernel: its factory, called again with the same
     compile-time constants, gives the same kernel (the factories' cache)."""

@@ -308,8 +308,9 @@ def kernel_of(key: tuple):
 
 def compile_without_a_device(kernel, sig: tuple, cc: tuple):
     """`kernel` compiled to PTX for these argument types and the device whose
-    `compute_capability()` is `cc`, with no CUDA context (a compile worker's: it links
-    nothing; the process that loads the build links it). Numba asks the current device for
+    `compute_capability()` is `cc`, with no CUDA context (a compile worker's; it links the
+    PTX to a cubin only where the linker needs no context, `link_without_a_device`, else the
+    process that loads the build links it). Numba asks the current device for
     its compute capability as it compiles a kernel, and its context for the target it keys
     the PTX under (`cc`, "a" included) as it turns its LLVM into PTX: in this process both
     are told from now on, so the loading process finds the PTX under its own key."""
@@ -321,6 +322,32 @@ def compile_without_a_device(kernel, sig: tuple, cc: tuple):
     dispatcher.get_current_device = lambda: device
     codegen.CUDACodeLibrary._ensure_cc = lambda self, asked: cc if asked is None else asked
     return dispatcher._Kernel(kernel.py_func, sig, **kernel.targetoptions)
+
+
+def link_without_a_device(compiled, cc: tuple) -> bool:
+    """Link a `compile_without_a_device` build's PTX to its cubin for `cc` here, where the
+    linker needs no CUDA context (cuda.core's nvJitLink backend, the one every process then
+    links with): the process that loads the build loads the cubin instead of linking it
+    while its first call waits (about a second for a large kernel). False, nothing done,
+    where only the driver's linker is there (it needs a context)."""
+    if linker_backend() != "nvJitLink":
+        return False
+    compiled._codelibrary.get_cubin(cc)  # kept in the library, pickled with it
+    return True
+
+
+def linker_backend() -> str:
+    """What links PTX to cubins in this process (cuda.core's `Linker`): "nvJitLink" or
+    "driver"."""
+    import warnings
+
+    try:
+        from cuda.core import Linker
+    except ImportError:
+        from cuda.core.experimental import Linker
+    with warnings.catch_warnings():  # the driver fallback's warning: the answer is enough
+        warnings.simplefilter("ignore")
+        return getattr(Linker, "which_backend", lambda: "driver")()
 
 
 def build_key(kernel, args) -> tuple:
