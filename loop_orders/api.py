@@ -417,14 +417,19 @@ class _Call:
         self._scratch: dict = {}  # stream -> (workspace, placeholder lse, placeholder counts)
         self.taped = runtime.Taped()  # the launches, replayed after the first call
 
-    def scratch(self, stream: int):
-        """Buffers this key's launches reuse on one stream (stream order makes that safe)."""
+    def scratch(self, stream: int, like):
+        """Buffers this key's launches reuse on one stream (stream order makes that safe),
+        allocated like the outputs (`like`: the caller's first input; torch's allocator for
+        CUDA tensors, so that a CUDA graph's capture may make the first call on its stream)."""
         held = self._scratch.get(stream)
         if held is None:
-            held = self._scratch[stream] = (
-                self.sched.allocate_workspace(self.p),
-                *(arrays.resident(runtime.device_empty(shape, dtype))
-                  for shape, dtype in (((1, 1), np.float32), (1, np.int64))))
+            kind = self.inputs.kind
+
+            def empty(shape, dtype):
+                return arrays.resident(kind.empty(like, shape, dtype)[1])
+
+            held = self._scratch[stream] = (self.sched.allocate_workspace(self.p, empty),
+                                            empty((1, 1), np.float32), empty((1,), np.int64))
         return held
 
     def __call__(self, q, k, v) -> Result:
@@ -433,7 +438,7 @@ class _Call:
             check_launch(self.sched, p, self.count, self.inputs.host)
         operands = operands_of(self.inputs, q, k, v)
         stream = kind.stream(q)
-        workspace, no_lse, no_counts = self.scratch(stream)
+        workspace, no_lse, no_counts = self.scratch(stream, q)
         out = kind.alloc(q, self.out_shape, self.dtype)
         lse = kind.alloc(q, self.out_shape[:-1], np.float32) if p.save_lse else None
         counts = runtime.device_zeros(n_slots(), np.int64) if self.count else no_counts

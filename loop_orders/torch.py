@@ -288,8 +288,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     per query head or with `pack_gqa` packed, as `loop_orders.attention`). Tiles left out
     are chosen as `loop_orders.attention_grad` chooses them (64 x 64 where its forward and
     backward fit); the op carries such a tile as 0. A call with nothing to differentiate
-    (no input requiring grad, or under torch.no_grad) outside `counting()`, torch.compile
-    and a CUDA graph's capture is `loop_orders.attention`'s, its tiles chosen as that chooses them
+    (no input requiring grad, or under torch.no_grad) outside `counting()` and
+    torch.compile is `loop_orders.attention`'s, its tiles chosen as that chooses them
     (on a Hopper GPU the measured fastest forward's). Arguments are checked as
     `loop_orders.attention_grad` checks them. Non-contiguous inputs are copied
     contiguous first (torch's copy, outside the ledgers). `precision` ("tf32", "tf32x3":
@@ -311,11 +311,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
                                       precision)
     compiling = torch.compiler.is_compiling()
     if not compiling and _collecting is None and not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    ) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # nothing to differentiate or count, and no CUDA graph capturing (whose memory only
-        # torch's allocator may give): `loop_orders.attention`'s call, which keeps no lse and
-        # costs the host less
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # nothing to differentiate or count: `loop_orders.attention`'s call, which keeps no
+        # lse and costs the host less (its memory from torch's allocator: a CUDA graph may
+        # capture it)
         return api.attention(_contiguous(q), _contiguous(k), _contiguous(v), schedule,
                              block_q, block_k, causal, scale, options=options,
                              precision=precision, window=window, pack_gqa=pack_gqa).out
