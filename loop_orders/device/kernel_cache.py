@@ -111,13 +111,15 @@ def load(factory_key: tuple, sig: tuple):
     try:
         states = pickle.loads(path.read_bytes())
         compiled = _Kernel._rebuild(**states)
-        linked = bool(compiled._codelibrary._cubin_cache)
+        cubins = len(compiled._codelibrary._cubin_cache)
         compiled._codelibrary.get_cufunc()  # loads the cubin now, not at the first launch
+        linked = len(compiled._codelibrary._cubin_cache) == cubins  # none linked here
     except Exception:  # a damaged or foreign entry: compile again
         with contextlib.suppress(OSError):
             path.unlink()
         return None
     if not linked:  # a compile worker's PTX, linked here: kept with its cubin from now on
+        # (a worker that linked it, `runtime.link_without_a_device`, left nothing to link)
         store(factory_key, sig, compiled)
     return compiled
 
