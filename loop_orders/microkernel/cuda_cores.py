@@ -796,7 +796,7 @@ class MicroKernelSchedule(Schedule):
     # the tensor-core kernels can order a causal grid by groups of heads (`causal_heads`)
     GROUPS_HEADS: ClassVar[bool] = False
     # (block_q, block_k, d) -> heads a group: the causal grids measured faster by groups of
-    # heads on Hopper's wgmma build (results/bench_hopper_builds.csv); over every head elsewhere
+    # heads on Hopper's wgmma build (results/bench_hopper_grid.csv); over every head elsewhere
     HOPPER_CAUSAL_HEADS: ClassVar[dict] = {}
     @staticmethod
     @abstractmethod
