@@ -80,14 +80,16 @@ def sweep_tiles(rng, path: Path, prov: dict, sweep_n=(TILE_N,),
     points each again with its grid taking `causal_heads` heads at a time, written to `path`
     row by row; the fastest (tiles, products, heads) per (N, d, causal)."""
     rows, best = [], {}
+    def grids(causal):  # the default grid, then each asked of a causal point
+        return (None, *causal_heads) if causal else (None,)
+
     warm((("q_outer", problem("q_outer", TILE_N, d, causal, "float16", tiles), False,
            (("products", products), ("causal_heads", heads)))
           for d in TILES for causal in (False, True) for tiles in TILES[d]
-          for _, products in VARIANTS for heads in ((None, *causal_heads) if causal
-                                                    else (None,))), counted=(False,))
+          for _, products in VARIANTS for heads in grids(causal)), counted=(False,))
     for n, d, causal in itertools.product(sweep_n, TILES, (False, True)):
-        grids = (None, *causal_heads) if causal else (None,)
-        for tiles, (label, products), heads in itertools.product(TILES[d], VARIANTS, grids):
+        for tiles, (label, products), heads in itertools.product(TILES[d], VARIANTS,
+                                                                 grids(causal)):
             p = problem("q_outer", n, d, causal, "float16", tiles)
             row = timed(with_heads(label, heads), "q_outer", p, rng, products=products,
                         heads=heads)

@@ -386,9 +386,10 @@ def hopper(results_dir: Path) -> str:
 
 def _hopper_builds(path: Path) -> str | None:
     """q_outer's Hopper builds swept at several N (bench_hopper --sweep-n): ms per tiles and
-    build, the fastest in bold."""
-    swept = [r for r in _rows(path) or () if r["part"] == "tiles" and r["status"] == "ok"]
-    rows = [r for r in swept if not r.get("causal_heads")]
+    build on each build's default grid, the fastest in bold (rows naming a grid of their
+    own: `_hopper_grid`)."""
+    rows = [r for r in _rows(path) or () if r["part"] == "tiles" and r["status"] == "ok"
+            and not r.get("causal_heads")]
     if not rows:
         return None
     tiles = sorted({(int(r["block_q"]), int(r["block_k"])) for r in rows})
@@ -408,22 +409,9 @@ def _hopper_builds(path: Path) -> str | None:
             "—" if c is None else (f"**{c:.3f}**" if c == best else f"{c:.3f}")
             for c in cells) + " |")
     first = rows[0]
-    plain = {_sweep_key(r): float(r["ms_median"]) for r in rows}
-    grouped = [f"{r['block_q']}×{r['block_k']} {r['provider'].split()[1]} at N = {r['n']}, "
-               f"d = {r['d']}, {r['causal_heads']} heads a group: {float(r['ms_median']):.3f} "
-               f"ms against {plain.get(_sweep_key(r), float('nan')):.3f}"
-               for r in swept if r.get("causal_heads")]
     return (f"q_outer's builds on the {first['device']} at {first['git_sha'][:7]} "
             f"(`results/{path.name}`; float16, B·H·N = {_bhn(first)}, median ms, kernels alone, "
-            "each checked against float64 first):\n\n" + "\n".join(lines)
-            + ("\n\nThe causal grid by groups of heads (`tuning` causal_heads, its heaviest "
-               "blocks first within each group): " + "; ".join(grouped) + "." if grouped
-               else ""))
-
-
-def _sweep_key(r: dict) -> tuple:
-    """A sweep row's point and build, whatever its grid's order."""
-    return r["n"], r["d"], r["causal"], r["block_q"], r["block_k"], r["provider"].split()[1]
+            "each checked against float64 first):\n\n" + "\n".join(lines))
 
 
 def _grid_heads(layout: str) -> int:

@@ -310,8 +310,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
                                       causal, scale, options, tuple(check_window(window)),
                                       precision)
     compiling = torch.compiler.is_compiling()
-    if not compiling and _collecting is None and not (
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or v.requires_grad)
+    if not (compiling or differentiable or _collecting is not None):
         # nothing to differentiate or count: `loop_orders.attention`'s call, which keeps no
         # lse and costs the host less (its memory from torch's allocator: a CUDA graph may
         # capture it)
@@ -324,8 +325,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
             causal, *tiles, scale, list(check_window(window)), bool(pack_gqa), precision)
     if compiling:  # the custom op, which the compiler traces
         return _forward(*args)[0]
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                         or v.requires_grad)):
+    if not differentiable:
         return _forward_pass(*args)[0]  # counted, nothing to differentiate: no autograd node
     return _EagerAttention.apply(*args)
 
