@@ -39,9 +39,10 @@ TILE_N = 4096
 TILES = {64: [(128, 64), (128, 128)], 128: [(128, 64), (128, 128)]}  # two warpgroups a CTA
 VARIANT_TILES = {64: (128, 64), 128: (128, 128)}  # --variants-only: the ring's fastest (H200)
 # (label, tuning products, `MicroKernelSchedule.hopper_build`): pipelined, the K/V ring filled
-# by every thread's cp.async; each product waited; the ring filled by a producer's TMA copies
+# by every thread's cp.async; each product waited; the ring filled by a producer's TMA copies;
+# the same on persistent CTAs
 VARIANTS = [("q_outer wgmma-ring", "wgmma-ring"), ("q_outer wgmma-sync", "wgmma-sync"),
-            ("q_outer wgmma-tma", "wgmma-tma")]
+            ("q_outer wgmma-tma", "wgmma-tma"), ("q_outer wgmma-persistent", "wgmma-persistent")]
 MMA_TILES = (128, 64)  # the mma.sync build's benchmark tiles (bench_runtime.BLOCKS)
 DENSE_N, DENSE_TILES = 4096, (128, 64)  # dense's matmuls, on wgmma and on mma.sync
 

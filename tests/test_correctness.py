@@ -182,7 +182,7 @@ def test_q_outer_warp_specialised(case, monkeypatch, rng):
 
 
 # (batch, heads, n_q, n_k, d, dv, block_q, block_k, causal): more work items (query blocks x
-# heads) than the simulator's persistent CTAs (`warp_specialised.SIMULATED_CTAS`, 2), so that a
+# heads) than the simulator's persistent CTAs (`persistent.SIMULATED_CTAS`, 2), so that a
 # CTA folds block after block, the first its own and the next ones drawn; tails of both blocks
 # and dv != d, the causal diagonal, and whole tiles (`Specialised.even`)
 PERSISTENT_CASES = [(1, 2, 70, 45, 20, 64, 64, 32, False), (1, 2, 70, 70, 12, 64, 64, 32, True),
@@ -199,8 +199,9 @@ def test_q_outer_warp_specialised_on_persistent_ctas(case, monkeypatch, rng):
     under the P V warps' last tile; float32's accuracy, lse, counters == model, and the
     counter back at zero for the next launch (twice in a row: a second launch that found it
     raised would skip blocks and leave their rows of O unwritten)."""
+    from loop_orders.microkernel.persistent import persistent_grid, tickets
     from loop_orders.reference import FLOAT32_TOLERANCE
-    from loop_orders.schedules.q_outer.warp_specialised import Specialised, persistent_grid, tickets
+    from loop_orders.schedules.q_outer.warp_specialised import Specialised
 
     sched = lo.get_schedule("q_outer")
     b, h, n_q, n_k, d, dv, bq, bk, causal = case
@@ -248,6 +249,9 @@ HOPPER_CASES = [  # (schedule, n_q, n_k, d, dv, block_q, block_k, causal, dtype,
     ("dense", 70, 45, 32, 48, 64, 32, True, "float16", None),  # its two matmul kernels
     # the ring filled by a producer warpgroup's TMA copies; the first query block sees no key
     ("q_outer", 200, 40, 64, 32, 128, 32, True, "bfloat16", "wgmma-tma"),
+    # ... on persistent CTAs: 6 query blocks on the simulator's 2 CTAs, the ring's positions
+    # and phases running on from block to block
+    ("q_outer", 300, 240, 32, 48, 128, 32, True, "float16", "wgmma-persistent"),
 ]
 
 
@@ -290,7 +294,9 @@ def test_hopper_build(case, rng):
         res = lo.attention(q, k, v, schedule=name, block_q=bq, block_k=bk, causal=causal,
                            count=True)
         build = str(sched.layout(res.problem))
-    assert build.startswith("wgmma.") and build.endswith(".tma") == (products == "wgmma-tma")
+    assert build.startswith("wgmma.") and (".tma" in build) == (
+        products in ("wgmma-tma", "wgmma-persistent"))
+    assert (".persistent" in build) == (products == "wgmma-persistent")
     q, k, v = (x.float().numpy() for x in (q, k, v))
     ref, _ = lo.attention_reference(q, k, v, causal=causal)
     roundings = sched.output_roundings(res.problem)

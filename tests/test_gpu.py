@@ -109,7 +109,7 @@ def test_q_outer_warp_specialised_ctas_fold_several_blocks(n, causal, monkeypatc
     code (N = 1024); twice in a row, so that the second launch finds the counter the first set
     back (else it would skip blocks and leave their rows of O unwritten); float32 accuracy,
     lse, counts == model."""
-    from loop_orders.schedules.q_outer.warp_specialised import persistent_grid, tickets
+    from loop_orders.microkernel.persistent import persistent_grid, tickets
 
     sched = lo.get_schedule("q_outer")
     _, (chunks, keys, peel) = sched.PERSISTENT[(128, 64, 128, 128, True)]
@@ -217,16 +217,19 @@ def test_16_bit_outputs_beside_sdpa(schedule, causal, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("products", ["wgmma-tma", "wgmma-persistent"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d, block_k", [(64, 64), (128, 128)])
-def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype):
+def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype, products):
     """q_outer's kernel with a producer warpgroup copying by TMA (tuning products
-    "wgmma-tma", Hopper only): N_q = 1000, N_k = 777 (tails, bottom-right causal), within
-    2x SDPA's own error in the same dtype; counters == model."""
+    "wgmma-tma", Hopper only), and on persistent CTAs ("wgmma-persistent"): N_q = 1000,
+    N_k = 777 (tails, bottom-right causal), within 2x SDPA's own error in the same dtype;
+    counters == model; the persistent launches' counter back at zero."""
     torch = pytest.importorskip("torch")
     from loop_orders.device import runtime
     from loop_orders.microkernel import tuning
+    from loop_orders.microkernel.persistent import tickets
 
     if runtime.compute_capability()[:2] != (9, 0):
         pytest.skip("TMA and setmaxnreg need a Hopper GPU")
@@ -239,21 +242,24 @@ def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype):
     for call in ("counted", "first", "replayed"):  # the second uncounted call: its tape
         q, k, v = (torch.randn(2, 4, n, d, device="cuda", generator=gen).to(tdt)
                    for n in (1000, 777, 777))
-        with tuning.tuned(products="wgmma-tma"):
+        with tuning.tuned(products=products):
             res = lo.attention(q, k, v, schedule="q_outer", causal=causal, block_q=128,
                                block_k=block_k, count=call == "counted")
-            assert str(sched.layout(res.problem)).endswith(".tma")
+            build = str(sched.layout(res.problem))
+        assert ".tma" in build and (".persistent" in build) == (products == "wgmma-persistent")
         ref = sdpa(q.double(), k.double(), v.double(), attn_mask=mask)
         theirs = sdpa(q, k, v, attn_mask=mask).double()
         seen = ref.abs().amax(dim=-1, keepdim=True) > 0  # rows that see a key (others: NaN)
         scale = ref.abs().max()
         ours = float(((res.out.double() - ref) * seen).nan_to_num().abs().max() / scale)
         theirs = float(((theirs - ref) * seen).nan_to_num().abs().max() / scale)
-        print(f"q_outer tma d={d} causal={causal} {dtype} {call}: ours {ours:.2e}, SDPA "
+        print(f"q_outer {build} d={d} causal={causal} {dtype} {call}: ours {ours:.2e}, SDPA "
               f"{theirs:.2e}")
         assert ours <= 2 * theirs
         if call == "counted":
             assert res.counts == sched.model(res.problem)
+    if products == "wgmma-persistent":
+        assert tickets().copy_to_host()[0] == 0
 
 
 @gpu

@@ -819,8 +819,9 @@ class MicroKernelSchedule(Schedule):
             stages, wgmma = min(stages, tuned), uses_wgmma(kind, p)
             build = self.hopper_build(p) if wgmma and stages == 2 else "sync"
             return TensorCores(kind, stages, wgmma, pipelined=build != "sync",
-                               producer=build == "tma",
-                               causal_heads=self.causal_heads(p, wgmma))
+                               producer=build in ("tma", "persistent"),
+                               causal_heads=self.causal_heads(p, wgmma),
+                               persistent=build == "persistent")
         specialised = self.specialised(p, stages)
         if specialised is not None:
             return specialised
@@ -830,16 +831,17 @@ class MicroKernelSchedule(Schedule):
     def hopper_build(self, p: Problem) -> str:
         """How p's wgmma build (two K/V buffers) runs its K/V loop: "sync" (each product
         waited for, the K/V tiles double-buffered), "ring" (the pipelined update, K/V through
-        a ring every thread copies into) or "tma" (the same ring filled by a producer
+        a ring every thread copies into), "tma" (the same ring filled by a producer
         warpgroup's TMA copies, where the loop nest has that kernel (PRODUCED_KERNEL) and a
-        CTA two computing warpgroups): a sweep's choice (`tuning` products "wgmma-sync",
-        "wgmma-ring", "wgmma-tma"), else HOPPER_BUILDS' for p's tiles and head dim, else
-        "ring"."""
-        forced = {"wgmma-sync": "sync", "wgmma-ring": "ring", "wgmma-tma": "tma"}.get(
-            tuning.current().products or "")
+        CTA two computing warpgroups) or "persistent" (that kernel on a CTA an SM, folding
+        query blocks in turn): a sweep's choice (`tuning` products "wgmma-sync",
+        "wgmma-ring", "wgmma-tma", "wgmma-persistent"), else HOPPER_BUILDS' for p's tiles and
+        head dim, else "ring"."""
+        forced = {"wgmma-sync": "sync", "wgmma-ring": "ring", "wgmma-tma": "tma",
+                  "wgmma-persistent": "persistent"}.get(tuning.current().products or "")
         build = forced or self.HOPPER_BUILDS.get((p.block_q, p.block_k, p.d), "ring")
-        if build == "tma" and not (self.PRODUCED_KERNEL
-                                   and p.block_q == 2 * hopper.WARPGROUP_ROWS):
+        if build in ("tma", "persistent") and not (
+                self.PRODUCED_KERNEL and p.block_q == 2 * hopper.WARPGROUP_ROWS):
             return "ring"
         return build
 

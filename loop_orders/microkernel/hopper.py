@@ -50,7 +50,7 @@ from __future__ import annotations
 from functools import cache
 from typing import NamedTuple
 
-from numba import uint32, uint64
+from numba import int32, int64, uint32, uint64
 
 from ..core.ledger import slot
 from ..device.intrinsics import (
@@ -79,6 +79,7 @@ CORE = 8  # a core matrix is 8 x 8 elements
 ALIGN = 1024  # bytes: the 128-byte swizzle's pattern (8 rows) repeats from multiples of it
 K_BUFFERS, V_BUFFERS = 2, 3  # the pipelined K/V loop's ring (`make_stage_ring`)
 RING_BARRIERS = 2 * (K_BUFFERS + V_BUFFERS)  # a landed and a free mbarrier a buffer
+QUEUE_BARRIERS = 2  # persistent CTAs: Q_i's buffer's landed and free mbarriers, past the ring's
 OPERAND_KINDS = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -270,6 +271,9 @@ class StageRing(NamedTuple):
     take_turn: object  # take_turn(): this warpgroup's turn at the tensor cores
     pass_turn: object  # pass_turn(): the next warpgroup's turn
     end: object  # end(): the turns balanced (every bar.arrive met by a bar.sync)
+    # persistent CTAs (`make_stage_ring` PERSISTENT): Q_i's buffer as one more of the ring,
+    # its fills counted by the CTA's query blocks (None elsewhere: Q_i lands with K_j0)
+    q: object = None
 
 
 @cache
@@ -310,7 +314,8 @@ def make_buffer_barriers(LANDED: int, FREE: int) -> BufferBarriers:
 
 
 @cache
-def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False) -> StageRing:
+def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False,
+                    PERSISTENT: bool = False) -> StageRing:
     """The mbarriers (at float AT of the buffer, 8 bytes each: the K buffers' landed, the V
     buffers' landed, the K buffers' free, the V buffers' free) and the warpgroups' turns of
     NT computing threads. No CTA-wide barrier in the K/V loop: a fill is waited for by whoever
@@ -319,12 +324,16 @@ def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False) -> StageRing:
     softmax under the other's products; bar.sync / bar.arrive 1 + warpgroup). The fills are
     every computing thread's cp.async copies, or (PRODUCED) a producer warpgroup's TMA copies
     (`make_tma_producer`): then a fill lands on one arrival and its bytes, and `begin` is
-    the whole CTA's, producer included, before it splits."""
+    the whole CTA's, producer included, before it splits. PERSISTENT (a CTA folding query
+    blocks in turn, `make_tma_persistent_producer`): Q_i's buffer has its landed and free
+    mbarriers too, after the ring's (`QUEUE_BARRIERS`), and the turns run on from one block
+    into the next (`begin` and `end` once a kernel)."""
     NWG = NT // 128  # computing warpgroups
     turn_sync, turn_arrive = turn_barrier(256)  # the one taking its turn, the one passing it
     K_LANDED, V_LANDED = AT, AT + 2 * K_BUFFERS
     K_FREE, V_FREE = V_LANDED + 2 * V_BUFFERS, V_LANDED + 2 * (V_BUFFERS + K_BUFFERS)
     FILLERS = 1 if PRODUCED else NT  # arrivals that land a fill
+    Q_LANDED = AT + 2 * RING_BARRIERS  # persistent: Q_i's buffer's landed and free mbarriers
 
     @inlined
     def warpgroup():
@@ -336,6 +345,9 @@ def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False) -> StageRing:
             for e in range(RING_BARRIERS):
                 landed = e < K_BUFFERS + V_BUFFERS
                 mbarrier_init(buf, uint32(AT + 2 * e), FILLERS if landed else NT)
+            if PERSISTENT:
+                mbarrier_init(buf, uint32(Q_LANDED), FILLERS)
+                mbarrier_init(buf, uint32(Q_LANDED + 2), NT)
         cuda.syncthreads()  # the barriers are set up before any thread arrives at them
         if not PRODUCED:
             cp_async_arrive(buf, uint32(K_LANDED))
@@ -358,7 +370,8 @@ def make_stage_ring(AT: int, NT: int, PRODUCED: bool = False) -> StageRing:
             turn_sync(1)  # the last warpgroup passed the turn once more than it took it
 
     return StageRing(begin, make_buffer_barriers(K_LANDED, K_FREE),
-                     make_buffer_barriers(V_LANDED, V_FREE), take_turn, pass_turn, end)
+                     make_buffer_barriers(V_LANDED, V_FREE), take_turn, pass_turn, end,
+                     make_buffer_barriers(Q_LANDED, Q_LANDED + 2) if PERSISTENT else None)
 
 
 Q_R, K_R, V_R = slot("q", "read"), slot("k", "read"), slot("v", "read")
@@ -400,18 +413,27 @@ def make_tma_tile(ROWS: int, W: int, COLS: int, MAP: int):
     return copy_tile
 
 
+class RingFills(NamedTuple):
+    """The producer thread's TMA copies into the ring (`make_ring_fills`), each counted at its
+    buffer's landed mbarrier and, counted (COUNT), its elements at their counter slots (the
+    valid rows: TMA reads none past N_q, N_k)."""
+
+    q: object  # q(buf, tile, maps, q, bh, row0, n_rows, landing, cnt): Q_i, at mbarrier landing
+    take_k: object  # take_k(buf, t): K's buffer of ring position t once released, its bytes
+    k: object  # k(buf, tile, maps, k, kv, key0, n_k, t, cnt): K_j into that buffer
+    take_v: object  # take_v(buf, t), v(buf, tile, maps, v, kv, key0, n_k, t, cnt): V_j's
+    v: object
+    q_bytes: int  # a Q_i box's bytes (whole boxes: TMA writes zeros past N_q, N_k)
+    k_bytes: int
+
+
 @cache
-def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K_STAGE: int,
-                      V_STAGE: int, ring: StageRing, tiles, COUNT: bool):
-    """produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt): the one producer
-    thread's TMA copies of a query block's tiles into the ring
-    (`make_stage_ring` PRODUCED): Q_i with K_j0 (K buffer 0's first fill), then K_j into K
-    buffer t % K_BUFFERS and V_j into V buffer t % V_BUFFERS (t = j - j0), each once every
-    computing thread has released the buffer's previous fill, each counted at the buffer's
-    landed mbarrier in bytes (whole boxes: TMA writes zeros past N_q, N_k). Tiles at element
-    offsets Q, K, V of the tiles' view (`tiles()`), K_STAGE, V_STAGE apart; maps MAP_Q,
-    MAP_K, MAP_V of `maps`. Counted (COUNT), the elements each copy moved from HBM go to their
-    counter slots (the valid rows: TMA reads none past N_q, N_k)."""
+def make_ring_fills(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K_STAGE: int,
+                    V_STAGE: int, ring: StageRing, COUNT: bool) -> RingFills:
+    """The copies of `RingFills`: tiles at element offsets Q, K, V of the tiles' view, K_STAGE,
+    V_STAGE apart; K_j at ring position t into K buffer t % K_BUFFERS, V_j into V buffer
+    t % V_BUFFERS, each once every computing thread has released the buffer's previous fill;
+    maps MAP_Q, MAP_K, MAP_V of `maps`."""
     boxes = tma_boxes(BR, BC, D, DV)
     (QR, _), (KR, _), (VR, _) = boxes
     copy_q, copy_k = make_tma_tile(*boxes.q, D, MAP_Q), make_tma_tile(*boxes.k, D, MAP_K)
@@ -420,35 +442,135 @@ def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int,
     k_bars, v_bars = ring.k, ring.v
 
     @inlined
-    def produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt):
-        tile = tiles()
-        for m in range(3):
-            fence_tensor_map(maps, m)  # the maps the host wrote, seen by the copies
-        # Q_i: read from HBM once; with K_j0 on K buffer 0's first fill (or alone)
-        k_bars.expect(buf, 0, Q_BYTES + (K_BYTES if j0 < j1 else 0))
-        copy_q(tile, Q, buf, k_bars.landing(0), maps, q, row0, bh)
+    def fill_q(buf, tile, maps, q, bh, row0, n_rows, landing, cnt):
+        # Q_i: read from HBM once
+        copy_q(tile, Q, buf, landing, maps, q, row0, bh)
         if COUNT:
             cnt[Q_R] += n_rows * D
+
+    @inlined
+    def take_k(buf, t):
+        if t >= K_BUFFERS:  # K_j where K_j-KB was, once every thread is done with it
+            k_bars.freed(buf, t % K_BUFFERS, (t - K_BUFFERS) // K_BUFFERS)
+        k_bars.expect(buf, t % K_BUFFERS, K_BYTES)
+
+    @inlined
+    def fill_k(buf, tile, maps, k, kv, key0, n_k, t, cnt):
+        # K_j: reloaded from HBM by every query block
+        copy_k(tile, K + (t % K_BUFFERS) * K_STAGE, buf, k_bars.landing(t % K_BUFFERS), maps,
+               k, key0, kv)
+        if COUNT:
+            cnt[K_R] += min(BC, n_k - key0) * D
+
+    @inlined
+    def take_v(buf, t):
+        if t >= V_BUFFERS:  # V_j where V_j-VB was, likewise
+            v_bars.freed(buf, t % V_BUFFERS, (t - V_BUFFERS) // V_BUFFERS)
+        v_bars.expect(buf, t % V_BUFFERS, V_BYTES)
+
+    @inlined
+    def fill_v(buf, tile, maps, v, kv, key0, n_k, t, cnt):
+        # V_j: reloaded from HBM by every query block
+        copy_v(tile, V + (t % V_BUFFERS) * V_STAGE, buf, v_bars.landing(t % V_BUFFERS), maps,
+               v, key0, kv)
+        if COUNT:
+            cnt[V_R] += min(BC, n_k - key0) * DV
+
+    return RingFills(fill_q, take_k, fill_k, take_v, fill_v, Q_BYTES, K_BYTES)
+
+
+@inlined
+def fence_maps(maps):
+    for m in range(3):
+        fence_tensor_map(maps, m)  # the maps the host wrote, seen by the copies
+
+
+@cache
+def make_tma_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K_STAGE: int,
+                      V_STAGE: int, ring: StageRing, tiles, COUNT: bool):
+    """produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt): the one producer
+    thread's TMA copies of a query block's tiles into the ring
+    (`make_stage_ring` PRODUCED, `make_ring_fills`): Q_i with K_j0 (K buffer 0's first
+    fill), then K_j and V_j at ring position t = j - j0."""
+    fills = make_ring_fills(BR, BC, D, DV, Q, K, V, K_STAGE, V_STAGE, ring, COUNT)
+    fill_q, take_k, fill_k, take_v, fill_v = fills.q, fills.take_k, fills.k, fills.take_v, \
+        fills.v
+    Q_BYTES, K_BYTES = fills.q_bytes, fills.k_bytes
+    k_bars = ring.k
+
+    @inlined
+    def produce(buf, maps, q, k, v, bh, kv, row0, n_rows, n_k, j0, j1, cnt):
+        tile = tiles()
+        fence_maps(maps)
+        # Q_i with K_j0 on K buffer 0's first fill (or alone)
+        k_bars.expect(buf, 0, Q_BYTES + (K_BYTES if j0 < j1 else 0))
+        fill_q(buf, tile, maps, q, bh, row0, n_rows, k_bars.landing(0), cnt)
         for j in range(j0, j1):
             t = j - j0
-            key0 = j * BC
-            n_keys = min(BC, n_k - key0)
             if t > 0:
-                if t >= K_BUFFERS:  # K_j where K_j-KB was, once every thread is done with it
-                    k_bars.freed(buf, t % K_BUFFERS, (t - K_BUFFERS) // K_BUFFERS)
-                k_bars.expect(buf, t % K_BUFFERS, K_BYTES)
-            # K_j: reloaded from HBM by every query block
-            copy_k(tile, K + (t % K_BUFFERS) * K_STAGE, buf, k_bars.landing(t % K_BUFFERS),
-                   maps, k, key0, kv)
-            if COUNT:
-                cnt[K_R] += n_keys * D
-            if t >= V_BUFFERS:  # V_j where V_j-VB was, likewise
-                v_bars.freed(buf, t % V_BUFFERS, (t - V_BUFFERS) // V_BUFFERS)
-            v_bars.expect(buf, t % V_BUFFERS, V_BYTES)
-            # V_j: reloaded from HBM by every query block
-            copy_v(tile, V + (t % V_BUFFERS) * V_STAGE, buf, v_bars.landing(t % V_BUFFERS),
-                   maps, v, key0, kv)
-            if COUNT:
-                cnt[V_R] += n_keys * DV
+                take_k(buf, t)
+            fill_k(buf, tile, maps, k, kv, j * BC, n_k, t, cnt)
+            take_v(buf, t)
+            fill_v(buf, tile, maps, v, kv, j * BC, n_k, t, cnt)
 
     return produce
+
+
+@cache
+def make_tma_persistent_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int,
+                                 K_STAGE: int, V_STAGE: int, ring: StageRing, tiles,
+                                 COUNT: bool, items, kv_blocks, kv_head):
+    """produce_items(buf, maps, q, k, v, tickets, item, cnt): a persistent CTA's producer
+    thread (`make_stage_ring` PERSISTENT): for each work item in turn (`items`, a
+    `persistent.Items`; the next drawn from `tickets` once the last one's copies are out),
+    K_j0 into the ring, then, once every computing thread is done with the last Q_i, the
+    item into `item` (query block, batch x head; block -1: none left) and Q_i into its
+    buffer, counted at its landed mbarrier (the computing threads read the item once it has
+    landed), then every other K_j and V_j, their ring positions running on from the last
+    block's. K/V head of a query head: `kv_head`; the K/V blocks a query block visits:
+    `kv_blocks`."""
+    fills = make_ring_fills(BR, BC, D, DV, Q, K, V, K_STAGE, V_STAGE, ring, COUNT)
+    fill_q, take_k, fill_k, take_v, fill_v = fills.q, fills.take_k, fills.k, fills.take_v, \
+        fills.v
+    Q_BYTES = fills.q_bytes
+    q_bars = ring.q
+    item_of, draw = items.item_of, items.draw
+
+    @inlined
+    def produce_items(buf, maps, q, k, v, tickets, item, cnt):
+        tile = tiles()
+        fence_maps(maps)
+        n_q, n_k = q.shape[1], k.shape[1]
+        i, bh = item_of(int32(cuda.blockIdx.x), q)  # (every CTA has a first item)
+        handed = int32(0)  # items handed to the computing threads
+        t0 = int64(0)  # K/V tiles copied into the ring before this item's
+        while True:
+            row0 = int64(i) * BR
+            j0, j1 = int64(0), int64(0)
+            if i >= 0:
+                j0, j1 = kv_blocks(row0, min(BR, n_q - row0), n_q, n_k)
+            kv = kv_head(bh)
+            if j0 < j1:  # K_j0 first: its buffer is released before Q_i's
+                take_k(buf, t0)
+                fill_k(buf, tile, maps, k, kv, j0 * BC, n_k, t0, cnt)
+            if handed > 0:  # every computing thread is done with the last Q_i and its item
+                q_bars.freed(buf, 0, handed - 1)
+            item[0] = i
+            item[1] = bh
+            if i < 0:  # none left: the item handed over without a copy
+                mbarrier_arrive(buf, q_bars.landing(0))
+                break
+            q_bars.expect(buf, 0, Q_BYTES)
+            fill_q(buf, tile, maps, q, bh, row0, min(BR, n_q - row0), q_bars.landing(0), cnt)
+            for j in range(j0, j1):
+                t = t0 + (j - j0)
+                if j > j0:
+                    take_k(buf, t)
+                    fill_k(buf, tile, maps, k, kv, j * BC, n_k, t, cnt)
+                take_v(buf, t)
+                fill_v(buf, tile, maps, v, kv, j * BC, n_k, t, cnt)
+            t0 += j1 - j0
+            handed += 1
+            i, bh = draw(tickets, q)
+
+    return produce_items

@@ -133,33 +133,37 @@ def make_fold_tiles(BC, mk, loads: CountedLoads):
     return stream_kv_staggered if mk.STAGGERED else stream_kv
 
 
-def make_stream_kv_pipelined(BC, mk, loads: CountedLoads):
+def make_stream_kv_pipelined(BC, mk, loads: CountedLoads, PERSISTENT: bool = False):
     """stream_kv_pipelined: `make_fold_tiles`' K/V loop over a micro-kernel with P_ij V_j a
-    tile behind S_ij (mk.PIPELINED) and its ring of buffers (mk.ring, `hopper.StageRing`)."""
+    tile behind S_ij (mk.PIPELINED) and its ring of buffers (mk.ring, `hopper.StageRing`).
+    PERSISTENT (a CTA folding query blocks in turn, its ring filled by a producer):
+    fold_from(buf, k, v, bh, n_k, j0, j1, t0, diag0, m_i, l_i, acc, scale_log2, cnt), the
+    block's tiles at ring positions from t0 on (the tiles the CTA folded before), Q_i's buffer
+    released once every S_ij has landed, and the turns left running into the next block."""
     weigh_first, weigh_ahead, fold_last = mk.weigh_first, mk.weigh_ahead, mk.fold_last
     NS = mk.NS  # a thread's scores: the size of the pipelined update's weights
     KB, VB = hopper.K_BUFFERS, hopper.V_BUFFERS  # the ring's buffers
     begin, end = mk.ring.begin, mk.ring.end
     k_copied, k_landed, k_freed = mk.ring.k.copied, mk.ring.k.landed, mk.ring.k.freed
     v_copied, v_landed, v_freed = mk.ring.v.copied, mk.ring.v.landed, mk.ring.v.freed
+    q_free, v_free = (mk.ring.q.free, mk.ring.v.free) if PERSISTENT else (None, None)
     load_K_j_counted, load_V_j_counted = loads.k, loads.v
     COPIES = mk.producer is None  # else a producer warpgroup fills the ring and began it
 
     @cuda.jit(device=True, inline="always")
-    def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
-                            cnt):
+    def fold_from(buf, k, v, bh, n_k, j0, j1, t0, diag0, m_i, l_i, acc, scale_log2, cnt):
         """Fold K_j, V_j for j0 <= j < j1 into (m_i, l_i, acc) with P_ij V_j a tile behind
         S_ij (`MicroKernel.PIPELINED`), K_j in K buffer t % KB and V_j in V buffer t % VB
-        (t = j - j0), each fill waited for and each buffer refilled through its mbarriers
-        (`hopper.make_stage_ring`): no CTA-wide barrier, the warpgroups take turns at the
-        tensor cores. K_j+1 and V_j are copied under tile j's arithmetic; K_j0 (with Q_i)
-        comes from the kernel. With a producer (mk.producer) the copies are its, and the
-        kernel began the ring."""
+        (ring position t = t0 + j - j0), each fill waited for and each buffer refilled through
+        its mbarriers (`hopper.make_stage_ring`): no CTA-wide barrier, the warpgroups take
+        turns at the tensor cores. K_j+1 and V_j are copied under tile j's arithmetic; K_j0
+        (with Q_i) comes from the kernel. With a producer (mk.producer) the copies are its,
+        and the kernel began the ring."""
         p = cuda.local.array(NS, float32)  # P_i,j-1: the weights the next update multiplies
         if COPIES and j0 < j1:
             begin(buf)
         for j in range(j0, j1):
-            t = j - j0
+            t = t0 + j - j0
             key0 = j * BC
             if COPIES and j + 1 < j1:
                 if t + 1 >= KB:  # K_j+1 where K_j+1-KB was, once every thread is done with it
@@ -172,17 +176,31 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads):
                 load_V_j_counted(buf, v, bh, key0, n_k, t % VB, cnt)
                 v_copied(buf, t % VB)
             k_landed(buf, t % KB, t // KB)  # K_j (and with K_j0, Q_i) in shared memory
-            if t == 0:  # nothing to multiply behind S_ij yet
+            if t == t0:  # nothing to multiply behind S_ij yet
                 weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
-                            scale_log2, 0, 0)
+                            scale_log2, t % KB if PERSISTENT else 0, 0)
             else:
                 v_landed(buf, (t - 1) % VB, (t - 1) // VB)  # V_j-1 in shared memory
                 weigh_ahead(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
                             scale_log2, t % KB, (t - 1) % VB)
+        if PERSISTENT:
+            q_free(buf, 0)  # every S_ij has landed: the next Q_i may take Q_i's buffer
         if j0 < j1:
-            t = j1 - 1 - j0
+            t = t0 + j1 - 1 - j0
             v_landed(buf, t % VB, t // VB)
             fold_last(buf, acc, p, t % VB)
-            end()
+            if PERSISTENT:
+                v_free(buf, t % VB)  # P V_j1-1 has landed: the next block's V may take it
+            else:
+                end()
+
+    if PERSISTENT:
+        return fold_from
+
+    @cuda.jit(device=True, inline="always")
+    def stream_kv_pipelined(buf, k, v, bh, n_k, j0, j1, diag0, m_i, l_i, acc, scale_log2,
+                            cnt):
+        """fold_from with the block's first tile at ring position 0: a CTA a query block."""
+        fold_from(buf, k, v, bh, n_k, j0, j1, 0, diag0, m_i, l_i, acc, scale_log2, cnt)
 
     return stream_kv_pipelined

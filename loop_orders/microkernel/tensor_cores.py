@@ -72,6 +72,7 @@ from ..device.intrinsics import (
     mma_bf16,
     mma_f16,
     mma_tf32,
+    narrow,
     pack_bf16x2,
     pack_f16x2,
     shfl_xor,
@@ -79,6 +80,7 @@ from ..device.intrinsics import (
 )
 from ..device.runtime import SIMULATOR, cuda, data_pointer, inlined
 from . import hopper
+from .persistent import persistent_grid, tickets
 from .spec import DATA_REGISTERS, MicroKernel
 from .tiles import (
     make_lse_of,
@@ -113,6 +115,9 @@ class TensorCores(NamedTuple):
     # a causal grid's heads taken this many at a time, heaviest blocks first within each
     # group (`tiles.grouped_block`; 0: first over every head), where the loop nest reads it
     causal_heads: int = 0
+    # with a producer: a CTA an SM, folding query blocks in turn (`persistent`), the producer
+    # copying the next block's Q_i and first K/V tiles under the last block's end
+    persistent: bool = False
 
     @property
     def tf32(self) -> bool:
@@ -160,7 +165,10 @@ class TensorCores(NamedTuple):
         if not self.producer:
             return grid, args
         boxes = hopper.tma_boxes(p.block_q, p.block_k, p.d, p.dv)
-        return grid, (*args, tensor_map.maps_for(zip(args[:3], boxes, strict=True)))
+        maps = tensor_map.maps_for(zip(args[:3], boxes, strict=True))
+        if self.persistent:  # a CTA an SM, drawing the work items from a counter in HBM
+            return persistent_grid(grid), (*args, maps, tickets())
+        return grid, (*args, maps)
 
     def copies_rows(self, *widths: int) -> bool:
         """Whether rows of these widths arrive by cp.async (whole 16-byte copies; the source
@@ -191,7 +199,8 @@ class TensorCores(NamedTuple):
         return ("wgmma." if self.wgmma else "mma.") + kind + (
             "" if self.stages == 1 else f"x{self.stages}") + (
                 ".pipelined" if self.pipelined else "") + (".tma" if self.producer else "") + (
-                    f".heads{self.causal_heads}" if self.causal_heads else "")
+                    ".persistent" if self.persistent else "") + (
+                        f".heads{self.causal_heads}" if self.causal_heads else "")
 
 
 def warp_exchanges_per_tile(spec: TensorCores, block_k: int, d: int, dv: int) -> int:
@@ -273,7 +282,8 @@ def tc_shared_layout(BR: int, BC: int, D: int, DV: int, reload: bool,
     # the pipelined ring's mbarriers (8 bytes each), past all else
     bars = _up(size, 2)
     if spec.pipelined:
-        size = bars + 2 * hopper.RING_BARRIERS
+        size = bars + 2 * (hopper.RING_BARRIERS
+                           + (hopper.QUEUE_BARRIERS if spec.persistent else 0))
     return TcSharedLayout(0, qs, k, ks, v, vs, o, os, stats, size, bars)
 
 
@@ -829,7 +839,8 @@ class TcPipelined(NamedTuple):
     fold_last: object
     ring: object  # the K/V loop's buffers and turns (`hopper.StageRing`)
     # producer(COUNT): the producer's copies into the ring (`hopper.make_tma_producer`),
-    # where SPEC.producer, else None
+    # where SPEC.producer, else None; persistent, producer(COUNT, items, kv_blocks, kv_head)
+    # (`hopper.make_tma_persistent_producer`)
     producer: object
 
 
@@ -850,7 +861,8 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
     base = make_tc_basics(BR, BC, D, DV, SPEC)
     tiles, coords, local_row = base.tiles, base.coords, base.local_row
     wg = hopper.make_wgmma_products(SPEC.dtype, BR, KP, D, DV, sm.q)
-    ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS), SPEC.producer)
+    ring = hopper.make_stage_ring(sm.bars, 32 * -(-BR // WARP_ROWS), SPEC.producer,
+                                  SPEC.persistent)
     take_turn, pass_turn, k_free, v_free = ring.take_turn, ring.pass_turn, ring.k.free, \
         ring.v.free
     scores_ahead, accumulate_ahead = wg.scores_ahead, wg.accumulate_ahead
@@ -920,8 +932,10 @@ def make_tc_pipelined_update(BR: int, BC: int, D: int, DV: int, SPEC: TensorCore
         w, lane = coords()
         accumulate(tiles(), p, acc, lane, uint64(V) + uint64(v_stage) * uint64(V_STAGE))
 
-    producer = partial(hopper.make_tma_producer, BR, BC, D, DV, sm.q, K, V, K_STAGE, V_STAGE,
-                       ring, tiles) if SPEC.producer else None
+    make_producer = hopper.make_tma_persistent_producer if SPEC.persistent else \
+        hopper.make_tma_producer
+    producer = partial(make_producer, BR, BC, D, DV, sm.q, K, V, K_STAGE, V_STAGE, ring,
+                       tiles) if SPEC.producer else None
     return TcPipelined(make_weigh(True), make_weigh(False), fold_last, ring, producer)
 
 
@@ -984,6 +998,37 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
                 buf[uint64(STATS + ROWS) + r] = m[a]
 
     return TcOStage(give_o, take_o, keep_stats)
+
+
+@cache
+def make_tc_o_direct(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores):
+    """put_o(o, bh, row0, n_rows, acc, factor) -> elements written: O_i = acc factor straight
+    from the accumulator fragments to HBM, no stage (a persistent CTA's: the stage would lie
+    under the next block's tiles, which land meanwhile); a thread's two rows, 2 columns of
+    each 8 (the lanes of a row fill 16 bytes of it, the L2 gathers a row's sectors)."""
+    DVT = _up(DV, 16) // 8  # 8-dim n-tiles of O
+    base = make_tc_basics(BR, BC, D, DV, SPEC)
+    coords, local_row = base.coords, base.local_row
+
+    @inlined
+    def put_o(o, bh, row0, n_rows, acc, factor):
+        w, lane = coords()
+        t2 = 2 * (lane & uint32(3))
+        moved = 0
+        for a in range(2):
+            r = int(local_row(w, lane, a))
+            if r < n_rows:
+                for n in range(DVT):
+                    for c in range(2):
+                        x = uint32(8 * n + c) + t2
+                        if x < uint32(DV):
+                            # O_i: written to HBM once, normalised
+                            o[uint64(bh), uint64(row0 + r), uint64(x)] = narrow(
+                                acc[4 * n + 2 * a + c] * factor[a], o)
+                            moved += 1
+        return moved
+
+    return put_o
 
 
 class TcRowStats(NamedTuple):

@@ -461,21 +461,33 @@ def zero_counts(cnt):
 
 
 @cache
-def make_online_start(NACC: int, RM: int, COUNT: bool, clear):
-    """start(buf, acc, m_i, l_i, cnt): a flash forward CTA's first step (q_outer's, split_kv's
-    kernel): the counters zeroed, acc = 0, m_i = -inf, l_i = 0 for the thread's NACC
-    accumulators and RM rows, and the shared buffer cleared (`clear`), then a barrier. Every
-    thread calls it."""
+def make_online_reset(NACC: int, RM: int):
+    """reset(acc, m_i, l_i): a query block's online softmax before its first tile: acc = 0,
+    m_i = -inf, l_i = 0 for the thread's NACC accumulators and RM rows."""
 
     @inlined
-    def start(buf, acc, m_i, l_i, cnt):
-        if COUNT:
-            zero_counts(cnt)
+    def reset(acc, m_i, l_i):
         for y in range(NACC):
             acc[y] = float32(0.0)
         for a in range(RM):
             m_i[a] = float32(-math.inf)
             l_i[a] = float32(0.0)
+
+    return reset
+
+
+@cache
+def make_online_start(NACC: int, RM: int, COUNT: bool, clear):
+    """start(buf, acc, m_i, l_i, cnt): a flash forward CTA's first step (q_outer's, split_kv's
+    kernel): the counters zeroed, the online softmax reset (`make_online_reset`), and the
+    shared buffer cleared (`clear`), then a barrier. Every thread calls it."""
+    reset = make_online_reset(NACC, RM)
+
+    @inlined
+    def start(buf, acc, m_i, l_i, cnt):
+        if COUNT:
+            zero_counts(cnt)
+        reset(acc, m_i, l_i)
         clear(buf)  # padding and rows past N_q stay zero
         cuda.syncthreads()  # the buffer is clear before any tile lands in it
 

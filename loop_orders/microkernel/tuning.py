@@ -9,7 +9,8 @@ tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit ti
 mma.sync where Hopper's wgmma build would run (the A/B baseline), or the wgmma build's K/V
 loop (`MicroKernelSchedule.hopper_build`): "wgmma-sync" without the pipelined update,
 "wgmma-ring" pipelined with every thread copying into the ring, "wgmma-tma" pipelined with a
-producer warpgroup copying by TMA (where the loop nest has that kernel); `causal_heads`,
+producer warpgroup copying by TMA (where the loop nest has that kernel), "wgmma-persistent"
+the same on persistent CTAs (a CTA an SM folding query blocks in turn); `causal_heads`,
 heads a causal q_outer grid on tensor cores takes at a time, its heaviest query blocks first
 within each group (`tiles.grouped_block`; 0: first over every head;
 `MicroKernelSchedule.causal_heads`). The

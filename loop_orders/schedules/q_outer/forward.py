@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from numba import float32, int64
+from numba import float32, int32, int64
 
 from ...core.ledger import Ledger, slot
 from ...core.schedule import Problem, ceil_div, register, rows, sees
@@ -41,7 +41,13 @@ from ...device.runtime import (
 from ...microkernel import hopper, tuning
 from ...microkernel.cuda_cores import MicroKernelSchedule, Unroll, micro_kernel
 from ...microkernel.hopper import buffer_align
-from ...microkernel.stream import make_counted_loads, make_fold_tiles
+from ...microkernel.persistent import make_items
+from ...microkernel.stream import (
+    make_counted_loads,
+    make_fold_tiles,
+    make_stream_kv_pipelined,
+)
+from ...microkernel.tensor_cores import make_tc_o_direct
 from ...microkernel.tiles import (
     block_grid,
     counter_slots,
@@ -49,6 +55,7 @@ from ...microkernel.tiles import (
     make_block_of,
     make_kv_blocks,
     make_kv_head,
+    make_online_reset,
     make_online_start,
 )
 from .warp_specialised import SQUARE_MASKS, Specialised, make_specialised_kernel
@@ -76,6 +83,8 @@ def make_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
     if isinstance(MK, Specialised):  # S warps and P V warps (`warp_specialised`; GROUP 1)
         return make_specialised_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT,
                                        (Q_R, K_R, V_R, O_W, LSE_W))
+    if getattr(MK, "persistent", False):  # ... on a CTA an SM, folding blocks in turn
+        return make_persistent_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP)
     if getattr(MK, "producer", False):  # a producer warpgroup's TMA copies (Hopper)
         return make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP)
     mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
@@ -235,6 +244,84 @@ def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
             flush_counts(cnt, counts)
 
     return q_outer_tma
+
+
+def make_persistent_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
+    """`make_produced_kernel`'s loop nest on persistent CTAs (`TensorCores.persistent`,
+    FlashAttention-3's persistent kernel; `microkernel.persistent`): a CTA an SM, the
+    producer thread handing the computing threads one work item after another with its Q_i
+    (`hopper.make_tma_persistent_producer`), so that the next block's Q_i and first K/V tiles
+    land under this block's last products and O_i. The ring's positions, its mbarriers' phases
+    and the warpgroups' turns run on from block to block; O_i goes from the accumulators
+    straight to HBM (`tensor_cores.make_tc_o_direct`: a stage would lie under tiles landing)."""
+    mk = micro_kernel(BR, BC, D, DV, MK, MASK, False, UNROLL.get(D, Unroll.by(2)), D in PEEL,
+                      transposes_q(D))
+    ALIGN = buffer_align(MK)  # as the micro-kernel's views of the buffer
+    NT, RM, NACC = mk.NT, mk.RM, mk.NACC  # computing threads; a thread's rows, accumulators
+    begin, end, q_landed = mk.ring.begin, mk.ring.end, mk.ring.q.landed
+    kv_blocks = make_kv_blocks(BC, MASK)  # [j0, j1): the K/V blocks query block i sees
+    kv_head = make_kv_head(GROUP)
+    items = make_items(BR, MASK.bounded, getattr(MK, "causal_heads", 0))
+    produce_items = mk.producer(COUNT, items, kv_blocks, kv_head)
+    fewer = set_max_registers(hopper.PRODUCER_REGISTERS, False)
+    more = set_max_registers(hopper.CONSUMER_REGISTERS, True)
+    row_sums, reciprocal, store_lse = mk.row_sums, mk.reciprocal, mk.store_lse
+    put_o = make_tc_o_direct(BR, BC, D, DV, MK)
+    start = make_online_start(NACC, RM, COUNT, mk.clear)
+    reset = make_online_reset(NACC, RM)
+    fold_from = make_stream_kv_pipelined(BC, mk, make_counted_loads(BC, COUNT, mk), True)
+    flush_counts = counts_flusher()
+    NCNT = counter_slots(COUNT)
+
+    @cuda.jit(**kernel_options(NT + hopper.WARPGROUP, hopper.LAUNCH_REGISTERS))
+    def q_outer_tma_persistent(q, k, v, o, lse, counts, maps, tickets, scale_log2):
+        buf = cuda.shared.array(0, SHARED_F32, alignment=ALIGN)  # Q_i, K_j, V_j, ...
+        item = cuda.shared.array(2, int32)  # the work item handed over with its Q_i
+        acc = cuda.local.array(NACC, float32)
+        m_i = cuda.local.array(RM, float32)
+        l_i = cuda.local.array(RM, float32)  # this thread's partial sums of its rows
+        l_row = cuda.local.array(RM, float32)
+        inv_l = cuda.local.array(RM, float32)
+        cnt = cuda.local.array(NCNT, int64)
+        start(buf, acc, m_i, l_i, cnt)  # the buffer cleared, once
+        begin(buf)  # the ring's mbarriers and Q_i's, for the producer and the computing threads
+        if cuda.threadIdx.x >= NT:  # the producer warpgroup: one thread copies
+            fewer()
+            if cuda.threadIdx.x == NT:
+                produce_items(buf, maps, q, k, v, tickets, item, cnt)
+        else:
+            more()
+            n_q, n_k = q.shape[1], k.shape[1]
+            handed = int32(0)  # items the producer handed over
+            t0 = int64(0)  # K/V tiles the CTA folded before this block
+            while True:
+                q_landed(buf, 0, handed)  # Q_i in shared memory, its item beside it
+                i, bh = item[0], item[1]
+                if i < 0:
+                    break
+                row0 = int64(i) * BR
+                n_rows = min(BR, n_q - row0)
+                diag0 = row0 + n_k - n_q  # the first row's diagonal key (bottom-right aligned)
+                j0, j1 = kv_blocks(row0, n_rows, n_q, n_k)
+                reset(acc, m_i, l_i)
+                fold_from(buf, k, v, kv_head(bh), n_k, j0, j1, t0, diag0, m_i, l_i, acc,
+                          scale_log2, cnt)
+                row_sums(buf, l_i, l_row)
+                reciprocal(l_row, inv_l)
+                moved = put_o(o, bh, row0, n_rows, acc, inv_l)
+                if COUNT:
+                    cnt[O_W] += moved
+                if SAVE_LSE:
+                    moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
+                    if COUNT:
+                        cnt[LSE_W] += moved
+                t0 += j1 - j0
+                handed += 1
+            end()  # the last warpgroup passed the turn once more than it took it
+        if COUNT:
+            flush_counts(cnt, counts)
+
+    return q_outer_tma_persistent
 
 
 @register

@@ -71,7 +71,6 @@ import math
 from functools import cache
 from typing import NamedTuple
 
-import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
 from ...core.mask import NO_MASK, mask_of
@@ -88,15 +87,11 @@ from ...device.intrinsics import (
 from ...device.runtime import (
     SHARED_ALIGN,
     SHARED_F32,
-    SIMULATOR,
     cuda,
-    current_stream,
-    device_zeros,
     inlined,
-    is_recording,
     kernel_options,
-    multiprocessor_count,
 )
+from ...microkernel.persistent import make_items, persistent_grid, tickets
 from ...microkernel.spec import Layout
 from ...microkernel.tiles import (
     LN2,
@@ -117,38 +112,6 @@ MAX_SLACK = float32(8.0)  # the micro-kernel's lazy row max (`cuda_cores.MAX_SLA
 S_RM, S_KN = 8, 8  # an S thread's rows and keys
 P_RM, P_XN = 8, 16  # a P V thread's rows and dims of O_i (4 chunks of 4)
 FULL, EMPTY, S_ONLY, PV_ONLY, L_READY = 1, 2, 3, 4, 5  # named barrier ids
-# CTAs on the simulator: fewer than its tests' query blocks, so that CTAs fold several
-SIMULATED_CTAS = 2
-
-
-def persistent_grid(grid: tuple) -> tuple[int]:
-    """The persistent kernel's grid for the work items of `grid` (a CTA per query block and
-    batch x head): a CTA an SM (its buffer takes an SM's shared memory), fewer where items
-    are fewer."""
-    slots = SIMULATED_CTAS if SIMULATOR else multiprocessor_count()
-    return (min(math.prod(grid), slots),)
-
-
-_tickets: dict = {}
-
-
-def tickets():
-    """The work-item counter of persistent launches on the current stream (and device): one
-    int32 in HBM, zero between launches. A launch's CTAs draw from it (the kernel's `publish`)
-    and the last draw sets it back to zero; launches on one stream run in turn, and each
-    stream has its own. While launches are recorded (`runtime.recording_launches`), a host
-    stand-in."""
-    if is_recording():
-        return np.zeros(1, np.int32)  # typed as the counter is; never launched
-    key = (0 if SIMULATOR else cuda.get_current_device().id, current_stream())
-    held = _tickets.get(key)
-    if held is None:
-        held = _tickets[key] = device_zeros(1, np.int32)
-    elif SIMULATOR:
-        held[0] = 0  # a simulated launch can stop part-way (its budget) and the process go on
-    return held
-
-
 class Specialised(NamedTuple):
     """The warp-specialised kernel as a micro-kernel choice (`MicroKernelSchedule.layout`),
     for tiles `fits` takes, with the steps per trip of its two hot loops; `plain()` is the
@@ -845,43 +808,6 @@ def make_block_kernel(BR, BC, D, DV, SP, CAUSAL, COUNT, slots, roles):
 
 
 # --- persistent CTAs -------------------------------------------------------------------
-
-
-class Items(NamedTuple):
-    """A persistent CTA's work items: the first by its index, the next from `tickets`."""
-
-    item_of: object
-    publish: object
-
-
-@cache
-def make_items(BR: int, CAUSAL: bool) -> Items:
-    """Work items as `tiles.block_grid` orders query blocks (its twin: `tiles.make_block_of`)."""
-    @inlined
-    def item_of(w, q):
-        """Query block and batch x head of work item w (int32), or block -1 past the last
-        item: heaviest first when causal (the last query blocks of every head, as
-        `tiles.block_grid`), else each head's blocks in turn."""
-        n_bh, n_blocks = int32(q.shape[0]), int32((q.shape[1] + BR - 1) // BR)
-        if w >= n_bh * n_blocks:
-            return int32(-1), int32(0)
-        if CAUSAL:
-            return int32(n_blocks - 1 - w // n_bh), int32(w % n_bh)
-        return int32(w % n_blocks), int32(w // n_blocks)
-
-    @inlined
-    def publish(drawn, tickets, q, next_item, slot):
-        """The work item of the counter's value `drawn` into next_item[slot], next_item[slot +
-        1] (block -1: none left): item gridDim.x + drawn. A CTA draws (raises the counter by
-        one) once an item it folds, as many draws as items: the last sets the counter back to
-        zero for the stream's next launch."""
-        if drawn == int32(q.shape[0] * ((q.shape[1] + BR - 1) // BR)) - 1:
-            tickets[0] = 0
-        i, bh = item_of(int32(drawn + int32(cuda.gridDim.x)), q)
-        next_item[slot] = i
-        next_item[slot + 1] = bh
-
-    return Items(item_of, publish)
 
 
 class ItemRoles(NamedTuple):
