@@ -312,8 +312,16 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
         wide = lo.make_problem(name, n_q=4096, d=128, block_q=128, block_k=128,
                                dtype="float16")
         producer = name == "q_outer"
-        assert sched.layout(wide) == TensorCores("float16", stages, True, stages == 2, producer)
+        # ... on persistent CTAs up to HOPPER_PERSISTENT's N_q
+        assert sched.layout(wide) == TensorCores("float16", stages, True, stages == 2, producer,
+                                                 persistent=producer)
         assert sched.threads(wide) == 256 + 128 * producer
+        long = lo.make_problem(name, n_q=16384, d=128, block_q=128, block_k=128,
+                               dtype="float16")
+        assert sched.layout(long) == TensorCores("float16", stages, True, stages == 2, producer)
+        with tuning.tuned(products="wgmma-tma"):
+            assert sched.layout(wide) == TensorCores("float16", stages, True, stages == 2,
+                                                     producer)
         with tuning.tuned(products="wgmma-sync"):
             assert sched.layout(p16) == TensorCores("float16", stages, True)
         with tuning.tuned(products="mma"):
@@ -360,8 +368,15 @@ def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(
     assert q_outer.fast_tiles(problem(d=64, n=4096)) == (128, 128)
     assert q_outer.fast_tiles(problem(d=64, n=4096, causal=True)) == (128, 64)
     for d, bq, bk in ((64, 128, 64), (64, 128, 128), (128, 128, 128)):  # measured builds
-        p = lo.make_problem("q_outer", n_q=4096, d=d, block_q=bq, block_k=bk, dtype="float16")
+        p = lo.make_problem("q_outer", n_q=16384, d=d, block_q=bq, block_k=bk,
+                            dtype="float16")
         assert q_outer.hopper_build(p) == q_outer.HOPPER_BUILDS[(bq, bk, d)]
+        # ... on persistent CTAs up to HOPPER_PERSISTENT's N_q
+        short = lo.make_problem("q_outer", n_q=4096, d=d, block_q=bq, block_k=bk,
+                                dtype="float16")
+        persistent = q_outer.HOPPER_PERSISTENT.get((bq, bk, d), 0) >= 4096
+        assert q_outer.hopper_build(short) == ("persistent" if persistent else
+                                               q_outer.HOPPER_BUILDS[(bq, bk, d)])
     assert q_outer.fast_tiles(problem(d=96)) is None  # not measured
     assert q_outer.fast_tiles(problem(dtype="float32")) is None
     assert q_outer.fast_tiles(problem(n=100)) is None  # a query block shorter than 128

@@ -790,6 +790,10 @@ class MicroKernelSchedule(Schedule):
     # (block_q, block_k, d) -> `hopper_build`: Hopper builds this loop nest was measured
     # fastest with (results/bench_hopper.csv); "ring" elsewhere
     HOPPER_BUILDS: ClassVar[dict] = {}
+    # (block_q, block_k, d) -> the largest N_q at which the TMA build runs on persistent CTAs
+    # (`hopper_build` "persistent"): where that was measured faster (results/bench_hopper_
+    # persistent.csv)
+    HOPPER_PERSISTENT: ClassVar[dict] = {}
     # (d, causal) -> ((from N_q, (block_q, block_k)), ...): the Hopper tiles measured fastest
     # for 16-bit inputs, which a call naming no tiles takes (`fast_tiles`)
     HOPPER_TILES: ClassVar[dict] = {}
@@ -836,10 +840,14 @@ class MicroKernelSchedule(Schedule):
         CTA two computing warpgroups) or "persistent" (that kernel on a CTA an SM, folding
         query blocks in turn): a sweep's choice (`tuning` products "wgmma-sync",
         "wgmma-ring", "wgmma-tma", "wgmma-persistent"), else HOPPER_BUILDS' for p's tiles and
-        head dim, else "ring"."""
+        head dim (its "tma" on persistent CTAs up to the N_q HOPPER_PERSISTENT gives), else
+        "ring"."""
         forced = {"wgmma-sync": "sync", "wgmma-ring": "ring", "wgmma-tma": "tma",
                   "wgmma-persistent": "persistent"}.get(tuning.current().products or "")
-        build = forced or self.HOPPER_BUILDS.get((p.block_q, p.block_k, p.d), "ring")
+        tiles = (p.block_q, p.block_k, p.d)
+        build = forced or self.HOPPER_BUILDS.get(tiles, "ring")
+        if not forced and build == "tma" and p.n_q <= self.HOPPER_PERSISTENT.get(tiles, 0):
+            build = "persistent"
         if build in ("tma", "persistent") and not (
                 self.PRODUCED_KERNEL and p.block_q == 2 * hopper.WARPGROUP_ROWS):
             return "ring"

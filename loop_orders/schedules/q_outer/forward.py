@@ -357,6 +357,10 @@ class QOuter(MicroKernelSchedule):
     # elsewhere
     HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 64): "tma", (128, 64, 128): "tma",
                      (128, 128, 128): "tma"}
+    # ... the TMA build on persistent CTAs at d = 128 on 128 x 128 up to N_q = 4096 (faster
+    # there by 1-30 %; at 16384 slower without a mask, even causal: results/bench_hopper_
+    # persistent.csv)
+    HOPPER_PERSISTENT = {(128, 128, 128): 4096}
     # ... and the tiles (the fastest build on them) a call naming none takes, per (d, causal):
     # ((from N_q, tiles), ...), the last that N_q reaches
     HOPPER_TILES = {(64, False): ((0, (128, 64)), (4096, (128, 128))),
