@@ -342,6 +342,7 @@ HOPPER_PROFILE_METRICS = ["Duration", "Registers Per Thread", "Theoretical Occup
 HOPPER_BUILDS_RUN = "bench_hopper_builds.csv"  # the builds swept at several N
 HOPPER_TRAFFIC = "hw_traffic_hopper.csv"  # ncu on the wgmma and TMA kernels
 HOPPER_GRID_RUN = "bench_hopper_grid.csv"  # the causal grid by groups of heads, swept
+HOPPER_PERSISTENT_RUN = "bench_hopper_persistent.csv"  # the TMA build on persistent CTAs
 
 
 def _model_gbs(r: dict) -> float:
@@ -365,6 +366,7 @@ def hopper(results_dir: Path) -> str:
             if (results_dir / name).exists()]
     out = "\n\n".join(runs) if runs else _missing(results_dir / HOPPER_RUNS[0])
     for part in (_hopper_builds(results_dir / HOPPER_BUILDS_RUN),
+                 _hopper_builds(results_dir / HOPPER_PERSISTENT_RUN),
                  _hopper_grid(results_dir / HOPPER_GRID_RUN),
                  _hopper_traffic(results_dir / HOPPER_TRAFFIC)):
         out += "\n\n" + part if part else ""
@@ -387,31 +389,45 @@ def hopper(results_dir: Path) -> str:
 def _hopper_builds(path: Path) -> str | None:
     """q_outer's Hopper builds swept at several N (bench_hopper --sweep-n): ms per tiles and
     build on each build's default grid, the fastest in bold (rows naming a grid of their
-    own: `_hopper_grid`)."""
-    rows = [r for r in _rows(path) or () if r["part"] == "tiles" and r["status"] == "ok"
+    own: `_hopper_grid`); where the run's table has SDPA flash at a point, the fastest
+    build's ratio to it."""
+    all_rows = _rows(path) or ()
+    rows = [r for r in all_rows if r["part"] == "tiles" and r["status"] == "ok"
             and not r.get("causal_heads")]
     if not rows:
         return None
     tiles = sorted({(int(r["block_q"]), int(r["block_k"])) for r in rows})
-    builds = ("ring", "sync", "tma")
-    names = {"ring": "ring", "sync": "waited", "tma": "TMA producer"}
+    names = {"ring": "ring", "sync": "waited", "tma": "TMA producer",
+             "persistent": "TMA, persistent CTAs"}
+    swept = {_build_of(r) for r in rows}
+    builds = [b for b in names if b in swept]
+    flash = {(int(r["n"]), int(r["d"]), r["causal"]): float(r["ms_median"]) for r in all_rows
+             if r["part"] == "table" and r["provider"] == "torch_sdpa_flash"
+             and r["status"] == "ok" and r["dtype"] == "float16"}
     lines = ["| N | d | causal | " + " | ".join(f"{names[b]} {bq}×{bk}" for bq, bk in tiles
-                                               for b in builds) + " |",
-             "|---" * (3 + len(tiles) * len(builds)) + "|"]
+                                               for b in builds) + " |"
+             + (" SDPA flash | fastest / flash |" if flash else ""),
+             "|---" * (3 + len(tiles) * len(builds) + 2 * bool(flash)) + "|"]
     points = sorted({(int(r["n"]), int(r["d"]), r["causal"]) for r in rows})
     for n, d, causal in points:
-        at = {(int(r["block_q"]), int(r["block_k"]), r["provider"].split()[1].split("-")[-1]):
-              float(r["ms_median"]) for r in rows
-              if (int(r["n"]), int(r["d"]), r["causal"]) == (n, d, causal)}
+        at = {(int(r["block_q"]), int(r["block_k"]), _build_of(r)): float(r["ms_median"])
+              for r in rows if (int(r["n"]), int(r["d"]), r["causal"]) == (n, d, causal)}
         best = min(at.values())
         cells = [at.get((*t, b)) for t in tiles for b in builds]
+        theirs = flash.get((n, d, causal))
         lines.append(f"| {n} | {d} | {causal} | " + " | ".join(
             "—" if c is None else (f"**{c:.3f}**" if c == best else f"{c:.3f}")
-            for c in cells) + " |")
+            for c in cells) + " |" + ("" if not flash else " — | — |" if theirs is None
+                                      else f" {theirs:.3f} | {theirs / best:.3f}× |"))
     first = rows[0]
     return (f"q_outer's builds on the {first['device']} at {first['git_sha'][:7]} "
             f"(`results/{path.name}`; float16, B·H·N = {_bhn(first)}, median ms, kernels alone, "
             "each checked against float64 first):\n\n" + "\n".join(lines))
+
+
+def _build_of(row: dict) -> str:
+    """A swept row's build, from its provider ("q_outer wgmma-tma": tma)."""
+    return row["provider"].split()[1].split("-")[-1]
 
 
 def _grid_heads(layout: str) -> int:

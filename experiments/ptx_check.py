@@ -46,7 +46,9 @@ PROBLEMS = [  # (n, d, dv, block_q, block_k, causal, dtype)
     (1000, 64, 64, 64, 64, True, "float16"),
     (4096, 64, 64, 128, 64, False, "float16"),
     (4096, 128, 128, 128, 64, True, "float16"),
-    (4096, 128, 128, 128, 128, False, "float16"),  # q_outer on Hopper: the TMA producer
+    (4096, 128, 128, 128, 128, False, "float16"),  # q_outer on Hopper: the TMA producer on
+    (1024, 128, 128, 128, 128, True, "float16"),  # persistent CTAs (causal: 8 heads a group),
+    (16384, 128, 128, 128, 128, False, "float16"),  # ... on a CTA a block (HOPPER_PERSISTENT)
     (77, 40, 24, 48, 40, True, "float32"),
     (4096, 64, 64, 128, 64, False, "bfloat16"),
     (77, 40, 24, 48, 40, True, "bfloat16"),
