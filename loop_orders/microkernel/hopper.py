@@ -42,6 +42,16 @@ threads take consecutive chunks of a row, so a warp reads whole 128-byte lines o
 the chunks of a row swizzled apart, writes all 32 banks at once. A pattern repeats every 8
 rows from multiples of 1024 bytes (`ALIGN`): the buffer and every tile start at one.
 
+With a producer warpgroup (`make_tma_producer`) one thread fills the ring by TMA while the
+two computing warpgroups only wait for fills and release buffers; on persistent CTAs
+(`make_tma_persistent_producer`, `microkernel.persistent`) it goes on from one query block
+into the next, handing the computing warpgroups each block with its Q_i:
+
+    producer:   for each work item: K_j0 into the ring; Q_i's buffer free?  item, Q_i
+                copied; K_j, V_j for the rest of the block (ring positions running on)
+    computing:  Q_i landed?  read the item; fold its tiles; release Q_i's buffer after the
+                last S_ij; O_i from the accumulators to HBM
+
 Whole 16s of head dims, rows in 64s and keys in 16s (`supports`): other tiles run on mma.sync.
 """
 

@@ -15,7 +15,10 @@ is copied while S_ij is computed and K_j+1 while P_ij V_j is (`stream_kv_stagger
 while Q_i loads), by cp.async where rows are whole 16-byte copies. Float32 at d = 128 on
 128 x 64 tiles, causal or not, runs a kernel of its own, the same loop nest with its warps
 specialised (`warp_specialised`: S warps and P V warps). Causal query blocks start heaviest
-first, over every (batch, head).
+first, over every (batch, head). On Hopper, 16-bit, K/V may come from a producer warpgroup's
+TMA copies (`make_produced_kernel`), and that kernel may run on persistent CTAs, one an SM
+folding query blocks in turn (`make_persistent_produced_kernel`): the "in parallel" below is
+then the SMs', each taking the next (b, h, i) from a counter as it finishes one.
 
 Traffic (elements, per batch x head): Q is read once (N_q d) and O written once (N_q dv).
 Each query block reads the K/V rows it visits: sum_i min(c_i Bc, N_k) (d + dv), which is
