@@ -282,6 +282,29 @@ def test_a_causal_grid_by_groups_of_heads_is_each_blocks_once_heaviest_first(rng
     assert res.counts == sched.model(res.problem)
 
 
+@pytest.mark.parametrize("heads, kv_heads, causal_heads", [(3, 3, 2), (4, 2, None)])
+def test_hopper_persistent_ctas_fold_empty_blocks_head_groups_and_shared_kv(
+        heads, kv_heads, causal_heads, rng):
+    """The TMA build on persistent CTAs (the simulator's 2 CTAs) over 3 query blocks a head,
+    the first seeing no key (N_q = 300, N_k = 100, causal): 3 heads taken 2 at a time (a group
+    of one last), and 4 query heads on 2 K/V heads; right, counted == model."""
+    torch = pytest.importorskip("torch")
+    q = torch.from_numpy(rng.standard_normal((1, heads, 300, 32)).astype(np.float32)).half()
+    k, v = (torch.from_numpy(rng.standard_normal((1, kv_heads, 100, 32)).astype(np.float32))
+            .half() for _ in range(2))
+    sched = lo.get_schedule("q_outer")
+    with tuning.tuned(products="wgmma-persistent", causal_heads=causal_heads):
+        res = lo.attention(q, k, v, block_q=128, block_k=32, causal=True, count=True)
+        assert ".persistent" in str(sched.layout(res.problem))
+    group = heads // kv_heads
+    ref, _ = lo.attention_reference(q.float().numpy(),
+                                    *(x.float().numpy().repeat(group, axis=1) for x in (k, v)),
+                                    causal=True)
+    assert relative_error(res.out.float().numpy(), ref) <= tolerance(
+        "float16", sched.output_roundings(res.problem), v.float().numpy(), ref)
+    assert res.counts == sched.model(res.problem)
+
+
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_hopper_build(case, rng):
     name, n_q, n_k, d, dv, bq, bk, causal, dtype, products = case

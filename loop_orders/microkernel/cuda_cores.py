@@ -791,8 +791,8 @@ class MicroKernelSchedule(Schedule):
     # fastest with (results/bench_hopper.csv); "ring" elsewhere
     HOPPER_BUILDS: ClassVar[dict] = {}
     # (block_q, block_k, d) -> the largest N_q at which the TMA build runs on persistent CTAs
-    # (`hopper_build` "persistent"): where that was measured faster (results/bench_hopper_
-    # persistent.csv)
+    # (`hopper_build` "persistent"), where that was measured faster:
+    # results/bench_hopper_persistent.csv
     HOPPER_PERSISTENT: ClassVar[dict] = {}
     # (d, causal) -> ((from N_q, (block_q, block_k)), ...): the Hopper tiles measured fastest
     # for 16-bit inputs, which a call naming no tiles takes (`fast_tiles`)

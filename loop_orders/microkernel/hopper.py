@@ -275,7 +275,9 @@ class StageRing(NamedTuple):
     """The pipelined K/V loop's buffers and turns (`make_stage_ring`); a warpgroup's calls
     come in the loop's order."""
 
-    begin: object  # begin(buf): barriers set up; the kernel's copies (K_j0, Q_i) K buffer 0's
+    # begin(buf): barriers set up; the kernel's copies (K_j0, Q_i) K buffer 0's first fill
+    # (PERSISTENT: Q_i's own)
+    begin: object
     k: object  # the K buffers' `BufferBarriers`
     v: object  # the V buffers'
     take_turn: object  # take_turn(): this warpgroup's turn at the tensor cores
@@ -567,9 +569,11 @@ def make_tma_persistent_producer(BR: int, BC: int, D: int, DV: int, Q: int, K: i
                 q_bars.freed(buf, 0, handed - 1)
             item[0] = i
             item[1] = bh
-            if i < 0:  # none left: the item handed over without a copy
+            if i < 0:
+                # none left: the item handed over on Q_i's landed mbarrier, no copy behind it
                 mbarrier_arrive(buf, q_bars.landing(0))
                 break
+            # the item handed over once Q_i's bytes land (the arrival releases its stores)
             q_bars.expect(buf, 0, Q_BYTES)
             fill_q(buf, tile, maps, q, bh, row0, min(BR, n_q - row0), q_bars.landing(0), cnt)
             for j in range(j0, j1):

@@ -149,6 +149,8 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads, PERSISTENT: bool = Fal
     q_free, v_free = (mk.ring.q.free, mk.ring.v.free) if PERSISTENT else (None, None)
     load_K_j_counted, load_V_j_counted = loads.k, loads.v
     COPIES = mk.producer is None  # else a producer warpgroup fills the ring and began it
+    if PERSISTENT and COPIES:
+        raise ValueError("persistent CTAs fold a ring a producer fills (mk.producer)")
 
     @cuda.jit(device=True, inline="always")
     def fold_from(buf, k, v, bh, n_k, j0, j1, t0, diag0, m_i, l_i, acc, scale_log2, cnt):
@@ -158,7 +160,8 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads, PERSISTENT: bool = Fal
         its mbarriers (`hopper.make_stage_ring`): no CTA-wide barrier, the warpgroups take
         turns at the tensor cores. K_j+1 and V_j are copied under tile j's arithmetic; K_j0
         (with Q_i) comes from the kernel. With a producer (mk.producer) the copies are its,
-        and the kernel began the ring."""
+        and the kernel began the ring; PERSISTENT, Q_i came through its own buffer's
+        mbarriers, which the kernel waited for."""
         p = cuda.local.array(NS, float32)  # P_i,j-1: the weights the next update multiplies
         if COPIES and j0 < j1:
             begin(buf)
@@ -175,7 +178,8 @@ def make_stream_kv_pipelined(BC, mk, loads: CountedLoads, PERSISTENT: bool = Fal
                     v_freed(buf, t % VB, (t - VB) // VB)
                 load_V_j_counted(buf, v, bh, key0, n_k, t % VB, cnt)
                 v_copied(buf, t % VB)
-            k_landed(buf, t % KB, t // KB)  # K_j (and with K_j0, Q_i) in shared memory
+            # K_j (and with K_j0, Q_i, unless PERSISTENT) in shared memory
+            k_landed(buf, t % KB, t // KB)
             if t == t0:  # nothing to multiply behind S_ij yet
                 weigh_first(buf, min(BC, n_k - key0), key0, diag0, m_i, l_i, acc, p,
                             scale_log2, t % KB if PERSISTENT else 0, 0)

@@ -1002,7 +1002,7 @@ def make_tc_o_stage(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores,
 
 @cache
 def make_tc_o_direct(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores):
-    """put_o(o, bh, row0, n_rows, acc, factor) -> elements written: O_i = acc factor straight
+    """put_o(buf, o, bh, row0, n_rows, acc, factor) -> elements written: O_i = acc factor straight
     from the accumulator fragments to HBM, no stage (a persistent CTA's: the stage would lie
     under the next block's tiles, which land meanwhile); a thread's two rows, 2 columns of
     each 8 (the lanes of a row fill 16 bytes of it, the L2 gathers a row's sectors)."""
@@ -1011,7 +1011,7 @@ def make_tc_o_direct(BR: int, BC: int, D: int, DV: int, SPEC: TensorCores):
     coords, local_row = base.coords, base.local_row
 
     @inlined
-    def put_o(o, bh, row0, n_rows, acc, factor):
+    def put_o(buf, o, bh, row0, n_rows, acc, factor):
         w, lane = coords()
         t2 = 2 * (lane & uint32(3))
         moved = 0

@@ -158,22 +158,20 @@ def cta_sync():
     cuda.syncthreads()
 
 
-def make_write_block(mk, SAVE_LSE: bool, COUNT: bool, sync):
+def make_write_block(mk, SAVE_LSE: bool, COUNT: bool, sync, write_o=None):
     """write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt): a query
-    block's end: l_i summed over the lanes, O_i = acc / l_i through its stage to HBM, and
-    lse_i, each counted; `sync()` the barrier of the threads holding the block's rows."""
-    row_sums, reciprocal, give_o = mk.row_sums, mk.reciprocal, mk.give_o
-    store_O_i, store_lse = mk.store_o, mk.store_lse
+    block's end: l_i summed over the lanes, O_i = acc / l_i to HBM, and lse_i, each counted.
+    O_i goes through its stage (`sync()` the barrier of the threads holding the block's
+    rows), or by write_o(buf, o, bh, row0, n_rows, acc, inv_l) -> elements written where
+    given (a persistent CTA's, `tensor_cores.make_tc_o_direct`)."""
+    row_sums, reciprocal, store_lse = mk.row_sums, mk.reciprocal, mk.store_lse
+    write_O_i = write_o or make_staged_o(mk, sync)
 
     @inlined
     def write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt):
         row_sums(buf, l_i, l_row)
         reciprocal(l_row, inv_l)
-        sync()  # every thread is done with the tiles: O_i may take their place
-        give_o(buf, acc, inv_l)  # normalised, into its stage
-        sync()  # O_i is complete in shared memory
-        # O_i: written to HBM once, normalised
-        moved = store_O_i(buf, o, bh, row0, n_rows)
+        moved = write_O_i(buf, o, bh, row0, n_rows, acc, inv_l)
         if COUNT:
             cnt[O_W] += moved
         if SAVE_LSE:
@@ -182,6 +180,23 @@ def make_write_block(mk, SAVE_LSE: bool, COUNT: bool, sync):
                 cnt[LSE_W] += moved
 
     return write_block
+
+
+def make_staged_o(mk, sync):
+    """write_o(buf, o, bh, row0, n_rows, acc, inv_l) -> elements written: O_i = acc inv_l
+    through its stage in shared memory (where the tiles were) to HBM; `sync()` the barrier of
+    the threads holding the block's rows."""
+    give_o, store_O_i = mk.give_o, mk.store_o
+
+    @inlined
+    def write_o(buf, o, bh, row0, n_rows, acc, inv_l):
+        sync()  # every thread is done with the tiles: O_i may take their place
+        give_o(buf, acc, inv_l)  # normalised, into its stage
+        sync()  # O_i is complete in shared memory
+        # O_i: written to HBM once, normalised
+        return store_O_i(buf, o, bh, row0, n_rows)
+
+    return write_o
 
 
 def make_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GROUP):
@@ -268,8 +283,8 @@ def make_persistent_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GR
     produce_items = mk.producer(COUNT, items, kv_blocks, kv_head)
     fewer = set_max_registers(hopper.PRODUCER_REGISTERS, False)
     more = set_max_registers(hopper.CONSUMER_REGISTERS, True)
-    row_sums, reciprocal, store_lse = mk.row_sums, mk.reciprocal, mk.store_lse
-    put_o = make_tc_o_direct(BR, BC, D, DV, MK)
+    put_o = make_tc_o_direct(BR, BC, D, DV, MK)  # no stage: O_i from the accumulators
+    write_block = make_write_block(mk, SAVE_LSE, COUNT, None, put_o)
     start = make_online_start(NACC, RM, COUNT, mk.clear)
     reset = make_online_reset(NACC, RM)
     fold_from = make_stream_kv_pipelined(BC, mk, make_counted_loads(BC, COUNT, mk), True)
@@ -309,15 +324,7 @@ def make_persistent_produced_kernel(BR, BC, D, DV, MK, MASK, SAVE_LSE, COUNT, GR
                 reset(acc, m_i, l_i)
                 fold_from(buf, k, v, kv_head(bh), n_k, j0, j1, t0, diag0, m_i, l_i, acc,
                           scale_log2, cnt)
-                row_sums(buf, l_i, l_row)
-                reciprocal(l_row, inv_l)
-                moved = put_o(o, bh, row0, n_rows, acc, inv_l)
-                if COUNT:
-                    cnt[O_W] += moved
-                if SAVE_LSE:
-                    moved = store_lse(lse, bh, row0, n_rows, m_i, l_row)
-                    if COUNT:
-                        cnt[LSE_W] += moved
+                write_block(buf, o, lse, bh, row0, n_rows, m_i, l_i, l_row, inv_l, acc, cnt)
                 t0 += j1 - j0
                 handed += 1
             end()  # the last warpgroup passed the turn once more than it took it
@@ -360,9 +367,8 @@ class QOuter(MicroKernelSchedule):
     # elsewhere
     HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 64): "tma", (128, 64, 128): "tma",
                      (128, 128, 128): "tma"}
-    # ... the TMA build on persistent CTAs at d = 128 on 128 x 128 up to N_q = 4096 (faster
-    # there by 1-30 %; at 16384 slower without a mask, even causal: results/bench_hopper_
-    # persistent.csv)
+    # ... the TMA build on persistent CTAs at d = 128 on 128 x 128 up to N_q = 4096, where it
+    # was measured faster (at 16384 not: results/bench_hopper_persistent.csv)
     HOPPER_PERSISTENT = {(128, 128, 128): 4096}
     # ... and the tiles (the fastest build on them) a call naming none takes, per (d, causal):
     # ((from N_q, tiles), ...), the last that N_q reaches
