@@ -6,7 +6,8 @@ SDPA cuDNN, in one process on one GPU (issue 53's table).
 First the wgmma build's tiles and variants at N = 4096 (or each N of --sweep-n), float16 (TILES
 x VARIANTS, per head dim, causal or not: the pipelined update, where P V_j-1 runs under S_ij's
 softmax and K/V come through a ring every thread copies into; the same with a producer
-warpgroup filling the ring by TMA; and the update that waits for each product); then, at each
+warpgroup filling the ring by TMA, on a CTA a block and on persistent CTAs; and the update
+that waits for each product); then, at each
 point of the table (N x d x causal x dtype, B H N fixed as bench_runtime's), q_outer on wgmma
 with the tiles and variant fastest for that head dim and mask at the largest swept N <= N,
 q_outer's public call naming no tiles (`lo.attention` on torch tensors: the tiles and build a
