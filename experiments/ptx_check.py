@@ -33,6 +33,7 @@ from numba.cuda import dispatcher
 dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
 
 import loop_orders as lo  # noqa: E402
+from experiments.bench_runtime import layout_in_effect  # noqa: E402
 from experiments.gpu_common import input_kind, runs  # noqa: E402
 from loop_orders.core.schedule import grad_variants  # noqa: E402
 from loop_orders.device import runtime  # noqa: E402
@@ -134,18 +135,6 @@ def check(kernel, args, dump: Path | None = None) -> dict:
             "ld_shared_v4": ptx.count("ld.shared.v4"), **ptxas(ptx)}
 
 
-def build(sched, p) -> str:
-    """The forward micro-kernel build p runs (mma.f16x2, wgmma.f16x2.pipelined, a CUDA-core
-    thread tile RM,KN), a schedule's own kernels' tensor-core operands (dense's matmuls:
-    mma.f16, wgmma.f16), or "" for CUDA-core kernels of its own."""
-    if not getattr(sched, "uses_micro_kernel", False):
-        lay = sched.layout(p) if sched.TENSOR_CORES else None
-        return "" if lay is None else str(lay)
-    lay = sched.layout(p)
-    return str(lay) if hasattr(lay, "dtype") else f"{lay.rm},{lay.kn}" \
-        if hasattr(lay, "rm") else type(lay).__name__
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -180,7 +169,7 @@ def main(argv=None) -> int:
                     row = {"schedule": name, "kernel": kernel.py_func.__name__, "n": n,
                            "d": d, "dv": dv, "causal": causal, "dtype": dtype,
                            "count": count, "shared_bytes": launch[-1],
-                           **({"tiles": f"{bq}x{bk}", "build": build(sched, p)}
+                           **({"tiles": f"{bq}x{bk}", "build": layout_in_effect(sched, p)}
                               if index < forward else
                               {"tiles": "x".join(map(str, GRAD_TILES[d])), "build": ""})}
                     dump = None
