@@ -447,11 +447,13 @@ def make_ring_fills(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K
     t % V_BUFFERS, each once every computing thread has released the buffer's previous fill;
     maps MAP_Q, MAP_K, MAP_V of `maps`."""
     boxes = tma_boxes(BR, BC, D, DV)
-    (QR, _), (KR, _), (VR, _) = boxes
-    copy_q, copy_k = make_tma_tile(*boxes.q, D, MAP_Q), make_tma_tile(*boxes.k, D, MAP_K)
-    copy_v = make_tma_tile(*boxes.v, DV, MAP_V)
-    Q_BYTES, K_BYTES, V_BYTES = 2 * QR * D, 2 * KR * D, 2 * VR * DV
-    k_bars, v_bars = ring.k, ring.v
+    (QR, _), (KR, _), _ = boxes
+    copy_q = make_tma_tile(*boxes.q, D, MAP_Q)
+    Q_BYTES, K_BYTES = 2 * QR * D, 2 * KR * D
+    take_k, fill_k = make_kv_fill(BC, D, boxes.k, MAP_K, K_BUFFERS, ring.k, K, K_STAGE, K_R,
+                                  COUNT)
+    take_v, fill_v = make_kv_fill(BC, DV, boxes.v, MAP_V, V_BUFFERS, ring.v, V, V_STAGE, V_R,
+                                  COUNT)
 
     @inlined
     def fill_q(buf, tile, maps, q, bh, row0, n_rows, landing, cnt):
@@ -460,35 +462,35 @@ def make_ring_fills(BR: int, BC: int, D: int, DV: int, Q: int, K: int, V: int, K
         if COUNT:
             cnt[Q_R] += n_rows * D
 
-    @inlined
-    def take_k(buf, t):
-        if t >= K_BUFFERS:  # K_j where K_j-KB was, once every thread is done with it
-            k_bars.freed(buf, t % K_BUFFERS, (t - K_BUFFERS) // K_BUFFERS)
-        k_bars.expect(buf, t % K_BUFFERS, K_BYTES)
-
-    @inlined
-    def fill_k(buf, tile, maps, k, kv, key0, n_k, t, cnt):
-        # K_j: reloaded from HBM by every query block
-        copy_k(tile, K + (t % K_BUFFERS) * K_STAGE, buf, k_bars.landing(t % K_BUFFERS), maps,
-               k, key0, kv)
-        if COUNT:
-            cnt[K_R] += min(BC, n_k - key0) * D
-
-    @inlined
-    def take_v(buf, t):
-        if t >= V_BUFFERS:  # V_j where V_j-VB was, likewise
-            v_bars.freed(buf, t % V_BUFFERS, (t - V_BUFFERS) // V_BUFFERS)
-        v_bars.expect(buf, t % V_BUFFERS, V_BYTES)
-
-    @inlined
-    def fill_v(buf, tile, maps, v, kv, key0, n_k, t, cnt):
-        # V_j: reloaded from HBM by every query block
-        copy_v(tile, V + (t % V_BUFFERS) * V_STAGE, buf, v_bars.landing(t % V_BUFFERS), maps,
-               v, key0, kv)
-        if COUNT:
-            cnt[V_R] += min(BC, n_k - key0) * DV
-
     return RingFills(fill_q, take_k, fill_k, take_v, fill_v, Q_BYTES, K_BYTES)
+
+
+@cache
+def make_kv_fill(BC: int, COLS: int, BOX: tuple, MAP: int, BUFFERS: int, bars: BufferBarriers,
+                 AT: int, STAGE: int, SLOT: int, COUNT: bool) -> tuple:
+    """(take, fill) for K_j or V_j (COLS columns, boxes BOX of map MAP) in a ring of BUFFERS
+    buffers from element AT of the tiles' view, STAGE apart, with mbarriers `bars`:
+    take(buf, t) waits until every computing thread has released the buffer of ring position
+    t's previous fill and expects a box's bytes there; fill(buf, tile, maps, src, kv, key0,
+    n_k, t, cnt) copies the tile into it, counted at counter slot SLOT (COUNT)."""
+    copy = make_tma_tile(*BOX, COLS, MAP)
+    BYTES = 2 * BOX[0] * COLS
+
+    @inlined
+    def take(buf, t):
+        if t >= BUFFERS:  # the tile where the one BUFFERS back was, once every thread is done
+            bars.freed(buf, t % BUFFERS, (t - BUFFERS) // BUFFERS)
+        bars.expect(buf, t % BUFFERS, BYTES)
+
+    @inlined
+    def fill(buf, tile, maps, src, kv, key0, n_k, t, cnt):
+        # K_j or V_j: reloaded from HBM by every query block
+        copy(tile, AT + (t % BUFFERS) * STAGE, buf, bars.landing(t % BUFFERS), maps, src,
+             key0, kv)
+        if COUNT:
+            cnt[SLOT] += min(BC, n_k - key0) * COLS
+
+    return take, fill
 
 
 @inlined
