@@ -496,7 +496,7 @@ def call_key(schedule, inputs: tuple, args: tuple, options) -> tuple | None:
         frozen = None if options is None else tuple(sorted(
             (name, _hashable(value)) for name, value in options.items()))
         key = (schedule, *[(type(a), a) for a in args], frozen,  # `_hashable`, inline
-               *[arrays.kind_of(x).signature(x) for x in inputs])
+               *[arrays.signature(x) for x in inputs])
         hash(key)
     except (TypeError, AttributeError):
         return None

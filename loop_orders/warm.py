@@ -171,39 +171,36 @@ def compile_ahead(job: Job) -> int:
     another as its passes reach them: when two or more of the job's kernel builds are
     neither on disk nor built in this process, each but the first is compiled in a fresh
     Python process (`python -c`, so a script without a `__main__` guard is safe; it compiles
-    to PTX with no CUDA context, `_compile_build`) while this process compiles the first;
-    it loads and links each worker's build as the worker is done, and returns when all
-    are. Returns the builds compiled. Nothing on the simulator, with the cache off, or
-    with LOOP_ORDERS_COMPILE_AHEAD=0; a worker's build that failed is compiled here, and
-    raises here if it fails again."""
+    to PTX with no CUDA context, `_compile_build`) while this process compiles the first,
+    and returns then: the call's first pass runs while the workers still compile, and the
+    first launch of a worker's build waits for its worker and loads the build from the disk
+    cache (`runtime.compiling_elsewhere`). Returns the builds compiled here or handed to a
+    worker. Nothing on the simulator, with the cache off, or with
+    LOOP_ORDERS_COMPILE_AHEAD=0; a worker's build that failed is compiled at its launch,
+    and raises there if it fails again."""
     if (runtime.SIMULATOR or kernel_cache.cache_dir() is None
             or os.environ.get("LOOP_ORDERS_COMPILE_AHEAD", "1") == "0"):
         return 0
     launches = job_launches(job)
     missing = {}  # build -> its first launch (a kernel may launch twice with the same types)
     for i, (kernel, _, _, _, args) in enumerate(launches):
-        if not runtime.is_built(kernel, args) and not runtime.is_cached(kernel, args):
+        if not (runtime.is_built(kernel, args) or runtime.is_cached(kernel, args)
+                or runtime.is_compiling_elsewhere(kernel, args)):
             missing.setdefault(runtime.build_key(kernel, args), i)
     if len(missing) < 2:
         return 0  # one build: compiling it here, at its launch, is as fast
     (_, first), *rest = missing.items()  # (build key, its launch index)
-    rest = [((kernel, sig), i) for (kernel, sig), i in rest if runtime.factory_key(kernel)]
-    builds = _for_workers([(runtime.factory_key(kernel), sig) for (kernel, sig), _ in rest])
-    handed = [i for _, i in rest]
-    workers = [subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+    rest = [(kernel, sig) for (kernel, sig), _ in rest if runtime.factory_key(kernel)]
+    builds = _for_workers([(runtime.factory_key(kernel), sig) for kernel, sig in rest])
+    for (kernel, sig), build in zip(rest, builds, strict=True):
+        proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for _ in builds]
-    for proc, build in zip(workers, builds, strict=True):
         proc.stdin.write(pickle.dumps(build))
         proc.stdin.close()
-    done = 0
-    for proc, i in [(None, first), *zip(workers, handed, strict=True)]:
-        done += proc is None or proc.wait() == 0
-        # this process's build, then each worker's loaded and linked as it is done, while
-        # later ones still compile (a worker's failure: compiled here, raising here)
-        kernel, _, _, shared, args = launches[i]
-        runtime._compile(kernel, args, shared)
-    return done
+        runtime.compiling_elsewhere(kernel, sig, proc.wait)
+    kernel, _, _, shared, args = launches[first]
+    runtime._compile(kernel, args, shared)  # this process's build, as the workers compile
+    return 1 + len(builds)
 
 
 _WORKER = "import loop_orders.warm as w; w._compile_one()"

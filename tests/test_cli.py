@@ -142,9 +142,11 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
     """A new shape's kernels not yet built: the first compiles here, each other in a worker
     process of its own (the payload names the build by its factory and argument types, with
     the device's compute capability and the cache's environment: the worker has no CUDA
-    context), all before the call goes on; one missing build, or LOOP_ORDERS_COMPILE_AHEAD=0,
+    context); the call goes on once the first is built, and the first launch of a worker's
+    build waits for that worker (once) before it loads the build; a build being compiled
+    elsewhere is not handed out again; one missing build, or LOOP_ORDERS_COMPILE_AHEAD=0,
     starts no process. The processes and the compiler are stood in for (no GPU here): what
-    is checked is who compiles what."""
+    is checked is who compiles what, and when a launch waits."""
     import io
     import pickle
 
@@ -153,7 +155,7 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
 
     (job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
     launches = warm.recorded_launches(lo.get_schedule("q_outer"), job.problem, False, True)
-    here, payloads = [], []
+    here, payloads, waited, workers = [], [], [], []
 
     class Worker:
         def __init__(self, argv, **_):
@@ -162,28 +164,43 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
             self.stdin.close = lambda: payloads.append(pickle.loads(self.stdin.getvalue()))
 
         def wait(self):
+            waited.append(payloads[workers.index(self)][0])
             return 0
+
+    def new_worker(*args, **kwargs):
+        workers.append(Worker(*args, **kwargs))
+        return workers[-1]
 
     monkeypatch.setattr(runtime, "SIMULATOR", False)
     monkeypatch.setattr(runtime, "compute_capability", lambda: (9, 0))
     monkeypatch.setattr(kernel_cache, "environment", lambda: ("env",))
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: False)
+    monkeypatch.setattr(runtime, "_COMPILING", {})
     monkeypatch.setattr(runtime, "_compile", lambda kernel, args, shared: here.append(kernel))
-    monkeypatch.setattr(warm.subprocess, "Popen", Worker)
+    monkeypatch.setattr(warm.subprocess, "Popen", new_worker)
     builds = list(dict.fromkeys(runtime.build_key(kernel, args)
                                 for kernel, _, _, _, args in launches))
     assert warm.compile_ahead(job) == len(builds) > 2
-    # here: its own build, then each worker's as it is done (loaded and linked, on a GPU)
-    assert here == [kernel for kernel, _ in builds]
+    # here: its own build; the workers' are awaited by their launches, not yet
+    assert here == [builds[0][0]] and waited == []
     assert payloads == [(runtime.factory_key(kernel), sig, (9, 0), ("env",))
                         for kernel, sig in builds[1:]]
+    assert warm.compile_ahead(job) == 0  # being compiled: not handed out again
+    # a worker's build at its launch: its worker awaited once, then loaded from the cache
+    kernel, sig = builds[1]
+    loaded = object()
+    monkeypatch.setattr(kernel_cache, "load", lambda factory_key, sig: loaded)
+    monkeypatch.setattr(runtime, "_BUILT", {})
+    assert waited == []
+    assert runtime._built(kernel, sig) is loaded and waited == [runtime.factory_key(kernel)]
+    assert runtime._built(kernel, sig) is loaded and waited == [runtime.factory_key(kernel)]
 
     monkeypatch.setenv("LOOP_ORDERS_COMPILE_AHEAD", "0")
     assert warm.compile_ahead(job) == 0
     monkeypatch.delenv("LOOP_ORDERS_COMPILE_AHEAD")
     monkeypatch.setattr(runtime, "is_cached", lambda kernel, args: kernel is not launches[1][0])
-    assert warm.compile_ahead(job) == 0 and len(here) == len(builds)
+    assert warm.compile_ahead(job) == 0 and len(here) == 1
 
 
 def test_a_compile_worker_links_its_cubin_only_where_no_gpu_is_needed(monkeypatch):

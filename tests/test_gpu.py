@@ -474,8 +474,9 @@ def test_a_buffer_of_exactly_48_kb_launches_counted(count, rng):
 @gpu
 def test_compile_ahead_fills_an_empty_cache_with_a_calls_kernels(tmp_path):
     """In a fresh process with an empty kernel cache, a new float16 forward + backward call's
-    builds compile at once (`warm.compile_ahead`, worker processes beside this one's), all of
-    them land on disk, and the call that follows gives the right gradients."""
+    builds compile at once (`warm.compile_ahead`, worker processes beside this one's), the
+    call that follows gives the right gradients (its launches wait for the workers' builds),
+    and all of them land on disk."""
     import json
     import os
     import subprocess
@@ -492,7 +493,7 @@ q, k, v, do = (rng.standard_normal((1, 2, 300, 64)).astype(np.float16) for _ in 
 g = lo.attention_grad(q, k, v, do, causal=True)
 refs = attention_grad_reference(*(x.astype(np.float64) for x in (q, k, v, do)), causal=True)
 errors = [relative_error(x, r) for x, r in zip((g.dq, g.dk, g.dv), refs)]
-print(json.dumps({"built": built, "cached": warm._all_cached(job), "errors": errors}))
+print(json.dumps({"built": built, "errors": errors, "cached": warm._all_cached(job)}))
 """
     env = {**os.environ, "LOOP_ORDERS_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

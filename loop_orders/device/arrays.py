@@ -187,14 +187,20 @@ class TorchCudaKind(Kind):
         return out, self.as_kernel(out, shape)
 
     def stream(self, x) -> int:
-        import torch
+        return _current_stream()(x.get_device())
 
-        # the current stream's raw handle, as Triton's launcher asks for it: the public
-        # torch.cuda.current_stream() builds a Stream object first (microseconds a call)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return raw(x.get_device())
-        return torch.cuda.current_stream(x.device).cuda_stream
+
+@functools.cache
+def _current_stream():
+    """device index -> its current stream's raw handle, as Triton's launcher asks for it: the
+    public torch.cuda.current_stream() builds a Stream object first (microseconds a call),
+    and so would an import and a lookup in `stream` on every call."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
 
 
 class _ViewedKind(Kind):
@@ -275,6 +281,27 @@ def kind_of(x) -> Kind:
         return KINDS["cuda-array-interface"]
     raise TypeError(f"expected an array (NumPy, torch, CuPy, Numba device array or any "
                     f"__cuda_array_interface__ object), got {type(x).__name__}")
+
+
+def signature(x) -> tuple:
+    """`kind_of(x).signature(x)` (a call's key: `api.call_key`), its kind's reader found once
+    per array type: host time per call."""
+    read = _SIGNATURE_OF.get(type(x))
+    if read is None:
+        read = _SIGNATURE_OF[type(x)] = _signature_reader(x)
+    return read(x)
+
+
+_SIGNATURE_OF: dict = {}  # array type -> how to read a signature off it
+
+
+def _signature_reader(x):
+    if type(x).__module__.startswith("torch"):  # CUDA or not: each tensor says
+        cuda, host = KINDS["torch"].signature, KINDS["torch-cpu"].signature
+        return lambda t: cuda(t) if t.is_cuda else host(t)
+    if isinstance(x, np.ndarray) or type(x).__module__.startswith("cupy"):
+        return kind_of(x).signature  # one kind for the type
+    return lambda a: kind_of(a).signature(a)
 
 
 def resident(a):

@@ -252,18 +252,7 @@ def _compile(kernel, args, shared_bytes: int):
     the compiled function as Numba's own `set_shared_memory_carveout` sets its attribute."""
     from numba.cuda.cudadrv.driver import binding, driver
 
-    from . import kernel_cache
-
-    sig = tuple(_numba_type(a) for a in args)
-    compiled = _BUILT.get((kernel, sig))
-    if compiled is None:
-        factory_key = _FACTORY_KEYS.get(kernel)
-        compiled = kernel_cache.load(factory_key, sig) if factory_key else None
-        if compiled is None:
-            compiled = kernel.compile(sig)
-            if factory_key:
-                kernel_cache.store(factory_key, sig, compiled)
-        _BUILT[kernel, sig] = compiled
+    compiled = _built(kernel, tuple(_numba_type(a) for a in args))
     # The 48 KB line is on static + dynamic shared memory together (the counters' flush
     # is static): dense's P V at 128 x 16 tiles and d = 96 takes exactly 48 KB dynamic, and
     # counted, failed to launch without the attribute. A build launched with several sizes
@@ -278,8 +267,45 @@ def _compile(kernel, args, shared_bytes: int):
     return compiled
 
 
+def _built(kernel, sig: tuple):
+    """`kernel` compiled for the argument types `sig`: this process's build, else the disk
+    cache's (once the worker compiling it, if any, is done: `compiling_elsewhere`), else
+    compiled here and stored there."""
+    from . import kernel_cache
+
+    compiled = _BUILT.get((kernel, sig))
+    if compiled is None:
+        worker = _COMPILING.pop((kernel, sig), None)
+        if worker is not None:
+            worker()  # a compile worker's build: on disk once it is done (or it failed)
+        factory_key = _FACTORY_KEYS.get(kernel)
+        compiled = kernel_cache.load(factory_key, sig) if factory_key else None
+        if compiled is None:
+            compiled = kernel.compile(sig)
+            if factory_key:
+                kernel_cache.store(factory_key, sig, compiled)
+        _BUILT[kernel, sig] = compiled
+    return compiled
+
+
 _DYNAMIC_SHARED: dict = {}  # compiled function -> the dynamic shared bytes it is allowed
 _BUILT: dict = {}  # (kernel, argument types) -> its build compiled or loaded in this process
+
+
+_COMPILING: dict = {}  # (kernel, argument types) -> waits for the process compiling it
+
+
+def compiling_elsewhere(kernel, sig: tuple, wait) -> None:
+    """Say that another process is compiling `kernel` for the argument types `sig` into the
+    disk cache (`warm.compile_ahead`'s workers): the first launch that needs the build calls
+    `wait()` before it loads the build from the disk cache (or, where the worker failed,
+    compiles it here)."""
+    _COMPILING[kernel, sig] = wait
+
+
+def is_compiling_elsewhere(kernel, args) -> bool:
+    """Whether a `compiling_elsewhere` build of `kernel` for these arguments is awaited."""
+    return build_key(kernel, args) in _COMPILING
 
 
 def compute_capability() -> tuple:
@@ -402,6 +428,8 @@ class _Launcher:
                 cells.append(cell)
                 self.scalars.append((i, cell))
         self._cells = cells  # the parameter block points into these
+        self.pointer_cells = [cell for _, cell in self.pointers]
+        self.scalar_cells = [cell for _, cell in self.scalars]
         self.params = (ctypes.c_void_p * len(cells))(*(ctypes.addressof(c) for c in cells))
         self.address = ctypes.addressof(self.params)
         self.lock = threading.Lock()  # `launch_with`'s
@@ -415,9 +443,9 @@ class _Launcher:
         """cuLaunchKernel with these array addresses and scalars written into the block
         (under `lock`: the ctypes call lets other threads run while the driver reads it)."""
         with self.lock:
-            for (_, cell), address in zip(self.pointers, addresses, strict=True):
+            for cell, address in zip(self.pointer_cells, addresses, strict=True):
                 cell.value = address
-            for (_, cell), value in zip(self.scalars, scalars, strict=True):
+            for cell, value in zip(self.scalar_cells, scalars, strict=True):
                 cell.value = value
             self._start(grid, block, shared_bytes, stream)
 
@@ -580,7 +608,8 @@ class Tape:
     __slots__ = ("steps", "residues", "context")
 
     def __init__(self, steps: tuple, residues: tuple, context):
-        self.steps, self.residues, self.context = steps, residues, context
+        self.steps, self.context = steps, context
+        self.residues = list(residues)  # compared with a call's as one list (host time)
 
     @classmethod
     def of(cls, recorded: list, slots: tuple, context, derivations=None) -> Tape | None:
@@ -614,7 +643,9 @@ class Tape:
                     return None
                 sources.append(found)
             scalars = tuple(args[i] for i, _ in launcher.scalars)
-            steps.append((launcher, grid, block, shared, tuple(sources), scalars))
+            plain = all(isinstance(where, int) for where, _ in sources)
+            steps.append((launcher, grid, block, shared,
+                          (_Offsets if plain else tuple)(sources), scalars))
         return cls(tuple(steps), tuple(b % TAPE_ALIGNMENT for b in bases), context)
 
     def pointers(self, slots: tuple, context) -> list | None:
@@ -623,14 +654,22 @@ class Tape:
         if context is not self.context:
             return None
         bases = [data_pointer(a) for a in slots]
-        if any(b % TAPE_ALIGNMENT != r for b, r in zip(bases, self.residues, strict=True)):
+        if [b % TAPE_ALIGNMENT for b in bases] != self.residues:
             return None
         return bases
 
     def replay(self, bases: list, stream: int) -> None:
         for launcher, grid, block, shared, sources, scalars in self.steps:
-            launcher.launch_with([_address(source, bases) for source in sources], scalars,
-                                 grid, block, shared, stream)
+            if type(sources) is _Offsets:  # every parameter a slot's address plus an offset
+                addresses = [bases[slot] + offset for slot, offset in sources]
+            else:
+                addresses = [_address(source, bases) for source in sources]
+            launcher.launch_with(addresses, scalars, grid, block, shared, stream)
+
+
+class _Offsets(tuple):
+    """A taped launch's sources when each is a (slot, byte offset): `replay` adds them up
+    inline (host time per call) instead of asking `_address` for each."""
 
 
 def _address(source, bases: list) -> int:
