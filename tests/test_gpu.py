@@ -263,13 +263,14 @@ def test_hopper_tma_producer_beside_sdpa(d, block_k, causal, dtype, products):
 
 
 @gpu
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
+def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d, causal):
     """On a Hopper GPU a float16 q_outer call that names no tiles runs the tiles and build
-    HOPPER_TILES and HOPPER_BUILDS name at N = 1000 (128 x 64 waited at d = 64, 128 x 128
-    with the TMA producer on persistent CTAs at d = 128), within 2x plain PyTorch's same-dtype
-    error against a float32
-    reference (FlashAttention's rule); dense's matmuls there run on wgmma."""
+    HOPPER_TILES and HOPPER_BUILDS name at N = 1000 (128 x 64 waited at d = 64, 64 x 64
+    waited when causal; 128 x 128 with the TMA producer on persistent CTAs at d = 128, its
+    causal grid by groups of eight heads), within 2x plain PyTorch's same-dtype error against
+    a float32 reference (FlashAttention's rule); dense's matmuls there run on wgmma."""
     torch = pytest.importorskip("torch")
     from loop_orders.device import runtime
 
@@ -277,7 +278,11 @@ def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
         pytest.skip("the Hopper builds need a Hopper GPU")
 
     def plain(q, k, v):  # FlashAttention's reference: every step in the inputs' dtype
-        return torch.softmax((q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5, dim=-1) @ v
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        if causal:  # as many queries as keys: the diagonal
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool,
+                                         device=s.device).triu(1), float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 4, 1000, d, device="cuda", generator=gen).half()
@@ -286,12 +291,14 @@ def test_a_call_naming_no_tiles_runs_the_measured_hopper_build(d):
     theirs = plain(q, k, v).double()
     for name in ("q_outer", "dense"):
         sched = lo.get_schedule(name)
-        res = lo.attention(q, k, v, schedule=name, count=True)
+        res = lo.attention(q, k, v, schedule=name, causal=causal, count=True)
         build = str(sched.layout(res.problem))
         tiles = (res.problem.block_q, res.problem.block_k)
         if name == "q_outer":
-            assert tiles == {64: (128, 64), 128: (128, 128)}[d]
-            assert build == {64: "wgmma.f16x2", 128: "wgmma.f16x2.pipelined.tma.persistent"}[d]
+            assert tiles == {(64, False): (128, 64), (64, True): (64, 64),
+                             (128, False): (128, 128), (128, True): (128, 128)}[d, causal]
+            assert build == {64: "wgmma.f16x2", 128: "wgmma.f16x2.pipelined.tma.persistent"
+                             + (".heads8" if causal else "")}[d]
         else:
             assert tiles == (64, 64) and build == "wgmma.f16"
         err = float((res.out.double() - ref).abs().max())

@@ -346,9 +346,10 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
 def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(monkeypatch):
     """On a Hopper GPU (patched in: the simulator keeps 64 x 64) a forward call that names no
     tiles tries q_outer's HOPPER_TILES for its head dim, mask and N first (128 x 64 at d = 64
-    but 128 x 128 without a mask from N = 4096, 128 x 128 at d = 128), where the sequences
-    hold them whole and the inputs are 16-bit; other head dims, float32, mma.sync asked, short
-    sequences and the other schedules keep DEFAULT_TILES; tiles named are kept."""
+    but 128 x 128 without a mask from N = 4096 and 64 x 64 causal up to N = 1024, 128 x 128
+    at d = 128), where the sequences hold them whole and the inputs are 16-bit; other head
+    dims, float32, mma.sync asked, short sequences and the other schedules keep
+    DEFAULT_TILES; tiles named are kept."""
     import loop_orders as lo
     from loop_orders import api
     from loop_orders.microkernel import cuda_cores, tuning
@@ -367,7 +368,9 @@ def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(
     assert q_outer.fast_tiles(problem(d=64, dtype="bfloat16")) == (128, 64)
     assert q_outer.fast_tiles(problem(d=64, n=4096)) == (128, 128)
     assert q_outer.fast_tiles(problem(d=64, n=4096, causal=True)) == (128, 64)
-    for d, bq, bk in ((64, 128, 64), (64, 128, 128), (128, 128, 128)):  # measured builds
+    assert q_outer.fast_tiles(problem(d=64, causal=True)) == (64, 64)
+    assert q_outer.fast_tiles(problem(d=64, n=2048, causal=True)) == (128, 64)
+    for d, bq, bk in ((64, 128, 64), (64, 64, 64), (64, 128, 128), (128, 128, 128)):
         p = lo.make_problem("q_outer", n_q=16384, d=d, block_q=bq, block_k=bk,
                             dtype="float16")
         assert q_outer.hopper_build(p) == q_outer.HOPPER_BUILDS[(bq, bk, d)]

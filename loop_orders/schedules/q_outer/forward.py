@@ -363,17 +363,17 @@ class QOuter(MicroKernelSchedule):
     # on the GPU at once stay in L2)
     HOPPER_CAUSAL_HEADS = {(128, 128, 128): 8}
     # Hopper, 16-bit: the K/V loop measured fastest on each tile (results/bench_hopper_builds
-    # .csv, N = 1024 and 4096): each product waited at d = 64 on 128 x 64, the TMA producer
-    # elsewhere
-    HOPPER_BUILDS = {(128, 64, 64): "sync", (128, 128, 64): "tma", (128, 64, 128): "tma",
-                     (128, 128, 128): "tma"}
+    # .csv, N = 1024 and 4096; bench_hopper_n1024.csv for 64 x 64): each product waited at
+    # d = 64 on 128 x 64 and 64 x 64 (one warpgroup: no producer), the TMA producer elsewhere
+    HOPPER_BUILDS = {(128, 64, 64): "sync", (64, 64, 64): "sync", (128, 128, 64): "tma",
+                     (128, 64, 128): "tma", (128, 128, 128): "tma"}
     # ... the TMA build on persistent CTAs at d = 128 on 128 x 128 up to N_q = 4096, where it
     # was measured faster (at 16384 not: results/bench_hopper_persistent.csv)
     HOPPER_PERSISTENT = {(128, 128, 128): 4096}
     # ... and the tiles (the fastest build on them) a call naming none takes, per (d, causal):
     # ((from N_q, tiles), ...), the last that N_q reaches
     HOPPER_TILES = {(64, False): ((0, (128, 64)), (4096, (128, 128))),
-                    (64, True): ((0, (128, 64)),),
+                    (64, True): ((0, (64, 64)), (2048, (128, 64))),
                     (128, False): ((0, (128, 128)),), (128, True): ((0, (128, 128)),)}
     make_kernel = staticmethod(make_kernel)
     summary = "FlashAttention-2 order: Q block resident, K/V streamed; one CTA per query block"
