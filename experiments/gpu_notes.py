@@ -975,16 +975,21 @@ def host_overhead(results_dir: Path) -> str:
     if not path.exists():
         return _missing(path)
     data = json.loads(path.read_text())
-    lines = ["| call (B = H = 1, N = 64, d = 64) | µs per call |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in data["tiny_per_call_us"].items()]
+    tiny = data["tiny_per_call_us"]
+    prov = data["provenance"]
+    lines = [f"On the {prov['device']} at {prov['git_sha'][:7]} (`results/{path.name}`):", "",
+             "| call (B = H = 1, N = 64, d = 64) | µs per call | ÷ SDPA's same call |",
+             "|---|---|---|"]
+    for name, us in tiny.items():
+        lines.append(f"| {name} | {us:.1f} | {_per_sdpa(name, tiny)} |")
     n = data["n1024_ms"]
     cache = data["compile_cache"]
     lines += ["", f"At N = 1024 (B = 4, H = 16): the q_outer kernel {n['q_outer kernel']:.3f} ms, "
               f"through `lo.attention` {n['q_outer lo.attention']:.3f} ms, torch SDPA efficient "
               f"{n['torch sdpa efficient']:.3f} ms" + causal_n1024(data) + ".", "",
-              f"A new process's first call at a shape no process had compiled: "
-              f"{cache['first_process']['first_call_s']:.2f} s; the next new process's first "
-              f"call there (kernels from the disk cache): "
+              f"A new process's first forward + backward (float16, the torch op) at a shape no "
+              f"process had compiled: {cache['first_process']['first_call_s']:.2f} s; the next "
+              f"new process's first call there (kernels from the disk cache): "
               f"**{cache['second_process']['first_call_s'] * 1e3:.1f} ms** ("
               + _imports(cache["second_process"]) + "). " + _serial(cache) +
               "Two processes filling an empty cache at once: first calls "
@@ -992,8 +997,39 @@ def host_overhead(results_dir: Path) -> str:
               + ", both right (max |error| "
               + ", ".join(f"{r['max_abs_error']:.1e}" for r in cache["racing_processes"])
               + f"); a third process then loaded in "
-              f"{cache['after_the_race']['first_call_s'] * 1e3:.1f} ms."]
+              f"{cache['after_the_race']['first_call_s'] * 1e3:.1f} ms."
+              + _cold_parts(cache)]
     return "\n".join(lines)
+
+
+def _per_sdpa(name: str, tiny: dict) -> str:
+    """A tiny call's time over SDPA's same call ("—" for SDPA's own and for kinds of arrays
+    SDPA does not take)."""
+    if name.startswith("torch sdpa"):
+        return "—"
+    if name.startswith("lo.attention") and not name.endswith("torch"):
+        return "—"
+    what = name.removeprefix("loop_orders.torch.attention").removeprefix("lo.attention torch")
+    theirs = tiny.get(("torch sdpa" + what) if what else "torch sdpa")
+    return f"{tiny[name] / theirs:.2f}×" if theirs else "—"
+
+
+def _cold_parts(cache: dict) -> str:
+    """The first process's forward alone, and the cold start taken apart
+    (`host_overhead.cold_parts`), where the run has them."""
+    first, parts = cache["first_process"], cache.get("cold_parts")
+    out = (f" In the first process the forward alone took {first['first_forward_s']:.2f} s "
+           f"of its {first['first_call_s']:.2f} s.")
+    if not parts:
+        return out
+    builds = ", ".join(f"{b['kernel']} {b['compile_s']:.2f} s" for b in parts["builds"])
+    worker = parts["worker"]
+    return out + (f" Taken apart in a fresh process: importing loop_orders "
+                  f"{parts['import_s']:.2f} s, a CUDA context {parts['cuda_context_s']:.2f} s, "
+                  f"each build compiled there one after another ({builds}); the longest "
+                  f"({worker['kernel']}) compiled by a `compile_ahead` worker process, from its "
+                  f"start to its entry on disk: {worker['worker_s']:.2f} s, then loaded here in "
+                  f"{worker['load_and_link_s'] * 1e3:.1f} ms.")
 
 
 def _imports(process: dict) -> str:
