@@ -77,6 +77,26 @@ class _FakeLauncher:
                              [float(x) for x in scalars]))
 
 
+def test_a_launcher_writes_addresses_and_scalars_into_its_parameter_cells():
+    """`_Launcher.launch_with` (no GPU here: its compiled kernel and cuLaunchKernel stood in
+    for) writes each address and scalar into its cell of the parameter block, in parameter
+    order, then starts the launch with the grid, block, shared bytes and stream asked."""
+    import ctypes
+    import threading
+
+    launcher = object.__new__(runtime._Launcher)
+    launcher.pointers = [(0, ctypes.c_uint64(0)), (2, ctypes.c_uint64(0))]
+    launcher.scalars = [(1, ctypes.c_float(0)), (3, ctypes.c_int32(0))]
+    launcher.pointer_cells = [cell for _, cell in launcher.pointers]
+    launcher.scalar_cells = [cell for _, cell in launcher.scalars]
+    launcher.lock = threading.Lock()
+    started = []
+    launcher._start = lambda *args: started.append(
+        (args, [c.value for _, c in launcher.pointers], [c.value for _, c in launcher.scalars]))
+    launcher.launch_with([4096, 8192], [0.5, 7], (3, 2, 1), 128, 1024, 5)
+    assert started == [(((3, 2, 1), 128, 1024, 5), [4096, 8192], [0.5, 7])]
+
+
 def _view(ptr, shape, dtype=np.float32):
     from loop_orders.device.arrays import DeviceView
 
