@@ -346,7 +346,7 @@ def test_16_bit_inputs_pick_the_tensor_core_micro_kernel_where_a_schedule_has_it
 def test_a_call_naming_no_tiles_takes_the_measured_hopper_tiles_on_a_hopper_gpu(monkeypatch):
     """On a Hopper GPU (patched in: the simulator keeps 64 x 64) a forward call that names no
     tiles tries q_outer's HOPPER_TILES for its head dim, mask and N first (128 x 64 at d = 64
-    but 128 x 128 without a mask from N = 4096 and 64 x 64 causal up to N = 1024, 128 x 128
+    but 128 x 128 without a mask from N = 4096 and 64 x 64 causal below N = 2048, 128 x 128
     at d = 128), where the sequences hold them whole and the inputs are 16-bit; other head
     dims, float32, mma.sync asked, short sequences and the other schedules keep
     DEFAULT_TILES; tiles named are kept."""
