@@ -399,6 +399,7 @@ def _hopper_builds(path: Path) -> str | None:
             and not r.get("causal_heads")]
     if not rows:
         return None
+    times = _swept_builds(rows)
     tiles = sorted({(int(r["block_q"]), int(r["block_k"])) for r in rows})
     names = {"ring": "ring", "sync": "waited", "tma": "TMA producer",
              "persistent": "TMA, persistent CTAs"}
@@ -411,13 +412,7 @@ def _hopper_builds(path: Path) -> str | None:
                                                for b in builds) + " |"
              + (" SDPA flash | fastest / flash |" if flash else ""),
              "|---" * (3 + len(tiles) * len(builds) + 2 * bool(flash)) + "|"]
-    points = sorted({(int(r["n"]), int(r["d"]), r["causal"]) for r in rows})
-    for n, d, causal in points:
-        at: dict = {}  # two variants running one build (`_build_of`): the faster
-        for r in rows:
-            if (int(r["n"]), int(r["d"]), r["causal"]) == (n, d, causal):
-                key = (int(r["block_q"]), int(r["block_k"]), _build_of(r))
-                at[key] = min(at.get(key, float("inf")), float(r["ms_median"]))
+    for (n, d, causal), at in sorted(times.items()):
         best = min(at.values())
         cells = [at.get((*t, b)) for t in tiles for b in builds]
         theirs = flash.get((n, d, causal))
@@ -429,6 +424,17 @@ def _hopper_builds(path: Path) -> str | None:
     return (f"q_outer's builds on the {first['device']} at {first['git_sha'][:7]} "
             f"(`results/{path.name}`; float16, B·H·N = {_bhn(first)}, median ms, kernels alone, "
             "each checked against float64 first):\n\n" + "\n".join(lines))
+
+
+def _swept_builds(rows: list) -> dict:
+    """Swept rows (one grid each) as {(N, d, causal): {(block_q, block_k, build): ms}}; where
+    two variants ran one build (`_build_of`), the faster."""
+    times: dict = {}
+    for r in rows:
+        at = times.setdefault((int(r["n"]), int(r["d"]), r["causal"]), {})
+        key = (int(r["block_q"]), int(r["block_k"]), _build_of(r))
+        at[key] = min(at.get(key, float("inf")), float(r["ms_median"]))
+    return times
 
 
 def _build_of(row: dict) -> str:
@@ -535,15 +541,16 @@ def _hopper_run(path: Path) -> str:
                         if public else ""))
     sweep = [r for r in rows if r["part"] == "tiles" and r["status"] == "ok"
              and not r.get("causal_heads")]
-    pairs: dict = {}  # (N, d, causal, tiles) -> {build: ms}, the faster of two running one
-    for r in sweep:
-        at = pairs.setdefault((r["n"], r["d"], r["causal"], r["block_q"], r["block_k"]), {})
-        at[_build_of(r)] = min(at.get(_build_of(r), float("inf")), float(r["ms_median"]))
+    times = _swept_builds(sweep)
+    pairs: dict = {}  # (N, d, causal, tiles) -> {build: ms}
+    for point, at in times.items():
+        for (bq, bk, build), ms in at.items():
+            pairs.setdefault((point, bq, bk), {})[build] = ms
     both = [v for v in pairs.values() if "ring" in v and "sync" in v]
     faster = sum(1 for v in both if v["ring"] < v["sync"])
     produced = [v["ring"] / v["tma"] for v in pairs.values() if "tma" in v and "ring" in v]
     first = table[0] if table else rows[0]
-    swept = " and ".join(sorted({r["n"] for r in sweep}, key=int)) or "—"
+    swept = " and ".join(str(n) for n in sorted({n for n, _, _ in times})) or "—"
     out = [f"On the {first['device']} at {first['git_sha'][:7]} (`results/{path.name}`; B·H·N "
            f"= {_bhn(first)}, median ms, kernels alone, each checked against float64 first; "
            f"q_outer's tiles and build the fastest of the tile sweep at N = {swept} (the "
