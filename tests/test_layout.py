@@ -616,3 +616,29 @@ def test_hoppers_causal_grid_by_groups_of_heads_where_measured_faster():
         assert heads() == 0
     with tuning.tuned(causal_heads=16):
         assert heads() == heads(d=64, tiles=(128, 64)) == 16
+
+
+def test_the_tensor_core_backward_double_buffers_q_and_do_where_two_ctas_fit_an_sm():
+    """q_outer's K/V-outer backward kernel on tensor cores: two Q_i/dO_i buffers where two
+    CTAs' buffers still fit an SM (16-bit, 64 x 64, d = 64 and 128), else one (TF32); a
+    sweep's count (`tuning` q_stages) where it fits a CTA (TF32 at d = 128 on 64 x 64, one
+    CTA an SM either way), else one (64 x 128: 308,736 bytes on two)."""
+    import loop_orders as lo
+    from loop_orders.microkernel.tensor_cores import TensorCores
+    from loop_orders.schedules.q_outer import backward as qb
+
+    cases = {("float16", "ieee", 64): 2, ("float16", "ieee", 128): 2,
+             ("float32", "tf32x3", 64): 1, ("float32", "tf32x3", 128): 1}
+    for (dtype, precision, d), stages in cases.items():
+        p = lo.make_problem("q_outer", n_q=4096, d=d, block_q=64, block_k=64, dtype=dtype,
+                            precision=precision)
+        build = TensorCores(dtype if precision == "ieee" else precision)
+        assert qb.tc_q_stages(p, build) == stages, (dtype, precision, d)
+        for asked in (1, 2):
+            with tuning.tuned(q_stages=asked):
+                assert qb.tc_q_stages(p, build) == asked
+    wide = lo.make_problem("q_outer", n_q=4096, d=128, block_q=64, block_k=128,
+                           dtype="float32", precision="tf32x3")
+    assert qb.tc.tc_shared_bytes(64, 128, 128, 128, 2, True) == 308736
+    with tuning.tuned(q_stages=2):
+        assert qb.tc_q_stages(wide, TensorCores("tf32x3")) == 1

@@ -4,19 +4,19 @@ Which build runs is the schedules' tables' choice (`MicroKernelSchedule.layout`)
 overrides it with a `Tuning`: `layout`, a CUDA-core thread tile "RM,KN[,STAGES[,P_IN_K]]"
 (`cuda_cores.thread_layout`) or a loop nest's own kernel "ws[,CHUNKS,KEYS[,PEEL[,PERSISTENT]]]"
 (q_outer's `Specialised.parse`); `kv_stages`, at most this many K/V buffers (1 turns off the
-double-buffered or staggered loads); `q_stages`, at most this many Q_i/dO_i buffers in a
-tensor-core backward's K/V-outer kernel; `products`, "mma" to multiply 16-bit tiles on
-mma.sync where Hopper's wgmma build would run (the A/B baseline), or the wgmma build's K/V
-loop (`MicroKernelSchedule.hopper_build`): "wgmma-sync" without the pipelined update,
-"wgmma-ring" pipelined with every thread copying into the ring, "wgmma-tma" pipelined with a
-producer warpgroup copying by TMA (where the loop nest has that kernel), "wgmma-persistent"
-the same on persistent CTAs (a CTA an SM folding query blocks in turn); `causal_heads`,
-heads a causal q_outer grid on tensor cores takes at a time, its heaviest query blocks first
-within each group (`tiles.grouped_block`; 0: first over every head;
-`MicroKernelSchedule.causal_heads`). The
-environment gives the process's value, read once at import (LOOP_ORDERS_LAYOUT,
-LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES, LOOP_ORDERS_PRODUCTS, LOOP_ORDERS_CAUSAL_HEADS:
-a sweep run by a shell script); within a process `tuned(...)` overrides it for a block.
+double-buffered or staggered loads); `q_stages`, this many Q_i/dO_i buffers (1 or 2) in a
+tensor-core backward's K/V-outer kernel where they fit a CTA (q_outer's `tc_q_stages`);
+`products`, "mma" to multiply 16-bit tiles on mma.sync where Hopper's wgmma build would run
+(the A/B baseline), or the wgmma build's K/V loop (`MicroKernelSchedule.hopper_build`):
+"wgmma-sync" without the pipelined update, "wgmma-ring" pipelined with every thread copying
+into the ring, "wgmma-tma" pipelined with a producer warpgroup copying by TMA (where the loop
+nest has that kernel), "wgmma-persistent" the same on persistent CTAs (a CTA an SM folding
+query blocks in turn); `causal_heads`, heads a causal q_outer grid on tensor cores takes at a
+time, its heaviest query blocks first within each group (`tiles.grouped_block`; 0: first over
+every head; `MicroKernelSchedule.causal_heads`). The environment gives the process's value,
+read once at import (LOOP_ORDERS_LAYOUT, LOOP_ORDERS_KV_STAGES, LOOP_ORDERS_Q_STAGES,
+LOOP_ORDERS_PRODUCTS, LOOP_ORDERS_CAUSAL_HEADS: a sweep run by a shell script); within a
+process `tuned(...)` overrides it for a block.
 """
 
 from __future__ import annotations

@@ -87,6 +87,20 @@ TC_Q_STAGES = 2
 CONVERT_THREADS = 256
 
 
+def tc_q_stages(p: Problem, spec: TensorCores) -> int:
+    """Q_i/dO_i buffers of p's tensor-core K/V-outer kernel: a sweep's (`tuning` q_stages,
+    where that many fit a CTA), else TC_Q_STAGES where two CTAs' buffers fit an SM, else
+    one."""
+    def bytes_on(stages: int) -> int:
+        return tc.tc_shared_bytes(p.block_q, p.block_k, p.d, p.dv, stages, spec.tf32)
+
+    asked = tuning.current().q_stages
+    if asked is not None:
+        asked = min(asked, TC_Q_STAGES)
+        return asked if asked == 1 or bytes_on(asked) <= dynamic_shared_limit() else 1
+    return TC_Q_STAGES if 2 * bytes_on(TC_Q_STAGES) <= SHARED_BYTES_PER_SM else 1
+
+
 @kernel_factory
 def make_preprocess_kernel(ZERO_DQ, COUNT):
     NT = PRE_ROWS * PRE_LANES
@@ -495,9 +509,7 @@ class QOuterBackward(GradTileBackward):
         spec = self.tensor_cores(p)
         sizes = (p.block_q, p.block_k, p.d, p.dv, p.mask)
         if spec is not None:
-            stages = min(TC_Q_STAGES, tuning.current().q_stages or TC_Q_STAGES)
-            if 2 * tc.tc_shared_bytes(*sizes[:4], stages, spec.tf32) > SHARED_BYTES_PER_SM:
-                stages = 1
+            stages = tc_q_stages(p, spec)
             return MainKernels(
                 tc.make_tc_kv_kernel(*sizes, not separate, spec, stages, count, p.group),
                 tc.tc_kv_threads(p.block_k),
