@@ -16,7 +16,9 @@ Writes bench_runtime.csv (provider,dtype,batch,heads,n,d,causal,block_q,block_k,
 tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and bench_kernels.json
 (registers, local memory, counting overhead), and the ceilings measured in the same run:
 tensor_core_ceiling.json (mma.sync, for the tensor-core dtypes) and fma_ceiling.json (float32:
-a register-only FFMA loop and cuBLAS SGEMM), each with provenance.
+a register-only FFMA loop and cuBLAS SGEMM), each with provenance. With --backward:
+bench_backward.csv, every backward order's forward + backward beside SDPA's, on 64 x 64 or on
+each of --grad-tiles.
 """
 
 from __future__ import annotations
@@ -336,29 +338,33 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
 
 
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
-                 dtypes: tuple = ("float32", "float16")) -> list[dict]:
+                 dtypes: tuple = ("float32", "float16"),
+                 tiles: tuple = ((64, 64),)) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
-    shapes, B H N fixed), gradients checked against float64 on two heads first. dtypes are
-    labels (`input_kind`: "tf32x3" is float32 at that precision, beside SDPA's float32)."""
+    shapes, B H N fixed), gradients checked against float64 on two heads first, on each
+    (block_q, block_k) of `tiles`. dtypes are labels (`input_kind`: "tf32x3" is float32 at
+    that precision, beside SDPA's float32)."""
     rows, last, timed = [], {}, set()
     warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
-                                block_q=64, block_k=64, causal=causal, save_lse=True,
+                                block_q=bq, block_k=bk, causal=causal, save_lse=True,
                                 options=options, **input_kind(dtype)), True)
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
-         for dtype in dtypes for name, options in backward_providers(only))
+         for dtype in dtypes for name, options in backward_providers(only)
+         for bq, bk in tiles)
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
         for dtype in dtypes:
-            for name, options in backward_providers(only):
+            for (name, options), (bq, bk) in itertools.product(backward_providers(only),
+                                                               tiles):
                 p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
-                                    block_q=64, block_k=64, causal=causal, save_lse=True,
+                                    block_q=bq, block_k=bk, causal=causal, save_lse=True,
                                     options=options, **input_kind(dtype))
                 label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
                 row = {"provider": label, "dtype": dtype, "batch": batch, "heads": heads,
-                       "n": n, "d": d, "causal": causal, "block_q": 64, "block_k": 64,
+                       "n": n, "d": d, "causal": causal, "block_q": bq, "block_k": bk,
                        "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
                        "rel_error": "", "status": "ok"}
-                trend = (label, dtype, d, causal)
+                trend = (label, dtype, d, causal, bq, bk)
                 predicted = 4 * last.get(trend, 0) / 1e3
                 if predicted > 4 * POINT_BUDGET_S:
                     row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
@@ -374,8 +380,8 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                         row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
                 rows.append(row)
                 runtime.release_memory()
-                print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d}: "
-                      f"{row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
+                print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d} "
+                      f"{bq}x{bk}: {row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
                       flush=True)
             for provider, tdtype, backend in BACKWARD_TORCH:
@@ -688,6 +694,12 @@ def fma_ceiling() -> dict:
 PROV: dict = {}
 
 
+def grad_tiles(text: str) -> tuple[int, int]:
+    """--grad-tiles' "BQxBK" as (block_q, block_k)."""
+    block_q, block_k = text.split("x")
+    return int(block_q), int(block_k)
+
+
 def main(argv=None) -> int:
     global PROV, SHORT_TILES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -720,6 +732,9 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
+    parser.add_argument("--grad-tiles", nargs="+", type=grad_tiles, metavar="BQxBK",
+                        default=[(64, 64)],
+                        help="--backward: each order on each of these tiles (default 64x64)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
@@ -742,7 +757,8 @@ def main(argv=None) -> int:
         causal = {"off": [False], "on": [True], "both": BACKWARD_SWEEP["causal"]}[args.causal]
         run_backward(args.out, {**BACKWARD_SWEEP, **({"n": args.n} if args.n else {}),
                                 **({"d": args.d} if args.d else {}), "causal": causal},
-                     rng, only, tuple((args.dtypes or "float32,float16").split(",")))
+                     rng, only, tuple((args.dtypes or "float32,float16").split(",")),
+                     tuple(args.grad_tiles))
         print(f"bench_runtime: backward done in {time.time() - t0:.0f} s")
         return 0
     if args.tc_tiles:
