@@ -17,8 +17,8 @@ tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and ben
 (registers, local memory, counting overhead), and the ceilings measured in the same run:
 tensor_core_ceiling.json (mma.sync, for the tensor-core dtypes) and fma_ceiling.json (float32:
 a register-only FFMA loop and cuBLAS SGEMM), each with provenance. With --backward:
-bench_backward.csv, every backward order's forward + backward beside SDPA's, on 64 x 64 or on
-each of --grad-tiles.
+bench_backward.csv, every backward order's forward + backward beside SDPA's on 64 x 64, or
+bench_backward_tiles.csv on each build of --grad-tiles.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -337,41 +338,56 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
     return time_launches(launch)
 
 
+class GradTiles(NamedTuple):
+    """A backward sweep's build: tiles, and the Q_i/dO_i buffers of a tensor-core K/V-outer
+    kernel (`tuning` q_stages; None: the schedule's rule)."""
+
+    block_q: int
+    block_k: int
+    q_stages: int | None = None
+
+
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
-                 dtypes: tuple = ("float32", "float16"),
-                 tiles: tuple = ((64, 64),)) -> list[dict]:
+                 dtypes: tuple = ("float32", "float16"), tiles: tuple = ()) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
-    shapes, B H N fixed), gradients checked against float64 on two heads first, on each
-    (block_q, block_k) of `tiles`. dtypes are labels (`input_kind`: "tf32x3" is float32 at
-    that precision, beside SDPA's float32)."""
+    shapes, B H N fixed), gradients checked against float64 on two heads first: on 64 x 64
+    into bench_backward.csv, or on each `GradTiles` of `tiles` into bench_backward_tiles.csv
+    (a q_stages column more). dtypes are labels (`input_kind`: "tf32x3" is float32 at that
+    precision, beside SDPA's float32)."""
+    swept, tiles = bool(tiles), tiles or (GradTiles(64, 64),)
     rows, last, timed = [], {}, set()
     warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
                                 block_q=bq, block_k=bk, causal=causal, save_lse=True,
-                                options=options, **input_kind(dtype)), True)
+                                options=options, **input_kind(dtype)), True,
+          (("q_stages", q_stages),) if q_stages else ())
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
          for dtype in dtypes for name, options in backward_providers(only)
-         for bq, bk in tiles)
+         for bq, bk, q_stages in tiles)
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
         for dtype in dtypes:
-            for (name, options), (bq, bk) in itertools.product(backward_providers(only),
-                                                               tiles):
+            for (name, options), (bq, bk, q_stages) in itertools.product(
+                    backward_providers(only), tiles):
                 p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
                                     block_q=bq, block_k=bk, causal=causal, save_lse=True,
                                     options=options, **input_kind(dtype))
                 label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
                 row = {"provider": label, "dtype": dtype, "batch": batch, "heads": heads,
                        "n": n, "d": d, "causal": causal, "block_q": bq, "block_k": bk,
+                       **({"q_stages": q_stages or ""} if swept else {}),
                        "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
                        "rel_error": "", "status": "ok"}
-                trend = (label, dtype, d, causal, bq, bk)
+                trend = (label, dtype, d, causal, bq, bk, q_stages)
                 predicted = 4 * last.get(trend, 0) / 1e3
                 if predicted > 4 * POINT_BUDGET_S:
                     row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
                 else:
                     try:
-                        lo.api.check_launch(lo.get_schedule(name), p, count=False)
-                        fwd, bwd, op, err = bench_grad(name, options, p, rng)
+                        with tuning.tuned(q_stages=q_stages):
+                            # the torch op prepares its call under this build, not another's
+                            lo.api_grad._CALLS.clear()
+                            lo.api.check_launch(lo.get_schedule(name), p, count=False)
+                            fwd, bwd, op, err = bench_grad(name, options, p, rng)
                         row.update(ms_forward=round(fwd, 4), ms_backward=round(bwd, 4),
                                    ms_total=round(fwd + bwd, 4), ms_torch_op=round(op, 4),
                                    rel_error=f"{err:.2e}")
@@ -380,8 +396,9 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                         row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
                 rows.append(row)
                 runtime.release_memory()
+                build = f"{bq}x{bk}" + (f"/{q_stages}" if q_stages else "")
                 print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d} "
-                      f"{bq}x{bk}: {row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
+                      f"{build}: {row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
                       flush=True)
             for provider, tdtype, backend in BACKWARD_TORCH:
@@ -393,6 +410,7 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                                     block_q=64, block_k=64, causal=causal, dtype=tdtype)
                 row = {"provider": provider, "dtype": tdtype, "batch": batch, "heads": heads,
                        "n": n, "d": d, "causal": causal, "block_q": "", "block_k": "",
+                       **({"q_stages": ""} if swept else {}),
                        "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
                        "rel_error": "", "status": "ok"}
                 try:
@@ -403,7 +421,7 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                 print(f"backward {provider:22s} {tdtype} d={d} causal={causal!s:5} N={n:6d}: "
                       f"{row['ms_total']} ms forward + backward {row['status'][:40]}",
                       flush=True)
-            write_csv(out_dir / "bench_backward.csv", rows, PROV)
+            write_csv(out_dir / f"bench_backward{'_tiles' if swept else ''}.csv", rows, PROV)
     return rows
 
 
@@ -694,10 +712,11 @@ def fma_ceiling() -> dict:
 PROV: dict = {}
 
 
-def grad_tiles(text: str) -> tuple[int, int]:
-    """--grad-tiles' "BQxBK" as (block_q, block_k)."""
-    block_q, block_k = text.split("x")
-    return int(block_q), int(block_k)
+def grad_tiles(text: str) -> GradTiles:
+    """--grad-tiles' "BQxBK" or "BQxBK/S" (S Q_i/dO_i buffers) as a GradTiles."""
+    tiles, _, stages = text.partition("/")
+    block_q, block_k = tiles.split("x")
+    return GradTiles(int(block_q), int(block_k), int(stages) if stages else None)
 
 
 def main(argv=None) -> int:
@@ -732,9 +751,11 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
-    parser.add_argument("--grad-tiles", nargs="+", type=grad_tiles, metavar="BQxBK",
-                        default=[(64, 64)],
-                        help="--backward: each order on each of these tiles (default 64x64)")
+    parser.add_argument("--grad-tiles", nargs="+", type=grad_tiles, metavar="BQxBK[/S]",
+                        default=(), help="--backward: each order on each of these tiles (S: "
+                        "Q_i/dO_i buffers of a tensor-core K/V-outer kernel, `tuning` "
+                        "q_stages), into bench_backward_tiles.csv (default: 64x64 into "
+                        "bench_backward.csv)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")
