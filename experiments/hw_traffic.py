@@ -69,8 +69,38 @@ METRICS = {
     "ncu_atom_bytes": "l1tex__t_bytes_pipe_lsu_mem_global_op_atom.sum",
     "dram_read_bytes": "dram__bytes_read.sum",
     "dram_write_bytes": "dram__bytes_write.sum",
+    # the sectors the L2 served the SM's L1TEX (loads and cp.async): whether a sector l1tex
+    # counts twice (`l1tex_copy_sectors`) is also read twice
+    "ncu_l2_read_sectors": "lts__t_sectors_srcunit_tex_op_read.sum",
     "kernel_ns": "gpu__time_duration.sum",
 }
+SECTOR, LINE, COPY, WARP = 32, 128, 16, 32  # bytes of a global sector, a shared-memory line
+# (32 banks of 4 bytes) and a cp.async; lanes of a warp
+
+
+def l1tex_copy_sectors(row_bytes: int, stride_bytes: int, rows: int) -> int:
+    """The sectors ncu's l1tex load metrics count for `rows` rows of `row_bytes` contiguous
+    global bytes copied by cp.async into shared rows `stride_bytes` apart, 16 bytes a lane
+    and a warp instruction 32 consecutive copies (`tiles.make_row_copier`), by the rule the
+    committed runs fit: each global sector an instruction reads is counted once per 128-byte
+    shared-memory line it is written into. A row padded by 16 bytes starts an odd number of
+    16-byte steps into a line every other row, so a sector of those rows lands in two lines
+    and counts twice; unpadded rows (and wgmma's swizzled 128-byte rows) count each once."""
+    copies = [(r, c) for r in range(rows) for c in range(row_bytes // COPY)]
+    counted = 0
+    for first in range(0, len(copies), WARP):
+        by_line: dict[int, set] = {}
+        for r, c in copies[first:first + WARP]:
+            line = (r * stride_bytes + c * COPY) // LINE
+            by_line.setdefault(line, set()).add((r * row_bytes + c * COPY) // SECTOR)
+        counted += sum(map(len, by_line.values()))
+    return counted
+
+
+def l1tex_copy_ratio(row_bytes: int, stride_bytes: int) -> float:
+    """`l1tex_copy_sectors` over the sectors copied, for a 64-row tile (the pattern repeats
+    every 8 rows)."""
+    return l1tex_copy_sectors(row_bytes, stride_bytes, 64) / (64 * row_bytes // SECTOR)
 
 
 LDGSTS = "l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts"  # cp.async's global -> shared bytes

@@ -53,6 +53,28 @@ def test_ncu_launches_are_summed_per_row_in_launch_order(capsys):
     assert rows[1]["ncu_vs_counted"] == -0.2
 
 
+
+def test_the_l1tex_line_rule_gives_the_excess_ncu_showed_for_each_cp_async_layout():
+    """`hw_traffic.l1tex_copy_ratio` on the shared rows the kernels copy into: the mma.sync
+    tiles (16-bit and TF32 rows padded by 16 bytes) 9/8, as ncu read for q_outer's loads
+    (results/hw_traffic_tensor_cores.csv) and at decode (hw_traffic_gqa_decode.csv); the
+    float32 CUDA-core kernel's K_j rows (padded) 9/8 and V_j rows (not) 1, 17 sectors a
+    16-sector warp copy on average, as the probe counted; wgmma's swizzled 128-byte rows 1
+    (ncu equal to the counts, hw_traffic_hopper.csv)."""
+    from loop_orders.microkernel.spec import Layout, shared_layout
+    from loop_orders.microkernel.tensor_cores import TensorCores, tc_shared_layout
+
+    for kind, size in (("float16", 2), ("tf32", 4)):
+        for d in (64, 128):
+            sm = tc_shared_layout(64, 64, d, d, False, TensorCores(kind))
+            for stride in (sm.qs, sm.ks, sm.vs):
+                assert hw_traffic.l1tex_copy_ratio(d * size, stride * size) == 9 / 8
+    sm = shared_layout(64, 64, 64, 64, Layout(8, 8, 2), False)  # K_j, V_j by cp.async
+    ratios = [hw_traffic.l1tex_copy_ratio(64 * 4, s * 4) for s in (sm.ks, sm.vs)]
+    assert ratios == [9 / 8, 1.0]
+    assert hw_traffic.l1tex_copy_sectors(64 * 4, sm.ks * 4, 2) == 18  # one warp copy: 2 rows
+    assert hw_traffic.l1tex_copy_ratio(128, 128) == 1.0  # swizzled: whole lines
+
 def _write(path, rows):
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
