@@ -97,10 +97,10 @@ def l1tex_copy_sectors(row_bytes: int, stride_bytes: int, rows: int) -> int:
     return counted
 
 
-def l1tex_copy_ratio(row_bytes: int, stride_bytes: int) -> float:
-    """`l1tex_copy_sectors` over the sectors copied, for a 64-row tile (the pattern repeats
-    every 8 rows)."""
-    return l1tex_copy_sectors(row_bytes, stride_bytes, 64) / (64 * row_bytes // SECTOR)
+def l1tex_copy_ratio(row_bytes: int, stride_bytes: int, rows: int = 64) -> float:
+    """`l1tex_copy_sectors` over the sectors copied, for a tile of `rows` rows (the pattern
+    repeats every 8 rows)."""
+    return l1tex_copy_sectors(row_bytes, stride_bytes, rows) / (rows * row_bytes // SECTOR)
 
 
 LDGSTS = "l1tex__t_bytes_pipe_lsu_mem_global_op_ldgsts"  # cp.async's global -> shared bytes
