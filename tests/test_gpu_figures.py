@@ -74,6 +74,9 @@ def test_the_l1tex_line_rule_gives_the_excess_ncu_showed_for_each_cp_async_layou
     assert ratios == [9 / 8, 1.0]
     assert hw_traffic.l1tex_copy_sectors(64 * 4, sm.ks * 4, 2) == 18  # one warp copy: 2 rows
     assert hw_traffic.l1tex_copy_ratio(128, 128) == 1.0  # swizzled: whole lines
+    # a decode block's query rows: one row starts a line (nothing twice), four hold two odd
+    assert hw_traffic.l1tex_copy_ratio(256, 272, rows=1) == 1.0
+    assert hw_traffic.l1tex_copy_ratio(256, 272, rows=4) == 9 / 8
 
 def _write(path, rows):
     with path.open("w", newline="") as f:
