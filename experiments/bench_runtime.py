@@ -384,8 +384,6 @@ def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                 else:
                     try:
                         with tuning.tuned(q_stages=q_stages):
-                            # the torch op prepares its call under this build, not another's
-                            lo.api_grad._CALLS.clear()
                             lo.api.check_launch(lo.get_schedule(name), p, count=False)
                             fwd, bwd, op, err = bench_grad(name, options, p, rng)
                         row.update(ms_forward=round(fwd, 4), ms_backward=round(bwd, 4),

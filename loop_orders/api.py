@@ -490,13 +490,14 @@ def _hashable(value) -> tuple:
 
 
 def call_key(schedule, inputs: tuple, args: tuple, options) -> tuple | None:
-    """The key of a call (what its checks and kernels depend on), or None when its arguments
-    cannot form one (the full checks then say what is wrong with them)."""
+    """The key of a call (what its checks and kernels depend on: its arguments, its inputs'
+    signatures and the `tuning` override in effect, which chooses kernels), or None when its
+    arguments cannot form one (the full checks then say what is wrong with them)."""
     try:
         frozen = None if options is None else tuple(sorted(
             (name, _hashable(value)) for name, value in options.items()))
         key = (schedule, *[(type(a), a) for a in args], frozen,  # `_hashable`, inline
-               *[arrays.signature(x) for x in inputs])
+               tuning.current(), *[arrays.signature(x) for x in inputs])
         hash(key)
     except (TypeError, AttributeError):
         return None

@@ -62,6 +62,26 @@ def test_launch_key_tells_apart_what_selects_a_compiled_kernel():
     assert key((a, np.float32(1))) != key((a, 1.0))
 
 
+
+def test_a_call_key_tells_apart_the_tuning_override_it_was_prepared_under():
+    """A call prepared under one `tuning` override (which chooses its kernels) is not
+    reused under another: `api.call_key` holds the override; the same override, the same
+    key."""
+    from loop_orders.api import call_key
+    from loop_orders.microkernel import tuning
+
+    q = np.zeros((1, 1, 8, 4), np.float32)
+    args = (q, q, q)
+
+    def key():
+        return call_key("q_outer", args, (None, None, False), {"dq": "atomic"})
+
+    plain = key()
+    with tuning.tuned(q_stages=1):
+        one = key()
+        assert key() == one
+    assert one != plain and key() == plain
+
 class _FakeLauncher:
     """A `runtime._Launcher` stand-in: which of its parameters are arrays and which
     scalars, and the launches it was asked for (grid, block, shared bytes, stream, the
