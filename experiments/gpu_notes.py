@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import loop_orders as lo
+from loop_orders.core.ledger import element_bytes
 from loop_orders.core.schedule import backward_of
 
 from .gpu_common import input_kind
@@ -654,38 +655,40 @@ def hw_traffic_cp_async(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _hw_traffic_model(row: dict):
+    """An hw_traffic row's Problem and the model (elements) of the pass it measured, as the
+    run built them (`hw_traffic.problem`, `measured`), with the options it resolved."""
+    from experiments import hw_traffic
 
-def _model(row: dict, backward: bool):
-    """The model's ledger (elements) of an hw_traffic row's configuration."""
-    kind = input_kind(row["dtype"])
-    return lo.predict_traffic(
-        row["schedule"], n=int(row["n"]), n_k=int(row.get("n_k") or row["n"]),
-        d=int(row["d"]), dv=int(row.get("dv") or row["d"]), batch=int(row["batch"]),
-        heads=int(row["heads"]), kv_heads=int(row["kv_heads"]) if row.get("kv_heads") else None,
-        pack_gqa=row.get("pack_gqa") == "True", block_q=int(row["block_q"]),
-        block_k=int(row["block_k"]), causal=row["causal"] == "True",
-        options=json.loads(row.get("options") or "{}"), backward=backward, **kind)
+    cfg = {"schedule": row["schedule"], "n": int(row["n"]), "d": int(row["d"]),
+           "n_k": int(row["n_k"]) if row.get("n_k") else None, "batch": int(row["batch"]),
+           "heads": int(row["heads"]),
+           "kv_heads": int(row["kv_heads"]) if row.get("kv_heads") else None,
+           "pack_gqa": row.get("pack_gqa") == "True", "block_q": int(row["block_q"]),
+           "block_k": int(row["block_k"]), "causal": row["causal"] == "True",
+           "backward": row.get("backward") == "True", "asked": json.loads(row["options"]),
+           "dtype": row["dtype"]}
+    p = hw_traffic.problem(cfg)
+    return p, hw_traffic.measured(cfg).model(p)
 
 
 def _read_bytes(ledger, itemsize: int, tensors) -> int:
-    from loop_orders.core.ledger import element_bytes
-
     return sum(ledger.read(t) * element_bytes(t, itemsize) for t in tensors)
 
 
 def l1tex_line_rule(results_dir: Path) -> str:
     """ncu's load bytes against the counted ones where mma.sync tiles arrive by cp.async, and
     the excess `hw_traffic.l1tex_copy_ratio` gives their padded rows, tile by tile: q_outer's
-    forward (hw_traffic_tensor_cores.csv: every load a 64-row tile copy), grouped-query
-    decode (hw_traffic_gqa_decode.csv: K_j, V_j in 64-row tiles, Q_i in tiles of the query
-    rows a block holds, one per head or the group's four packed; the combine's partials by
-    plain loads) and q_outer's backward with dQ by atomics (hw_traffic_backward.csv: the
-    K/V-outer kernel copies K_j, V_j and, per visited pair, Q_i and dO_i, as many dO elements
-    as Q's; the preprocess and the dQ conversion load plainly; the reductions are ncu's own
-    column, half of it their reads). Plain loads count whole sectors: split_kv's combine
-    reads a (split, head)'s lse_part values of the block's rows, 4 bytes each, in one
-    32-byte sector."""
-    from experiments.hw_traffic import l1tex_copy_ratio
+    forward (hw_traffic_tensor_cores.csv: every load a tile copy), grouped-query decode
+    (hw_traffic_gqa_decode.csv: K_j, V_j in whole tiles, Q_i in tiles of the query rows a
+    block holds, one per head or the group's four packed; the combine's partials by plain
+    loads) and q_outer's backward with dQ by atomics (hw_traffic_backward.csv: the K/V-outer
+    kernel copies K_j, V_j and, per visited pair, Q_i and dO_i, as many dO elements as Q's;
+    the preprocess and the dQ conversion load plainly; the reductions are ncu's own column,
+    half of it their reads). Plain loads count whole sectors: split_kv's combine reads a
+    (split, head)'s lse_part values of the block's rows, 4 bytes each, in one 32-byte
+    sector."""
+    from experiments.hw_traffic import SECTOR, l1tex_copy_ratio
     from loop_orders.microkernel.tensor_cores import TensorCores, tc_shared_layout
 
     lines = ["| results file | schedule | dtype | N | n_k | causal | counted loads | ncu loads "
@@ -697,36 +700,31 @@ def l1tex_line_rule(results_dir: Path) -> str:
         if not (results_dir / name).exists():
             return _missing(results_dir / name)
     for name, backward in sources:
-        rows = [r for r in _rows(results_dir / name) if r["schedule"] in
-                ("q_outer", "split_kv") and r["dtype"] in ("float16", "bfloat16", "tf32")]
-        decode = name == "hw_traffic_gqa_decode.csv"
-        if not decode:
-            rows = [r for r in rows if r["schedule"] == "q_outer"]  # split_kv: CUDA cores
+        # split_kv on tensor cores at decode only (CUDA cores in hw_traffic_tensor_cores.csv)
+        ours = ("q_outer", "split_kv") if name == "hw_traffic_gqa_decode.csv" else ("q_outer",)
+        rows = [r for r in _rows(results_dir / name) if r["schedule"] in ours
+                and r["dtype"] in ("float16", "bfloat16", "tf32")]
         for r in rows:
-            kind = input_kind(r["dtype"])
-            size = 2 if kind["dtype"] != "float32" else 4
-            model = _model(r, backward)
-            d = int(r["d"])
-            spec = TensorCores(r["dtype"] if size == 2 else kind["precision"])
-            stride = size * tc_shared_layout(64, 64, d, d, False, spec).ks
-            q_rows = (int(r["heads"]) // int(r["kv_heads"]) if r["pack_gqa"] == "True"
-                      else 1) if decode else int(r["block_q"])
+            p, model = _hw_traffic_model(r)
+            size = p.itemsize
+            kind = input_kind(r["dtype"])  # the mma.sync build these runs ran
+            spec = TensorCores(r["dtype"] if kind["dtype"] != "float32" else kind["precision"])
+            stride = size * tc_shared_layout(p.block_q, p.block_k, p.d, p.dv, False, spec).ks
             loads = _read_bytes(model, size, model.tensors)
             q_bytes = _read_bytes(model, size, ("q",)) * (2 if backward else 1)  # and dO's
             if backward:  # the reductions' reads are in ncu's red column, not its loads
                 loads -= int(r["ncu_red_bytes"]) // 2
             kv = _read_bytes(model, size, ("k", "v"))
-            rule = (kv * (l1tex_copy_ratio(d * size, stride) - 1)
-                    + q_bytes * (l1tex_copy_ratio(d * size, stride, q_rows) - 1))
-            lse_part = model.read("lse_part")  # float32: (split, head) parts of q_rows each
-            sectors = lse_part // q_rows * (32 - 4 * q_rows) if lse_part else 0
+            rule = (kv * (l1tex_copy_ratio(p.d * size, stride) - 1)
+                    + q_bytes * (l1tex_copy_ratio(p.d * size, stride, p.block_q) - 1))
+            parts = model.read("lse_part") // p.block_q  # (split, head) parts of a block each
+            sectors = parts * (SECTOR - element_bytes("lse_part", size) * p.block_q)
             ncu = int(r["ncu_ld_bytes"])
             lines.append(f"| {name} | {_with_options(r)} | {r['dtype']} | {r['n']} | "
                          f"{r.get('n_k') or r['n']} | {r['causal']} | {loads:,} | {ncu:,} | "
                          f"{ncu - loads:,} | {rule:,.0f} | {sectors:,} | "
                          f"{ncu - loads - rule - sectors:,.0f} |")
     return "\n".join(lines)
-
 
 
 def bench_tuning(results_dir: Path) -> str:
