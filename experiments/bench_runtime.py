@@ -17,8 +17,9 @@ tflops,...), bench_blocksize.csv (block sizes vs model traffic and time) and ben
 (registers, local memory, counting overhead), and the ceilings measured in the same run:
 tensor_core_ceiling.json (mma.sync, for the tensor-core dtypes) and fma_ceiling.json (float32:
 a register-only FFMA loop and cuBLAS SGEMM), each with provenance. With --backward:
-bench_backward.csv, every backward order's forward + backward beside SDPA's on 64 x 64, or
-bench_backward_tiles.csv on each build of --grad-tiles.
+bench_backward.csv, every backward order's forward + backward beside SDPA's as a call naming
+no tiles runs them (each pass on the tiles it chooses), or bench_backward_tiles.csv on each
+build of --grad-tiles.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import itertools
 import json
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,6 +47,8 @@ from experiments.gpu_common import (
     warm,
     write_csv,
 )
+from loop_orders.api_grad import check_grad_launch, grad_problem, grad_tiles
+from loop_orders.core.schedule import backward_of
 from loop_orders.device import runtime
 from loop_orders.microkernel import tuning
 from loop_orders.microkernel.tensor_cores import TensorCores
@@ -287,9 +291,11 @@ def backward_providers(only: set[str] | None = None) -> list[tuple[str, dict | N
             if only is None or v.schedule in only]
 
 
-def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
+def bench_grad(name: str, options, p, rng, op_tiles) -> tuple[float, float, float | str, float]:
     """(forward ms, backward ms, forward + backward through the torch op ms, gradient
-    error) of one backward order; kernels alone except the torch op's."""
+    error) of one backward order, its passes on p's tiles (`Problem.for_backward`'s for the
+    backward); kernels alone except the torch op's, which names `op_tiles` (None, None: it
+    chooses them as p's were; None: not timed, the op naming no pair of p's)."""
     import torch
 
     import loop_orders.torch as lot
@@ -302,6 +308,8 @@ def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
     err = check_gradients(sched, p, *bufs.host[0], bufs.do_host, grads, rng)
     fwd = time_launches(bufs.launch)
     bwd = time_launches(bufs.launch_backward)
+    if op_tiles is None:
+        return fwd, bwd, "", err
     shape = (p.batch, p.heads)
 
     def tensor(x):  # bfloat16 host arrays hold its bits as uint16
@@ -312,8 +320,8 @@ def bench_grad(name: str, options, p, rng) -> tuple[float, float, float, float]:
     tdo = tensor(bufs.do_host)
 
     def op(_i):
-        out = lot.attention(tq, tk, tv, schedule=name, causal=p.causal, block_q=p.block_q,
-                            block_k=p.block_k, options=options, precision=p.precision)
+        out = lot.attention(tq, tk, tv, schedule=name, causal=p.causal, block_q=op_tiles[0],
+                            block_k=op_tiles[1], options=options, precision=p.precision)
         out.backward(tdo)
 
     return fwd, bwd, time_launches(op), err
@@ -339,76 +347,118 @@ def bench_torch_grad(backend: str, dtype: str, p, rng) -> float:
 
 
 class GradTiles(NamedTuple):
-    """A backward sweep's build: tiles, and the Q_i/dO_i buffers of a tensor-core K/V-outer
-    kernel (`tuning` q_stages; None: the schedule's rule)."""
+    """A backward sweep's build: tiles (the backward's own where `backward` names them), and
+    the Q_i/dO_i buffers of a tensor-core K/V-outer kernel (`tuning` q_stages; None: the
+    schedule's rule)."""
 
     block_q: int
     block_k: int
     q_stages: int | None = None
+    backward: tuple = ()
+
+    def label(self) -> str:
+        text = f"{self.block_q}x{self.block_k}"
+        text += ",{}x{}".format(*self.backward) if self.backward else ""
+        return text + (f"/{self.q_stages}" if self.q_stages else "")
+
+
+def grad_point(name: str, options, n: int, d: int, causal: bool, dtype: str,
+               tiles: GradTiles | None) -> lo.Problem:
+    """The Problem of one gradient call of the sweep (B, H from `shape_for`): on `tiles`,
+    or (None) as a call naming no tiles runs it, each pass on the tiles it chooses
+    (`api_grad.grad_tiles`: a refusal is a ValueError)."""
+    sched, kind = lo.get_schedule(name), input_kind(dtype)
+    problem = grad_problem(sched, n, n, d, d, *shape_for(n), None, kind["dtype"], causal,
+                           options, (-1, -1), False, kind.get("precision", "ieee"))
+    if tiles is None:
+        return grad_tiles(sched, backward_of(sched), problem(64, 64), problem, None, None,
+                          False, False)
+    p = problem(tiles.block_q, tiles.block_k)
+    return replace(p, backward_tiles=tiles.backward) if tiles.backward else p
 
 
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,
                  dtypes: tuple = ("float32", "float16"), tiles: tuple = ()) -> list[dict]:
     """Forward + backward of every backward order beside torch SDPA's (same run, same
-    shapes, B H N fixed), gradients checked against float64 on two heads first: on 64 x 64
-    into bench_backward.csv, or on each `GradTiles` of `tiles` into bench_backward_tiles.csv
-    (a q_stages column more). dtypes are labels (`input_kind`: "tf32x3" is float32 at that
-    precision, beside SDPA's float32)."""
-    swept, tiles = bool(tiles), tiles or (GradTiles(64, 64),)
+    shapes, B H N fixed), gradients checked against float64 on two heads first: as a call
+    naming no tiles runs (each pass on the tiles it chooses) into bench_backward.csv, or on
+    each `GradTiles` of `tiles` into bench_backward_tiles.csv (a q_stages column more). The
+    block_q, block_k columns are the forward's, backward_tiles the backward's. dtypes are
+    labels (`input_kind`: "tf32x3" is float32 at that precision, beside SDPA's float32)."""
+    swept, builds = bool(tiles), tiles or (None,)
     rows, last, timed = [], {}, set()
-    warm((name, lo.make_problem(name, n_q=n, d=d, batch=shape_for(n)[0], heads=shape_for(n)[1],
-                                block_q=bq, block_k=bk, causal=causal, save_lse=True,
-                                options=options, **input_kind(dtype)), True,
-          (("q_stages", q_stages),) if q_stages else ())
+    points = {}  # (name, options, d, causal, n, dtype, build): its Problem, or the refusal
+
+    def point(name, options, d, causal, n, dtype, build):
+        key = (name, str(options), d, causal, n, dtype, build)
+        if key not in points:
+            with tuning.tuned(q_stages=build.q_stages if build else None):
+                try:
+                    points[key] = grad_point(name, options, n, d, causal, dtype, build)
+                except ValueError as exc:
+                    points[key] = exc
+        return points[key]
+
+    warm((name, p, True, (("q_stages", build.q_stages),) if build and build.q_stages else ())
          for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"][:1])
-         for dtype in dtypes for name, options in backward_providers(only)
-         for bq, bk, q_stages in tiles)
+         for dtype in dtypes for name, options in backward_providers(only) for build in builds
+         if isinstance(p := point(name, options, d, causal, n, dtype, build), lo.Problem))
     for d, causal, n in itertools.product(sweep["d"], sweep["causal"], sweep["n"]):
         batch, heads = shape_for(n)
         for dtype in dtypes:
-            for (name, options), (bq, bk, q_stages) in itertools.product(
-                    backward_providers(only), tiles):
-                p = lo.make_problem(name, n_q=n, d=d, batch=batch, heads=heads,
-                                    block_q=bq, block_k=bk, causal=causal, save_lse=True,
-                                    options=options, **input_kind(dtype))
+            for (name, options), build in itertools.product(backward_providers(only), builds):
+                p = point(name, options, d, causal, n, dtype, build)
                 label = " ".join([name, *(f"{k}={v}" for k, v in (options or {}).items())])
                 row = {"provider": label, "dtype": dtype, "batch": batch, "heads": heads,
-                       "n": n, "d": d, "causal": causal, "block_q": bq, "block_k": bk,
-                       **({"q_stages": q_stages or ""} if swept else {}),
+                       "n": n, "d": d, "causal": causal, "block_q": "", "block_k": "",
+                       "backward_tiles": "",
+                       **({"q_stages": build.q_stages or ""} if swept else {}),
                        "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
                        "rel_error": "", "status": "ok"}
-                trend = (label, dtype, d, causal, bq, bk, q_stages)
+                trend = (label, dtype, d, causal, build)
                 predicted = 4 * last.get(trend, 0) / 1e3
-                if predicted > 4 * POINT_BUDGET_S:
+                if isinstance(p, lo.Problem):
+                    pb = p.for_backward()
+                    row.update(block_q=p.block_q, block_k=p.block_k,
+                               backward_tiles=f"{pb.block_q}x{pb.block_k}")
+                # the torch op names the sweep's tiles, or none as a user would
+                op_tiles = ((None, None) if build is None else
+                            None if build.backward else (build.block_q, build.block_k))
+                if not isinstance(p, lo.Problem):
+                    row["status"] = f"refused: {str(p).splitlines()[0][:160]}"
+                elif predicted > 4 * POINT_BUDGET_S:
                     row["status"] = f"skipped: predicted {predicted:.1f} s per launch"
                 else:
                     try:
-                        with tuning.tuned(q_stages=q_stages):
-                            lo.api.check_launch(lo.get_schedule(name), p, count=False)
-                            fwd, bwd, op, err = bench_grad(name, options, p, rng)
+                        with tuning.tuned(q_stages=build.q_stages if build else None):
+                            sched = lo.get_schedule(name)
+                            check_grad_launch(sched, backward_of(sched), p, False, False)
+                            fwd, bwd, op, err = bench_grad(name, options, p, rng, op_tiles)
                         row.update(ms_forward=round(fwd, 4), ms_backward=round(bwd, 4),
-                                   ms_total=round(fwd + bwd, 4), ms_torch_op=round(op, 4),
+                                   ms_total=round(fwd + bwd, 4),
+                                   ms_torch_op=round(op, 4) if op != "" else "",
                                    rel_error=f"{err:.2e}")
                         last[trend] = fwd + bwd
                     except (ValueError, RuntimeError, MemoryError) as exc:
                         row["status"] = f"refused: {str(exc).splitlines()[0][:160]}"
                 rows.append(row)
                 runtime.release_memory()
-                build = f"{bq}x{bk}" + (f"/{q_stages}" if q_stages else "")
+                shown = build.label() if build else (
+                    f"{row['block_q']}x{row['block_k']},{row['backward_tiles']} (chosen)")
                 print(f"backward {label:22s} {dtype} d={d} causal={causal!s:5} N={n:6d} "
-                      f"{build}: {row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
+                      f"{shown}: {row['ms_total']} ms (fwd {row['ms_forward']}, bwd "
                       f"{row['ms_backward']}; torch op {row['ms_torch_op']}) {row['status'][:40]}",
                       flush=True)
             for provider, tdtype, backend in BACKWARD_TORCH:
-                point = (provider, tdtype, d, causal, n)
-                if tdtype != input_kind(dtype)["dtype"] or point in timed:
+                point_key = (provider, tdtype, d, causal, n)
+                if tdtype != input_kind(dtype)["dtype"] or point_key in timed:
                     continue
-                timed.add(point)
+                timed.add(point_key)
                 p = lo.make_problem("q_outer", n_q=n, d=d, batch=batch, heads=heads,
                                     block_q=64, block_k=64, causal=causal, dtype=tdtype)
                 row = {"provider": provider, "dtype": tdtype, "batch": batch, "heads": heads,
                        "n": n, "d": d, "causal": causal, "block_q": "", "block_k": "",
-                       **({"q_stages": ""} if swept else {}),
+                       "backward_tiles": "", **({"q_stages": ""} if swept else {}),
                        "ms_forward": "", "ms_backward": "", "ms_total": "", "ms_torch_op": "",
                        "rel_error": "", "status": "ok"}
                 try:
@@ -710,11 +760,13 @@ def fma_ceiling() -> dict:
 PROV: dict = {}
 
 
-def grad_tiles(text: str) -> GradTiles:
-    """--grad-tiles' "BQxBK" or "BQxBK/S" (S Q_i/dO_i buffers) as a GradTiles."""
+def grad_build(text: str) -> GradTiles:
+    """--grad-tiles' "BQxBK", with ",BQxBK" for the backward's own and "/S" (S Q_i/dO_i
+    buffers), as a GradTiles."""
     tiles, _, stages = text.partition("/")
-    block_q, block_k = tiles.split("x")
-    return GradTiles(int(block_q), int(block_k), int(stages) if stages else None)
+    pairs = [tuple(int(x) for x in pair.split("x")) for pair in tiles.split(",")]
+    return GradTiles(*pairs[0], int(stages) if stages else None,
+                     pairs[1] if len(pairs) > 1 else ())
 
 
 def main(argv=None) -> int:
@@ -749,11 +801,13 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", help="block_q,block_k for every d (default: BLOCKS)")
     parser.add_argument("--backward", action="store_true",
                         help="only forward + backward beside SDPA's (bench_backward.csv)")
-    parser.add_argument("--grad-tiles", nargs="+", type=grad_tiles, metavar="BQxBK[/S]",
-                        default=(), help="--backward: each order on each of these tiles (S: "
-                        "Q_i/dO_i buffers of a tensor-core K/V-outer kernel, `tuning` "
-                        "q_stages), into bench_backward_tiles.csv (default: 64x64 into "
-                        "bench_backward.csv)")
+    parser.add_argument("--grad-tiles", nargs="+", type=grad_build,
+                        metavar="BQxBK[,BQxBK][/S]",
+                        default=(), help="--backward: each order on each of these tiles "
+                        "(a second pair: the backward's own; S: Q_i/dO_i buffers of a "
+                        "tensor-core K/V-outer kernel, `tuning` q_stages), into "
+                        "bench_backward_tiles.csv (default: the tiles a call naming none "
+                        "runs, into bench_backward.csv)")
     args = parser.parse_args(argv)
     if runtime.SIMULATOR:
         print("bench_runtime: no CUDA GPU here; nothing timed (plots use committed results)")

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import loop_orders as lo
-from loop_orders.api import fitting_tiles, named_tiles
-from loop_orders.api_grad import check_grad_launch, grad_problem
+from loop_orders.api import named_tiles
+from loop_orders.api_grad import grad_problem, grad_tiles
 from loop_orders.core.schedule import backward_of
 from loop_orders.results import atomic_write_text, provenance
 from loop_orders.warm import Job, warm
@@ -95,8 +95,8 @@ def grad_job(schedule: str, d: int, dtype: str, causal: bool) -> Job:
     sched = lo.get_schedule(schedule)
     problem = grad_problem(sched, 1024, 1024, d, d, BATCH, HEADS, None, dtype, causal, None,
                            (-1, -1), False)
-    p = fitting_tiles(problem(*named_tiles(None, None)), problem, None, None,
-                      lambda p: check_grad_launch(sched, backward_of(sched), p, False, False))
+    p = grad_tiles(sched, backward_of(sched), problem(*named_tiles(None, None)), problem,
+                   None, None, False, False)
     return Job(schedule, p, False, backward=True)
 
 

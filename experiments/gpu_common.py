@@ -128,20 +128,21 @@ class Buffers:
 
 class GradBuffers(Buffers):
     """Buffers for forward + backward: do, the forward's saved workspace, the gradients and
-    the backward's workspace too (allocated once; the kernels alone are timed)."""
+    the backward's workspace too (allocated once; the kernels alone are timed). The backward
+    runs `Problem.for_backward`."""
 
     def __init__(self, sched, p, rng, sets=1):
         super().__init__(sched, p, rng, sets)
-        self.bwd = backward_of(sched)
+        self.bwd, self.pb = backward_of(sched), p.for_backward()
         self.do_host = host_array(rng.standard_normal((p.bh, p.n_q, p.dv), dtype=np.float32), p)
         self.do = runtime.to_device(self.do_host)
         self.grads = [runtime.device_empty((p.bh, n, w), p.kernel_dtype)
                       for n, w in ((p.n_q, p.d), (p.n_k, p.d), (p.n_k, p.dv))]
-        self.bwd_workspace = self.bwd.allocate_workspace(p)
+        self.bwd_workspace = self.bwd.allocate_workspace(self.pb)
 
     def launch_backward(self, i=0, count=False):
         q, k, v = self.dev[i % len(self.dev)]
-        self.bwd.launch(self.p, q, k, v, self.out, self.do, self.lse, *self.grads, self.counts,
+        self.bwd.launch(self.pb, q, k, v, self.out, self.do, self.lse, *self.grads, self.counts,
                         scale=1.0 / math.sqrt(self.p.d), count=count,
                         forward_workspace=self.workspace, workspace=self.bwd_workspace)
 
@@ -190,7 +191,8 @@ def check_gradients(sched, p, q, k, v, do, grads_host, rng) -> float:
     bwd = backward_of(sched)
     # a TF32 forward's rounding reaches every backward (through lse and O), on any cores
     tol = (tf32_grad_tolerance(q[sub], k[sub], precision=p.precision, causal=p.causal)
-           if p.precision != "ieee" else grad_tolerance(p.dtype, bwd.output_roundings(p)))
+           if p.precision != "ieee" else grad_tolerance(p.dtype,
+                                                        bwd.output_roundings(p.for_backward())))
     errs = [relative_error(g[sub], r) for g, r in zip(grads_host, refs, strict=True)]
     if not all(np.isfinite(g).all() for g in grads_host) or max(errs) > tol:
         raise AssertionError(f"{sched.name} backward: errors {errs} > {tol:.2e} for "

@@ -157,7 +157,8 @@ def check_backward(c, dev, host, count: bool) -> dict:
                           precision=c["precision"])
     mask = mask_of(c)
     refs = attention_grad_reference(*host, mask=mask)
-    tol = grad_tolerances(*host, refs, c["dtype"], bwd.output_roundings(g.problem), mask=mask)
+    tol = grad_tolerances(*host, refs, c["dtype"], bwd.output_roundings(g.problem.for_backward()),
+                          mask=mask)
     if c["precision"] != "ieee":  # TF32 in both passes: its bound for every gradient
         bound = tf32_grad_tolerance(*host[:2], precision=c["precision"], mask=mask)
         tol = replace(tol, dq=bound, dk=bound, dv=bound)
@@ -174,7 +175,7 @@ def check_backward(c, dev, host, count: bool) -> dict:
         errs.append(err)
         if not (np.isfinite(got).all() and err <= bound):
             problems.append(f"{name} error {err:.3g} > {bound:.3g}")
-    model = lo.api.backward_traffic(bwd, g.problem)
+    model = lo.api.backward_traffic(bwd, g.problem.for_backward())
     if count and g.counts_backward != model:
         problems.append(f"backward counted {g.counts_backward} != model {model}")
     return {"errors": errs, "problems": problems}

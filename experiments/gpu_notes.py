@@ -886,12 +886,20 @@ def _beside(rows: list[dict], r: dict, provider: str | None) -> dict | None:
                  and all(x[k] == r[k] for k in key)), None)
 
 
+def _backward_tiles(r: dict) -> tuple[int, int]:
+    """The backward pass's tiles of a bench_backward.csv row of ours (the forward's in rows
+    from before the passes chose their own)."""
+    return tuple(int(x) for x in r["backward_tiles"].split("x")) if r.get("backward_tiles") \
+        else (int(r["block_q"]), int(r["block_k"]))
+
+
 def _backward_model(r: dict):
     """The backward pass's modelled traffic of a bench_backward.csv row of ours (a Ledger)."""
     name, *opts = r["provider"].split()
+    block_q, block_k = _backward_tiles(r)
     return lo.predict_traffic(
         name, int(r["n"]), int(r["d"]), batch=int(r["batch"]), heads=int(r["heads"]),
-        block_q=int(r["block_q"]), block_k=int(r["block_k"]), causal=r["causal"] == "True",
+        block_q=block_q, block_k=block_k, causal=r["causal"] == "True",
         save_lse=True, options=dict(o.split("=") for o in opts) or None, backward=True,
         **input_kind(r["dtype"]))
 
@@ -919,6 +927,13 @@ def backward_verdicts(rows: list[dict]) -> list[dict]:
             for _, r in sorted(best.items())]
 
 
+def _tiles_of(r: dict) -> str:
+    """A row's tiles: "forward BQxBK, backward BQxBK", or one pair where both passes ran it."""
+    forward, backward = (int(r["block_q"]), int(r["block_k"])), _backward_tiles(r)
+    return ("{}x{}".format(*forward) if forward == backward else
+            "forward {}x{}, backward {}x{}".format(*forward, *backward))
+
+
 def backward_summary(results_dir: Path) -> str:
     """The training verdict: per shape and input kind, the fastest backward order's forward +
     backward against SDPA's same-dtype backend (and cuDNN) timed in the same process."""
@@ -926,7 +941,7 @@ def backward_summary(results_dir: Path) -> str:
     rows = _rows(path)
     if rows is None:
         return _missing(path)
-    lines = ["| N | d | causal | inputs | fastest order | forward + backward ms | vs SDPA "
+    lines = ["| N | d | causal | inputs | fastest order (tiles) | forward + backward ms | vs SDPA "
              "(flash; efficient for float32) | vs SDPA cuDNN | TFLOP/s | GPU, commit |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for v in backward_verdicts(rows):
@@ -934,7 +949,7 @@ def backward_summary(results_dir: Path) -> str:
         base = v["baseline"]
         theirs = f" ({_ms(base['ms_total'])} ms)" if base else ""
         lines.append(f"| {r['n']} | {r['d']} | {'yes' if r['causal'] == 'True' else 'no'} | "
-                     f"{r['dtype']} | {r['provider']} | {v['ms']:.2f} | "
+                     f"{r['dtype']} | {r['provider']} ({_tiles_of(r)}) | {v['ms']:.2f} | "
                      f"{_ratio(base, r, 'ms_total')}{theirs}"
                      f" | {_ratio(v['next'], r, 'ms_total')} | {_fa_tflops(r, v['ms']):.0f} | "
                      f"{r['device'].replace('NVIDIA ', '')}, {r['git_sha']} |")
@@ -966,7 +981,8 @@ def backward_bench(results_dir: Path) -> str:
             model, rate = f"{gb:.2f}", f"{gb / float(r['ms_backward']):.2f}"
         lines.append(f"| {'yes' if r['causal'] == 'True' else 'no'} | {r['n']} | {r['d']} | "
                      f"{int(r['batch']) * int(r['heads'])} | {r['dtype']} | "
-                     f"{r['provider']} | {_ms(r['ms_forward'])} | {_ms(r['ms_backward'])} | "
+                     f"{r['provider']}{f' ({_tiles_of(r)})' if mine else ''} | "
+                     f"{_ms(r['ms_forward'])} | {_ms(r['ms_backward'])} | "
                      f"{_ms(r['ms_total'])} | {_ms(r['ms_torch_op'])} | {vs} | {vs_next} | "
                      f"{model} | {rate} | {r['rel_error'] or '—'} |")
     runs = sorted({(r["device"], r["git_sha"], r["date"]) for r in ok})

@@ -219,7 +219,7 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
         flops = flops * 7 // 2
         from .core.schedule import backward_of
 
-        threads = max(threads, backward_of(sched).threads(p))
+        threads = max(threads, backward_of(sched).threads(p.for_backward()))
     moved = sched.model(p).total
     ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc))
     launches = len(sched.kernels(p, False)) + (3 if backward else 0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -90,11 +90,13 @@ def backward_memory(bwd: BackwardSchedule, p: Problem, count: bool,
 
 def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bool,
                    host: bool, simulator_budget: bool = True) -> None:
-    """The backward's own refusals: its checks, every kernel's shared memory, device memory
-    of both passes together, the simulator's budget (unless `simulator_budget` is False)."""
-    bwd.check_kernels(p, count)
+    """The backward's own refusals (on `Problem.for_backward`'s tiles): its checks, every
+    kernel's shared memory, device memory of both passes together, the simulator's budget
+    (unless `simulator_budget` is False)."""
+    bwd.check_kernels(p.for_backward(), count)
+    backward = backward_memory(bwd, p.for_backward(), count, host)
     parts = {**{f"forward {k}": v for k, v in memory_need(sched, p, count, host).items()},
-             **{f"backward {k}": v for k, v in backward_memory(bwd, p, count, host).items()}}
+             **{f"backward {k}": v for k, v in backward.items()}}
     total = sum(parts.values())
     limit, where = runtime.memory_limit()
     if total > limit:
@@ -181,7 +183,7 @@ class GradCall:
 
     def backward(self, saved: Saved, q, k, v, do):
         """(dq, dk, dv, backward ledger) as the caller's kind of array."""
-        p, kind, inputs = self.p, self.inputs.kind, self.inputs
+        p, kind, inputs = self.p.for_backward(), self.inputs.kind, self.inputs
         operands = operands_of(inputs, q, k, v)
         do_kind = arrays.kind_of(do)
         do = do_kind.operand(do)
@@ -248,6 +250,27 @@ def check_grad_launch(sched, bwd, p: Problem, count: bool, host: bool) -> None:
     check_backward(sched, bwd, p, count, host)
 
 
+def grad_tiles(sched, bwd, p: Problem, problem, block_q, block_k, count: bool,
+               host: bool) -> Problem:
+    """The checked Problem of a gradient call: p (its tiles `named_tiles(block_q, block_k)`;
+    `problem(block_q, block_k)` makes others). Tiles named: both passes run them. None
+    named: each pass its own, as `fitting_tiles` chooses them for that pass alone, trying
+    first the tiles it was measured fastest with (the forward's `Schedule.fast_tiles`, the
+    backward's `BackwardSchedule.fast_tiles`); the backward's go in `Problem.backward_tiles`
+    where they differ (a backward reads the forward's O and lse, and a workspace whose
+    shape no tile sets)."""
+    if block_q is None and block_k is None:
+        forward = fitting_tiles(p, problem, None, None, lambda c: check_launch(
+            sched, c, count, host_inputs=host, simulator_budget=False), sched.fast_tiles(p))
+        backward = fitting_tiles(p, problem, None, None, lambda c: check_backward(
+            sched, bwd, c, count, host, simulator_budget=False), bwd.fast_tiles(p))
+        tiles = (backward.block_q, backward.block_k)
+        p = forward if tiles == (forward.block_q, forward.block_k) else \
+            replace(forward, backward_tiles=tiles)
+    check_grad_launch(sched, bwd, p, count, host)
+    return p
+
+
 def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options, count,
                  timed, window=(-1, -1), pack_gqa=False, precision="ieee") -> GradCall:
     """Every check of `attention_grad`, in the order the error messages promise (a call
@@ -270,8 +293,7 @@ def prepare_grad(q, k, v, do, schedule, block_q, block_k, causal, scale, options
     p = problem(*named_tiles(block_q, block_k))
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count, timed = _check_bool("count", count), _check_bool("timed", timed)
-    p = fitting_tiles(p, problem, block_q, block_k,
-                      lambda p: check_grad_launch(sched, bwd, p, count, inp.host))
+    p = grad_tiles(sched, bwd, p, problem, block_q, block_k, count, inp.host)
     call = GradCall(sched, bwd, p, inp, scale, count, timed, clamped_blocks(p, block_q,
                                                                             block_k))
     # a new shape: its forward and backward kernels compile at once, not pass by pass
@@ -297,10 +319,12 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
     array as q; `lse` is float32. With `count`, the counted kernels run and the ledgers of
     each pass are returned (the forward's includes what it saves for the backward).
     `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
-    Tiles as for `attention`, the forward's and the backward's kernels both fitting when
-    chosen. With fewer K/V heads than query heads (grouped-query attention) dk and dv have
-    k's and v's heads; `pack_gqa` and `cu_seqlens_q`, `cu_seqlens_k` (varlen: do packed like
-    the output, dq, dk, dv like q, k, v) as for `attention`. `precision` ("tf32", "tf32x3":
+    Tiles named run both passes; none named, each pass runs the tiles it chooses
+    (`grad_tiles`: the backward's in `problem.backward_tiles` where they differ, its Problem
+    `problem.for_backward()`; varlen calls keep one pair for both). With fewer K/V heads
+    than query heads (grouped-query attention) dk and dv have k's and v's heads; `pack_gqa`
+    and `cu_seqlens_q`, `cu_seqlens_k` (varlen: do packed like the output, dq, dk, dv like
+    q, k, v) as for `attention`. `precision` ("tf32", "tf32x3":
     float32 inputs) as for `attention`, for both passes: the backward's five products on TF32
     tensor cores (3xTF32: about float32's accuracy) instead of float32 FMA.
     """

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from . import api, varlen
-from .api import _check_int, fitting_tiles, named_tiles
-from .api_grad import GradCall, check_grad_launch, grad_problem, prepare_grad
+from .api import _check_int, named_tiles
+from .api_grad import GradCall, grad_problem, grad_tiles, prepare_grad
 from .core.ledger import Ledger
 from .core.mask import check_window
 from .core.schedule import Problem, backward_of, get_schedule
@@ -82,8 +82,9 @@ def counting():
 def _record(call: GradCall, pass_: str, ledger: Ledger | None, collected) -> None:
     if collected is None or ledger is None:
         return
-    model = (call.sched if pass_ == "forward" else call.bwd).model(call.p)
-    collected.append(Counted(call.sched.name, pass_, call.p, ledger, model))
+    p = call.p if pass_ == "forward" else call.p.for_backward()
+    model = (call.sched if pass_ == "forward" else call.bwd).model(p)
+    collected.append(Counted(call.sched.name, pass_, p, ledger, model))
 
 
 def encode_options(options: dict | None) -> str:
@@ -156,8 +157,7 @@ def _forward_shapes(q, k, v, schedule, options, causal, block_q, block_k, scale,
     # the tiles the call will run with, chosen as `_call` chooses them (counted builds take
     # a little more shared memory)
     bwd = backward_of(sched)
-    p = fitting_tiles(problem(*named_tiles(*tiles)), problem, *tiles,
-                      lambda p: check_grad_launch(sched, bwd, p, count, False))
+    p = grad_tiles(sched, bwd, problem(*named_tiles(*tiles)), problem, *tiles, count, False)
     kept = sched.allocate_workspace(
         p, lambda shape, dtype: q.new_empty(shape, dtype=numpy_to_torch_dtype(dtype))
     ) if bwd.READS_FORWARD_WORKSPACE else ()

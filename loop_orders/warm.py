@@ -62,11 +62,11 @@ def recorded_launches(sched, p: Problem, count: bool, backward: bool) -> list:
         workspace = sched.allocate_workspace(p, view)
         sched.launch(p, q, k, v, o, lse, counts, scale=0.125, count=count, workspace=workspace)
         if backward:
-            bwd = backward_of(sched)
+            bwd, pb = backward_of(sched), p.for_backward()
             # dK, dV per query head (summed per K/V head afterwards under grouping)
-            bwd.launch(p, q, k, v, o, o, lse, view(q.shape, dt), view((p.bh, p.n_k, p.d), dt),
+            bwd.launch(pb, q, k, v, o, o, lse, view(q.shape, dt), view((p.bh, p.n_k, p.d), dt),
                        view((p.bh, p.n_k, p.dv), dt), counts, scale=0.125, count=count,
-                       forward_workspace=workspace, workspace=bwd.allocate_workspace(p, view))
+                       forward_workspace=workspace, workspace=bwd.allocate_workspace(pb, view))
     return launches
 
 
@@ -98,7 +98,7 @@ def _accepted(job: Job) -> Job | None:
         return None
     if job.backward:
         try:
-            backward_of(sched).check_kernels(job.problem, job.count)
+            backward_of(sched).check_kernels(job.problem.for_backward(), job.count)
         except (ValueError, TypeError):
             return job._replace(backward=False)
     return job

@@ -1,7 +1,11 @@
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 
 import loop_orders as lo
+from loop_orders import api_grad
+from loop_orders.core.schedule import backward_of
 from loop_orders.device import runtime
 
 gpu = pytest.mark.skipif(runtime.SIMULATOR, reason="needs a CUDA GPU (running on the simulator)")
@@ -35,3 +39,14 @@ def fresh_calls():
     lo.api._CALLS.clear()
     yield
     lo.api._CALLS.clear()
+
+
+@pytest.fixture
+def backward_tiles_16x8(monkeypatch):
+    """q_outer's backward measured fastest on 16 x 8 (as on a GPU where its `fast_tiles`
+    say so), and no gradient call prepared before: each pass of a call naming no tiles
+    then runs its own tiles (the forward 64 x 64 clamped to N)."""
+    bwd = backward_of(lo.get_schedule("q_outer"))
+    monkeypatch.setattr(type(bwd), "fast_tiles", lambda self, p: (16, 8))
+    monkeypatch.setattr(api_grad, "_CALLS", OrderedDict())
+    return bwd

@@ -46,6 +46,50 @@ def test_the_backward_orders_are_registered():
     assert lo.schedule_options("q_outer") == {"dq": "atomic"}
 
 
+@pytest.mark.parametrize("options", [{"dq": "atomic"}, {"dq": "separate"}])
+def test_a_call_naming_no_tiles_runs_its_backward_on_the_backwards_tiles(
+        backward_tiles_16x8, options, rng):
+    """Gradients right, the forward counted on its tiles and the backward on its own
+    (`Problem.for_backward`), each equal to its model; tiles named keep both passes on
+    them."""
+    bwd, n, d, dv = backward_tiles_16x8, 21, 5, 3
+    q, k, v = random_qkv(rng, 1, 2, n, d, dv)
+    do = rng.standard_normal((1, 2, n, dv)).astype(np.float32)
+    g = lo.attention_grad(q, k, v, do, causal=True, options=options, count=True)
+    pb = g.problem.for_backward()
+    assert (g.problem.block_q, g.problem.block_k, g.problem.backward_tiles) == (n, n, (16, 8))
+    assert (pb.block_q, pb.block_k, pb.backward_tiles) == (16, 8, ())
+    assert "backward_tiles=16x8" in g.problem.describe()
+    refs = attention_grad_reference(q, k, v, do, causal=True)
+    for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
+        assert relative_error(got, ref) <= grad_tolerance("float32", bwd.output_roundings(pb))
+    assert g.counts_forward == lo.get_schedule("q_outer").model(g.problem)
+    assert g.counts_backward == bwd.model(pb) != bwd.model(dataclasses.replace(pb, block_q=n,
+                                                                               block_k=n))
+    named = lo.attention_grad(q, k, v, do, causal=True, options=options, block_q=16,
+                              block_k=16, count=True)
+    assert named.problem.backward_tiles == () and named.problem.for_backward() is named.problem
+    assert named.counts_backward == bwd.model(named.problem)
+
+
+def test_each_pass_falls_back_to_tiles_that_fit_it_alone(monkeypatch):
+    """Where the backward's tiles do not fit at a head dim and the forward's do, only the
+    backward moves to smaller ones (a joint choice would shrink the forward too). Checks
+    only: nothing runs."""
+    from loop_orders import api_grad
+
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "1e9")
+    sched = lo.get_schedule("q_outer")
+    bwd = backward_of(sched)
+    problem = api_grad.grad_problem(sched, 512, 512, 256, 256, 1, 1, None, "float32", False,
+                                    None, (-1, -1), False)
+    p = api_grad.grad_tiles(sched, bwd, problem(64, 64), problem, None, None, False, False)
+    assert (p.block_q, p.block_k) == (64, 64)
+    assert p.backward_tiles and p.backward_tiles[0] * p.backward_tiles[1] < 64 * 64
+    with pytest.raises(ValueError, match="block_k"):  # named: refused, not moved
+        api_grad.grad_tiles(sched, bwd, problem(64, 64), problem, 64, 64, False, False)
+
+
 @pytest.mark.parametrize("schedule, options", VARIANTS, ids=IDS)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gradients_and_counts(schedule, options, case, rng):
@@ -57,13 +101,13 @@ def test_gradients_and_counts(schedule, options, case, rng):
     ref_out, ref_lse = lo.attention_reference(q, k, v, causal=causal)
     refs = attention_grad_reference(q, k, v, do, causal=causal)
     bwd = backward_of(lo.get_schedule(schedule))
-    roundings = bwd.output_roundings(g.problem)
+    roundings = bwd.output_roundings(g.problem.for_backward())
     for name, got, ref in zip(("dq", "dk", "dv"), (g.dq, g.dk, g.dv), refs, strict=True):
         assert got.shape == ref.shape and got.dtype == np.dtype(dtype), name
         assert relative_error(got, ref) <= grad_tolerance(dtype, roundings), name
     np.testing.assert_allclose(g.lse, ref_lse, rtol=1e-5, atol=1e-5)
     assert relative_error(g.out, ref_out) <= 1e-5 or dtype == "float16"
-    assert g.counts_backward == bwd.model(g.problem)
+    assert g.counts_backward == bwd.model(g.problem.for_backward())
     assert g.counts_forward == lo.get_schedule(schedule).model(g.problem)
     assert g.problem.save_lse  # the forward keeps lse for the backward
 
@@ -118,7 +162,7 @@ def test_tf32_backward_runs_on_tensor_cores(variant, precision, rng):
                           causal=True, options=variant.options, count=True,
                           precision=precision)
     bwd = backward_of(lo.get_schedule(variant.schedule))
-    assert bwd.tensor_cores(g.problem) == TensorCores(precision)
+    assert bwd.tensor_cores(g.problem.for_backward()) == TensorCores(precision)
     refs = attention_grad_reference(q, k, v, do, mask=g.problem.mask)
     tol = tf32_grad_tolerance(q, k, precision=precision, mask=g.problem.mask)
     for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):

@@ -183,8 +183,8 @@ def test_gradients_at_scale(schedule, options, causal, dtype, rng):
     errs = [relative_error(got, ref) for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True)]
     print(f"{schedule} {options} causal={causal} {dtype}: dq dk dv errors "
           f"{', '.join(f'{e:.2e}' for e in errs)}; {g.ms:.2f} ms forward + backward")
-    assert max(errs) <= grad_tolerance(dtype, bwd.output_roundings(g.problem))
-    assert g.counts_backward == bwd.model(g.problem)
+    assert max(errs) <= grad_tolerance(dtype, bwd.output_roundings(g.problem.for_backward()))
+    assert g.counts_backward == bwd.model(g.problem.for_backward())
 
 
 @gpu
@@ -646,7 +646,7 @@ def test_repeated_calls_replay_the_first_calls_launches(schedule, options, rng):
             assert relative_error(got.float().cpu().numpy(), ref) <= 1e-2
         if count:
             bwd = backward_of(lo.get_schedule(schedule))
-            assert g.counts_backward == backward_traffic(bwd, g.problem)
+            assert g.counts_backward == backward_traffic(bwd, g.problem.for_backward())
     # an output gradient 2 bytes into its buffer: another alignment, the schedule's Python
     # (16-bit tiles are copied 16 bytes at a time: refused, before anything runs)
     q, k, v, do = inputs()

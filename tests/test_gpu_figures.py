@@ -124,6 +124,48 @@ def test_bench_sweep_resumes_points_of_the_same_commit(tmp_path, monkeypatch):
         assert len(list(csv.DictReader(f))) == 2
 
 
+def test_backward_sweep_times_what_a_call_naming_no_tiles_runs(tmp_path, monkeypatch,
+                                                                backward_tiles_16x8):
+    """bench_backward.csv's rows: each pass on the tiles a call naming none chooses (the
+    forward's in block_q, block_k, the backward's in backward_tiles), the torch op naming
+    none; --grad-tiles' builds on theirs (a second pair the backward's, the op not timed);
+    the notes' model and tiles read the backward's."""
+    from experiments import bench_runtime as bench
+    from experiments import gpu_notes
+    from loop_orders.results import provenance
+
+    monkeypatch.setattr(bench, "PROV", provenance())
+    monkeypatch.setenv("LOOP_ORDERS_SIMULATOR_BUDGET_S", "1e12")  # checks only: none runs
+    timed = []
+
+    def fake_grad(name, options, p, rng, op_tiles):
+        pb = p.for_backward()
+        timed.append(((p.block_q, p.block_k), (pb.block_q, pb.block_k), op_tiles))
+        return 1.0, 2.0, 3.5, 1e-6
+
+    monkeypatch.setattr(bench, "bench_grad", fake_grad)
+    monkeypatch.setattr(bench, "bench_torch_grad", lambda *args: 3.0)
+    sweep = {"n": [256], "d": [64], "causal": [False]}
+    rows = bench.run_backward(tmp_path, sweep, None, only={"q_outer"}, dtypes=("float32",))
+    assert timed == [((64, 64), (16, 8), (None, None))] * 2  # dq atomic, separate
+    ours = [r for r in rows if r["block_q"]]
+    assert [(r["block_q"], r["block_k"], r["backward_tiles"]) for r in ours] == \
+        [(64, 64, "16x8")] * 2
+    assert gpu_notes._backward_model(ours[0]) == lo.predict_traffic(
+        "q_outer", 256, 64, batch=ours[0]["batch"], heads=ours[0]["heads"], block_q=16,
+        block_k=8, save_lse=True, options={"dq": "atomic"}, backward=True)
+    summary = gpu_notes.backward_summary(tmp_path)
+    assert "q_outer dq=atomic (forward 64x64, backward 16x8)" in summary
+    builds = [bench.grad_build(text) for text in ("32x32", "64x64,16x16/1")]
+    assert builds[1] == bench.GradTiles(64, 64, 1, (16, 16)) and builds[1].label() == \
+        "64x64,16x16/1"
+    timed.clear()
+    rows = bench.run_backward(tmp_path, sweep, None, only={"q_outer"}, dtypes=("float32",),
+                              tiles=tuple(builds))
+    assert timed == [((32, 32), (32, 32), (32, 32)), ((64, 64), (16, 16), None)] * 2
+    assert (tmp_path / "bench_backward_tiles.csv").exists()
+
+
 def test_plot_blocksize_draws_traffic_and_runtime(tmp_path):
     base = {"device": "fixture", "git_sha": "f" * 40, "date": "2026-11-30", "n": 4096,
             "d": 64, "batch": 4, "heads": 16, "block_k": 64}

@@ -106,8 +106,9 @@ def test_tensor_core_backward_takes_the_mask(variant, case, rng):
     g = lo.attention_grad(q, k, v, do, schedule=variant.schedule, block_q=bq, block_k=bk,
                           causal=causal, window=window, options=variant.options, count=True)
     bwd = backward_of(lo.get_schedule(variant.schedule))
-    assert bwd.tensor_cores(g.problem) is not None  # the mask keeps the tensor cores
-    tol = grad_tolerance("float16", bwd.output_roundings(g.problem))
+    pb = g.problem.for_backward()
+    assert bwd.tensor_cores(pb) is not None  # the mask keeps the tensor cores
+    tol = grad_tolerance("float16", bwd.output_roundings(pb))
     refs = attention_grad_reference(q, k, v, do, mask=g.problem.mask)
     for got, ref in zip((g.dq, g.dk, g.dv), refs, strict=True):
         assert relative_error(got, ref) <= tol

@@ -89,6 +89,22 @@ def test_counting_collects_each_pass_and_equals_the_model():
     assert len(calls) == 3
 
 
+def test_counting_sees_each_pass_on_its_own_tiles(backward_tiles_16x8):
+    """A call naming no tiles, its backward measured fastest on others: torch.compile's
+    fake kernels give the shapes, and each pass is counted against its own Problem."""
+    q, k, v = leaves((1, 2, 21, 5))
+    with lot.counting() as calls:
+        out = torch.compile(lot.attention, backend="aot_eager", fullgraph=True)(q, k, v)
+        out.sum().backward()
+    assert [(c.pass_, c.problem.block_q, c.problem.block_k) for c in calls] == [
+        ("forward", 21, 21), ("backward", 16, 8)]
+    assert all(c.ledger == c.model for c in calls)
+    expect = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*expect).sum().backward()
+    for got, ref in zip((q, k, v), expect, strict=True):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_two_dimensional_inputs_and_a_custom_scale():
     q, k, v = leaves((7, 4))
     out = lot.attention(q, k, v, scale=0.3)

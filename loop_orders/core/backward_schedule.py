@@ -65,6 +65,12 @@ class BackwardSchedule(ABC):
         or None: CUDA cores, unless a backward order says otherwise."""
         return None
 
+    def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
+        """(block_q, block_k) a gradient call that names no tiles tries first for this
+        backward, where it was measured faster on them than on the forward's at p's head dim
+        and precision on this device (`api_grad.grad_tiles`), else None."""
+        return None
+
     def loop_nest(self) -> str:
         return textwrap.dedent(self.LOOP_NEST).strip("\n")
 

@@ -19,7 +19,7 @@ import textwrap
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -107,6 +107,9 @@ class Problem:
     precision: str = "ieee"  # "tf32", "tf32x3": float32 inputs on TF32 tensor cores
     window: tuple = (-1, -1)  # (left, right) keys around a row's diagonal; -1: unbounded
     group: int = 1  # query heads per K/V head (grouped-query attention: heads / kv_heads)
+    # (block_q, block_k) of a gradient call's backward pass where they are not the forward's:
+    # chosen apart when the caller names no tiles (`api_grad.grad_tiles`); () otherwise
+    backward_tiles: tuple = ()
 
     @property
     def mask(self) -> Mask:
@@ -145,6 +148,14 @@ class Problem:
     @property
     def itemsize(self) -> int:
         return self.kernel_dtype.itemsize
+
+    def for_backward(self) -> Problem:
+        """The Problem a gradient call's backward pass runs: this one, on `backward_tiles`
+        where they are set (its model, kernels and checks read this one)."""
+        if not self.backward_tiles:
+            return self
+        block_q, block_k = self.backward_tiles
+        return replace(self, block_q=block_q, block_k=block_k, backward_tiles=())
 
     def option(self, name: str):
         for key, value in self.options:
@@ -211,6 +222,9 @@ class Problem:
             text += f" H_kv={self.kv_heads}"
         if self.precision != "ieee":
             text += f" precision={self.precision}"
+        if self.backward_tiles:
+            block_q, block_k = self.backward_tiles
+            text += f" backward_tiles={block_q}x{block_k}"
         return text + "".join(f" {k}={v}" for k, v in self.options)
 
 
