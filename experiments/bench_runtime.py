@@ -31,7 +31,6 @@ import itertools
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -374,7 +373,7 @@ def grad_point(name: str, options, n: int, d: int, causal: bool, dtype: str,
         return grad_tiles(sched, backward_of(sched), problem(64, 64), problem, None, None,
                           False, False)
     p = problem(tiles.block_q, tiles.block_k)
-    return replace(p, backward_tiles=tiles.backward) if tiles.backward else p
+    return p.with_backward_tiles(*tiles.backward) if tiles.backward else p
 
 
 def run_backward(out_dir: Path, sweep: dict, rng, only: set[str] | None = None,

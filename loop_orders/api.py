@@ -668,6 +668,7 @@ def predict_traffic(schedule: str, n: int | None, d: int, dv: int | None = None,
 
 
 def backward_traffic(bwd, p: Problem) -> Ledger:
-    """What the backward pass of p moves: its loop order's model, plus (grouped-query
-    attention per query head) the sums of dK and dV over each K/V head's query heads."""
-    return bwd.model(p) + group_sum_traffic(p)
+    """What the backward pass of p moves: its loop order's model (on `Problem.for_backward`'s
+    tiles), plus (grouped-query attention per query head) the sums of dK and dV over each
+    K/V head's query heads."""
+    return bwd.model(p.for_backward()) + group_sum_traffic(p)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -243,31 +243,33 @@ def grad_problem(sched, n_q, n_k, d, dv, batch, heads, kv_heads, dtype, causal, 
     return problem
 
 
-def check_grad_launch(sched, bwd, p: Problem, count: bool, host: bool) -> None:
+def check_grad_launch(sched, bwd, p: Problem, count: bool, host: bool,
+                      simulator_budget: bool = True) -> None:
     """A gradient call's launch checks: the forward's (no simulator budget of its own) and
-    the backward's."""
+    the backward's (with both passes' simulator budget unless `simulator_budget` is
+    False)."""
     check_launch(sched, p, count, host_inputs=host, simulator_budget=False)
-    check_backward(sched, bwd, p, count, host)
+    check_backward(sched, bwd, p, count, host, simulator_budget)
 
 
-def grad_tiles(sched, bwd, p: Problem, problem, block_q, block_k, count: bool,
-               host: bool) -> Problem:
+def grad_tiles(sched, bwd, p: Problem, problem, block_q, block_k, count: bool, host: bool,
+               simulator_budget: bool = True, forward_fast: bool = True) -> Problem:
     """The checked Problem of a gradient call: p (its tiles `named_tiles(block_q, block_k)`;
     `problem(block_q, block_k)` makes others). Tiles named: both passes run them. None
     named: each pass its own, as `fitting_tiles` chooses them for that pass alone, trying
     first the tiles it was measured fastest with (the forward's `Schedule.fast_tiles`, the
     backward's `BackwardSchedule.fast_tiles`); the backward's go in `Problem.backward_tiles`
     where they differ (a backward reads the forward's O and lse, and a workspace whose
-    shape no tile sets)."""
+    shape no tile sets). `simulator_budget` as for `check_grad_launch`; `forward_fast`
+    False: the forward does not try its fast tiles (varlen, whose `lo.attention` does not)."""
     if block_q is None and block_k is None:
         forward = fitting_tiles(p, problem, None, None, lambda c: check_launch(
-            sched, c, count, host_inputs=host, simulator_budget=False), sched.fast_tiles(p))
+            sched, c, count, host_inputs=host, simulator_budget=False),
+            sched.fast_tiles(p) if forward_fast else None)
         backward = fitting_tiles(p, problem, None, None, lambda c: check_backward(
             sched, bwd, c, count, host, simulator_budget=False), bwd.fast_tiles(p))
-        tiles = (backward.block_q, backward.block_k)
-        p = forward if tiles == (forward.block_q, forward.block_k) else \
-            replace(forward, backward_tiles=tiles)
-    check_grad_launch(sched, bwd, p, count, host)
+        p = forward.with_backward_tiles(backward.block_q, backward.block_k)
+    check_grad_launch(sched, bwd, p, count, host, simulator_budget)
     return p
 
 
@@ -321,7 +323,7 @@ def attention_grad(q, k, v, do, schedule: str = "q_outer", block_q: int | None =
     `causal` and `window` as for `attention`; a row that sees no key gets zero gradients.
     Tiles named run both passes; none named, each pass runs the tiles it chooses
     (`grad_tiles`: the backward's in `problem.backward_tiles` where they differ, its Problem
-    `problem.for_backward()`; varlen calls keep one pair for both). With fewer K/V heads
+    `problem.for_backward()`; varlen: each sequence's, `problems`). With fewer K/V heads
     than query heads (grouped-query attention) dk and dv have k's and v's heads; `pack_gqa`
     and `cu_seqlens_q`, `cu_seqlens_k` (varlen: do packed like the output, dq, dk, dv like
     q, k, v) as for `attention`. `precision` ("tf32", "tf32x3":

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import api
-from .api_grad import GradResult, backward_memory, check_backward
+from .api_grad import GradResult, backward_memory, check_grad_launch, grad_tiles
 from .core.ledger import Ledger, n_slots
 from .core.schedule import Problem, Schedule, backward_of, get_schedule
 from .device import arrays, runtime
@@ -155,12 +155,14 @@ def check_unpacked(pack_gqa) -> None:
 
 
 def sequence_problems(sched: Schedule, packed: Packed, block_q, block_k, check,
-                      **kw) -> tuple[Problem, ...]:
+                      choose=None, **kw) -> tuple[Problem, ...]:
     """Each sequence's Problem (batch 1, its lengths; `kw` as for `api.make_problem`), on
-    the tiles named, or chosen as `api.fitting_tiles` chooses them for the sequence of the
-    most (query, key) pairs (shared memory depends on the tiles, not on n); `check(p)`
-    accepts each, or refuses. As in any call, a tile longer than a sequence is clamped to
-    it: a sequence shorter than the tiles runs (and compiles) kernels of its own size."""
+    the tiles named, or chosen for the sequence of the most (query, key) pairs (shared
+    memory depends on the tiles, not on n) by `choose(first, problem, block_q, block_k)`:
+    `api.fitting_tiles` with `check` unless given (a gradient call's `api_grad.grad_tiles`,
+    each pass its own: `Problem.backward_tiles`); `check(p)` accepts each, or refuses. As in
+    any call, a tile longer than a sequence is clamped to it: a sequence shorter than the
+    tiles runs (and compiles) kernels of its own size."""
     def problem(n_q: int, n_k: int, bq: int, bk: int) -> Problem:
         return api.make_problem(sched, n_q=n_q, n_k=n_k, d=packed.d, dv=packed.dv, batch=1,
                                 heads=packed.heads, kv_heads=packed.kv_heads, block_q=bq,
@@ -170,10 +172,12 @@ def sequence_problems(sched: Schedule, packed: Packed, block_q, block_k, check,
     largest = max(packed.seqs.with_queries(), key=lambda seq: seq.n_q * seq.n_k)
     longest = largest.n_q, largest.n_k
     first = problem(*longest, *api.named_tiles(block_q, block_k))
-    chosen = api.fitting_tiles(first, lambda bq, bk: problem(*longest, bq, bk), block_q,
-                               block_k, check)
-    tiles = (chosen.block_q, chosen.block_k)
-    problems = tuple(problem(nq, nk, *tiles) for _, nq, _, nk in packed.seqs.with_queries())
+    choose = choose or (lambda p, make, bq, bk: api.fitting_tiles(p, make, bq, bk, check))
+    chosen = choose(first, lambda bq, bk: problem(*longest, bq, bk), block_q, block_k)
+    tiles, backward = (chosen.block_q, chosen.block_k), chosen.for_backward()
+    problems = tuple(problem(nq, nk, *tiles).with_backward_tiles(backward.block_q,
+                                                                 backward.block_k)
+                     for _, nq, _, nk in packed.seqs.with_queries())
     for p in problems:
         check(p)
     return problems
@@ -354,15 +358,16 @@ class VarlenGrad(VarlenCall):
 
         def launches():
             for i, p in enumerate(self.problems):
+                pb = p.for_backward()
                 qb, kb, vb, ob, dob, dqb = per_seq[i]
                 # per query head under grouping: each head's dK, dV parts, summed below
                 parts = ([empty((p.bh, p.n_k, width), self.dtype) for width in (p.d, p.dv)]
                          if p.group > 1 else [dk_rows[i], dv_rows[i]])
-                bwd.launch(p, qb, kb, vb, ob, dob,
+                bwd.launch(pb, qb, kb, vb, ob, dob,
                            arrays.sequence_columns(saved.lse_dev, *at_q[i]), dqb, *parts,
                            counts, scale=self.scale, count=self.count,
                            forward_workspace=saved.kept[i],
-                           workspace=bwd.allocate_workspace(p, empty))
+                           workspace=bwd.allocate_workspace(pb, empty))
                 if p.group > 1:
                     launch_group_sums(p, *parts, dk_rows[i], dv_rows[i], counts, self.count)
 
@@ -418,15 +423,20 @@ def prepare_grad(q, k, v, do, cu_seqlens_q, cu_seqlens_k, schedule, block_q, blo
     count, timed = api._check_bool("count", count), api._check_bool("timed", timed)
 
     def check(p: Problem) -> None:
-        api.check_launch(sched, p, count, packed.host, simulator_budget=False)
-        check_backward(sched, bwd, p, count, packed.host, simulator_budget=False)
+        check_grad_launch(sched, bwd, p, count, packed.host, simulator_budget=False)
 
-    problems = sequence_problems(sched, packed, block_q, block_k, check, causal=causal,
-                                 save_lse=True, options=options, window=window,
-                                 pack_gqa=pack_gqa, precision=precision)
+    def choose(first: Problem, problem, bq, bk) -> Problem:
+        # the forward on `attention`'s tiles with cu_seqlens, the backward on its own
+        return grad_tiles(sched, bwd, first, problem, bq, bk, count, packed.host,
+                          simulator_budget=False, forward_fast=False)
+
+    problems = sequence_problems(sched, packed, block_q, block_k, check, choose,
+                                 causal=causal, save_lse=True, options=options,
+                                 window=window, pack_gqa=pack_gqa, precision=precision)
     check_total(sched, problems, lambda p: {
         **api.memory_need(sched, p, count, packed.host),
-        **{f"backward {k}": v for k, v in backward_memory(bwd, p, count, packed.host).items()}},
+        **{f"backward {k}": v for k, v in
+           backward_memory(bwd, p.for_backward(), count, packed.host).items()}},
         backward=True)
     return VarlenGrad(sched, packed, problems, _scale(scale, packed.d), count, timed)
 

@@ -73,6 +73,30 @@ def test_varlen_forward_and_backward_match_the_reference_and_the_model(index):
     assert len(g.problems) == sum(n > 0 for n in N_Q)
 
 
+def test_a_varlen_call_naming_no_tiles_runs_its_backward_on_the_backwards_tiles(
+        backward_tiles_16x8):
+    """q_outer's backward measured fastest on 16 x 8: with cu_seqlens each sequence's
+    backward runs it, clamped to its lengths, the forward 64 x 64 clamped; gradients within
+    float32's tolerance, the backward counted == its sequences' models on those tiles."""
+    bwd = backward_tiles_16x8
+    n_q, n_k = [21, 0, 9, 30], [17, 2, 7, 30]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (n_q, n_k))
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal(s).astype(np.float32) for s in (
+        (cu_q[-1], H, D), (cu_k[-1], H_KV, D), (cu_k[-1], H_KV, DV), (cu_q[-1], H, DV)))
+    g = lo.attention_grad(q, k, v, do, causal=True, count=True, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k)
+    assert [(p.block_q, p.block_k, p.backward_tiles) for p in g.problems] == [
+        (21, 17, (16, 8)), (9, 7, ()), (30, 30, (16, 8))]  # 16 x 8 clamped to 9 x 7: its own
+    grads = varlen_grad_reference(q, k, v, do, cu_q, cu_k, mask=mask_of(True, (-1, -1)))
+    for got, ref in zip((g.dq, g.dk, g.dv), grads, strict=True):
+        assert relative_error(got, ref) <= 1e-5
+    ours = sum((lo.api.backward_traffic(bwd, p) for p in g.problems), lo.Ledger({}))
+    assert g.counts_backward == ours != lo.predict_traffic(
+        "q_outer", None, backward=True, d=D, dv=DV, heads=H, kv_heads=H_KV, causal=True,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+
 def test_varlen_float16_forward_on_tensor_cores_with_torch_tensors():
     """float16 on the tensor-core forward, torch tensors and torch cu_seqlens in, torch out;
     counted == predicted."""

@@ -157,6 +157,13 @@ class Problem:
         block_q, block_k = self.backward_tiles
         return replace(self, block_q=block_q, block_k=block_k, backward_tiles=())
 
+    def with_backward_tiles(self, block_q: int, block_k: int) -> Problem:
+        """This Problem with its backward pass on block_q x block_k, clamped to its lengths as
+        `make_problem` clamps (`backward_tiles` left empty where that is its own pair)."""
+        tiles = (min(block_q, self.n_q), min(block_k, self.n_k))
+        return replace(self, backward_tiles=() if tiles == (self.block_q, self.block_k)
+                       else tiles)
+
     def option(self, name: str):
         for key, value in self.options:
             if key == name:
