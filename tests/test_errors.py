@@ -270,18 +270,20 @@ def test_cli_memory_refusal_exits_2_with_one_line(command, capsys, monkeypatch, 
 
 
 def test_tiles_left_out_are_chosen_to_fit_and_named_ones_are_refused(monkeypatch):
-    """With no tiles named, a call whose 64 x 64 kernels need more shared memory than a CTA
+    """With no tiles named, a pass whose 64 x 64 kernels need more shared memory than a CTA
     may take runs on the first of DEFAULT_TILES that fits (float32 at d = 160: the
-    backward's 64 x 64 needs 300288 bytes); named tiles that do not fit are refused, naming
-    the tile. Checked without running (the simulator would take minutes at d = 160)."""
+    backward's 64 x 64 needs 300288 bytes, the forward's fit); named tiles that do not fit
+    are refused, naming the tile. Checked without running (the simulator would take minutes
+    at d = 160)."""
     from loop_orders import api, api_grad
 
     monkeypatch.setenv("LOOP_ORDERS_ALLOW_SLOW", "1")
     q = np.ones((1, 1, 128, 160), np.float32)
     call = api_grad.prepare_grad(q, q, q, q, "q_outer", None, None, True, None, None, False,
                                  False)
-    assert (call.p.block_q, call.p.block_k) in api.DEFAULT_TILES[1:]
-    assert call.p.block_q * call.p.block_k < 64 * 64
+    backward = call.p.for_backward()
+    assert (call.p.block_q, call.p.block_k) == api.DEFAULT_TILES[0]
+    assert (backward.block_q, backward.block_k) in api.DEFAULT_TILES[1:]
     with pytest.raises(ValueError, match="^block_k: q_outer's backward needs 300288 bytes"):
         api_grad.prepare_grad(q, q, q, q, "q_outer", 64, 64, True, None, None, False, False)
     forward = api._prepare(q, q, q, "dense", None, None, False, None, False, False, None,
