@@ -214,14 +214,15 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     """A rough estimate of how long the simulator takes for p (seconds), forward and, with
     `backward`, the backward pass too (five products to the forward's two)."""
     flops = p.bh * p.visited_pairs() * p.block_q * p.block_k * (p.d + p.dv)
-    threads = sched.threads(p)
+    threads, pb = sched.threads(p), p.for_backward()  # the backward on its own tiles
     if backward:
         flops = flops * 7 // 2
         from .core.schedule import backward_of
 
-        threads = max(threads, backward_of(sched).threads(p.for_backward()))
+        threads = max(threads, backward_of(sched).threads(pb))
     moved = sched.model(p).total
-    ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc))
+    ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc, pb.tr, pb.tc) if backward else
+               p.bh * max(p.tr, p.tc))
     launches = len(sched.kernels(p, False)) + (3 if backward else 0)
     exchanges = sched.warp_exchanges(p)
     if exchanges and not backward:  # tensor cores: the products are NumPy's, per warp
@@ -601,8 +602,9 @@ def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count
 
 
 # Tiles tried in turn when the caller names none: the first whose kernels fit in shared memory
-# (forward, and for a gradient call the backward too) runs. 64 x 64 fits every schedule up to
-# d = 128; wide heads (d >= 160) in float32, and dense's backward, need smaller ones.
+# runs (a gradient call chooses its forward's and its backward's apart: `api_grad.grad_tiles`).
+# 64 x 64 fits every schedule up to d = 128; wide heads (d >= 160) in float32, and dense's
+# backward, need smaller ones.
 DEFAULT_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
 
 

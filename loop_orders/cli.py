@@ -121,11 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dv", type=int, default=None, help="head dim of v (default: d)")
     p.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(SUPPORTED_DTYPES))
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    p.add_argument("--block-q", type=int, default=64, help="Br, query rows per block")
-    p.add_argument("--block-k", type=int, default=64, help="Bc, keys per block")
+    p.add_argument("--block-q", type=int, default=None,
+                   help="Br, query rows per block (default: as a call naming no tiles)")
+    p.add_argument("--block-k", type=int, default=None,
+                   help="Bc, keys per block (default: as a call naming no tiles)")
     p.add_argument("--n", type=int, default=1024,
                    help="a length the tiles fit (blocks are clamped to shorter ones)")
-    p.add_argument("--backward", action="store_true", help="the backward pass's kernels too")
+    p.add_argument("--backward", action="store_true",
+                   help="a gradient call's kernels: its forward's (lse saved) and backward's")
     p.add_argument("--counted", action="store_true", help="the counted builds too")
     p.add_argument("--jobs", type=int, default=None, help="processes (default: CPUs, <= 16)")
     return parser

@@ -286,8 +286,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule: str =
     {"dq": "separate"}). `causal` (bottom-right aligned) and `window=(left, right)` as for
     `loop_orders.attention`; k and v may have fewer heads than q (grouped-query attention,
     per query head or with `pack_gqa` packed, as `loop_orders.attention`). Tiles left out
-    are chosen as `loop_orders.attention_grad` chooses them (64 x 64 where its forward and
-    backward fit); the op carries such a tile as 0. A call with nothing to differentiate
+    are chosen as `loop_orders.attention_grad` chooses them (each pass its own:
+    `api_grad.grad_tiles`); the op carries such a tile as 0. A call with nothing to differentiate
     (no input requiring grad, or under torch.no_grad) outside `counting()` and
     torch.compile is `loop_orders.attention`'s, its tiles chosen as that chooses them
     (on a Hopper GPU the measured fastest forward's). Arguments are checked as

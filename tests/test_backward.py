@@ -46,6 +46,30 @@ def test_the_backward_orders_are_registered():
     assert lo.schedule_options("q_outer") == {"dq": "atomic"}
 
 
+def test_q_outers_backward_names_its_measured_tiles_on_a_hopper_gpu(monkeypatch):
+    """FAST_TILES by operands, dQ option and head dim, on tensor cores of a Hopper GPU (stood
+    in for here); none on the simulator, on other GPUs, on CUDA cores or where no sweep
+    measured."""
+    from loop_orders.schedules.q_outer import backward as q_outer_backward
+
+    bwd = backward_of(lo.get_schedule("q_outer"))
+
+    def tiles(dtype="float16", d=64, dq="atomic", precision="ieee"):
+        p = lo.make_problem("q_outer", n_q=4096, d=d, block_q=64, block_k=64, dtype=dtype,
+                            precision=precision, options={"dq": dq}, save_lse=True)
+        return bwd.fast_tiles(p)
+
+    assert tiles() is None  # the simulator: not a speed
+    monkeypatch.setattr(q_outer_backward, "SIMULATOR", False)
+    monkeypatch.setattr(q_outer_backward, "has_wgmma", lambda: False)
+    assert tiles() is None  # not a Hopper GPU: not measured there
+    monkeypatch.setattr(q_outer_backward, "has_wgmma", lambda: True)
+    assert tiles() == tiles("bfloat16", 128) == tiles(dq="separate") == (64, 128)
+    assert tiles(d=128, dq="separate") is None and tiles(d=96) is None
+    assert tiles("float32", 128, precision="tf32x3") == (32, 64)
+    assert tiles("float32", 128, precision="tf32") is None and tiles("float32", 128) is None
+
+
 @pytest.mark.parametrize("options", [{"dq": "atomic"}, {"dq": "separate"}])
 def test_a_call_naming_no_tiles_runs_its_backward_on_the_backwards_tiles(
         backward_tiles_16x8, options, rng):

@@ -262,7 +262,8 @@ def test_warm_drops_what_the_api_refuses():
     warms its forward only; one whose forward is refused is dropped."""
     from loop_orders import warm
 
-    (job,) = warm.sweep_jobs(["kv_outer"], [128], ["float32"], causal=(False,), backward=True)
+    (job,) = warm.sweep_jobs(["kv_outer"], [128], ["float32"], causal=(False,), backward=True,
+                             block_q=64, block_k=64)
     assert warm._accepted(job) == job._replace(backward=False)
     (fits,) = warm.sweep_jobs(["kv_outer"], [64], ["float32"], causal=(False,), backward=True)
     assert warm._accepted(fits) == fits

@@ -294,3 +294,15 @@ def test_tiles_left_out_are_chosen_to_fit_and_named_ones_are_refused(monkeypatch
     fits = api._prepare(q[..., :64], q[..., :64], q[..., :64], "dense", None, None, False,
                         None, False, False, None, False, "ieee")
     assert (fits.p.block_q, fits.p.block_k) == (64, 64)
+
+
+def test_backward_tiles_are_checked_and_clamped_to_the_lengths():
+    """A backward's own tiles: refused outside 1 .. MAX_BLOCK_Q/K (naming them), clamped to
+    N_q, N_k as `make_problem` clamps, left unset where they are the forward's."""
+    p = lo.make_problem("q_outer", n_q=10, d=4, block_q=8, block_k=8, save_lse=True)
+    with pytest.raises(ValueError, match="^backward_tiles: got 0 x 8"):
+        p.with_backward_tiles(0, 8)
+    clamped = p.with_backward_tiles(64, 4)
+    assert clamped.backward_tiles == (10, 4)
+    assert (clamped.for_backward().block_q, clamped.for_backward().block_k) == (10, 4)
+    assert p.with_backward_tiles(8, 8) == p and p.for_backward() is p

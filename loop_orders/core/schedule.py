@@ -155,12 +155,18 @@ class Problem:
         if not self.backward_tiles:
             return self
         block_q, block_k = self.backward_tiles
-        return replace(self, block_q=block_q, block_k=block_k, backward_tiles=())
+        return replace(self, block_q=min(block_q, self.n_q), block_k=min(block_k, self.n_k),
+                       backward_tiles=())
 
     def with_backward_tiles(self, block_q: int, block_k: int) -> Problem:
         """This Problem with its backward pass on block_q x block_k, clamped to its lengths as
         `make_problem` clamps (`backward_tiles` left empty where that is its own pair)."""
-        tiles = (min(block_q, self.n_q), min(block_k, self.n_k))
+        if not (isinstance(block_q, numbers.Integral) and isinstance(block_k, numbers.Integral)
+                and 1 <= block_q <= MAX_BLOCK_Q and 1 <= block_k <= MAX_BLOCK_K):
+            raise ValueError(f"backward_tiles: got {block_q} x {block_k}; each must be an "
+                             f"int in 1 .. {MAX_BLOCK_Q} (block_q), 1 .. {MAX_BLOCK_K} "
+                             f"(block_k)")
+        tiles = (min(int(block_q), self.n_q), min(int(block_k), self.n_k))
         return replace(self, backward_tiles=() if tiles == (self.block_q, self.block_k)
                        else tiles)
 

@@ -50,6 +50,7 @@ from ...device.runtime import (
     cuda,
     device_empty,
     dynamic_shared_limit,
+    has_wgmma,
     kernel_factory,
     kernel_options,
     launch,
@@ -85,12 +86,12 @@ PRE_ROWS, PRE_LANES = 4, 32  # preprocess: 4 rows per CTA, 32 lanes per row
 # loses more than the early loads win: results/backward_tensor_cores.gpu.json, "atomic1")
 TC_Q_STAGES = 2
 CONVERT_THREADS = 256
-# Tiles a gradient call naming none gives the tensor-core backward, where a sweep on an H100
-# measured them faster than 64 x 64 (results/bench_backward_tiles.csv: B 4, H 16, N 4096,
-# causal or not), by (operands, dq, d): 16-bit on 128 keys a CTA (each load of Q_i, dO_i and
-# each dQ_i atomic then serves twice the keys), except separate dQ at d = 128; TF32x3 at
-# d = 128 on 32 query rows (112,000 bytes of shared memory a CTA against 64 x 64's 154,368:
-# two CTAs an SM instead of one)
+# Tiles a gradient call naming none gives the tensor-core backward on a Hopper GPU, where a
+# sweep on an H100 measured them faster than 64 x 64 (results/bench_backward_tiles.csv: B 4,
+# H 16, N 4096, causal or not), by (operands, dq, d): 16-bit on 128 keys a CTA (each load of
+# Q_i, dO_i and each dQ_i atomic then serves twice the keys), except separate dQ at d = 128;
+# TF32x3 at d = 128 on 32 query rows (112,000 bytes of shared memory a CTA against 64 x 64's
+# 154,368: two CTAs an SM instead of one)
 FAST_TILES = {("16-bit", "atomic", 64): (64, 128), ("16-bit", "atomic", 128): (64, 128),
               ("16-bit", "separate", 64): (64, 128),
               ("tf32x3", "atomic", 128): (32, 64), ("tf32x3", "separate", 128): (32, 64)}
@@ -502,10 +503,11 @@ class QOuterBackward(GradTileBackward):
         return tc_backward_spec(p)
 
     def fast_tiles(self, p: Problem) -> tuple[int, int] | None:
-        """FAST_TILES' tiles for p's operands, dQ option and head dim on tensor cores; None
-        on the simulator (not a speed) and for head dims no sweep measured."""
+        """FAST_TILES' tiles for p's operands, dQ option and head dim on tensor cores of a
+        Hopper GPU (where they were measured); None on the simulator (not a speed), other
+        GPUs and what no sweep measured."""
         spec = self.tensor_cores(p)
-        if spec is None or SIMULATOR:
+        if spec is None or SIMULATOR or not has_wgmma():
             return None
         operands = spec.dtype if spec.tf32 else "16-bit"
         return FAST_TILES.get((operands, p.option("dq"), p.d))
