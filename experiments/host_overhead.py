@@ -70,7 +70,8 @@ t = [time.perf_counter()]
 import loop_orders
 from loop_orders.core.schedule import get_schedule
 from loop_orders.device import kernel_cache, runtime
-from loop_orders.warm import call_problem, recorded_launches
+from loop_orders.sweeps import call_problem
+from loop_orders.warm import recorded_launches
 t.append(time.perf_counter())
 from numba import cuda
 cuda.current_context()

@@ -423,7 +423,8 @@ def cmd_warm(args) -> int:
     import os
 
     from .device import runtime
-    from .warm import sweep_jobs, warm
+    from .sweeps import sweep_jobs
+    from .warm import warm
 
     jobs = sweep_jobs(args.schedules, args.d, args.dtypes, n=args.n, dv=args.dv,
                       causal={"no": (False,), "yes": (True,), "both": (False, True)}[args.causal],

@@ -129,7 +129,8 @@ def test_warm_checks_a_sweep_and_refuses_bad_names(capsys):
 def test_warm_records_every_kernel_of_a_forward_and_backward_call():
     """The launches `warm` compiles are a call's own: q_outer's backward adds its kernels
     to the forward's, each with the arrays of the problem's shapes."""
-    from loop_orders.warm import recorded_launches, sweep_jobs
+    from loop_orders.sweeps import sweep_jobs
+    from loop_orders.warm import recorded_launches
 
     (job,) = sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
     forward = recorded_launches(lo.get_schedule("q_outer"), job.problem, False, False)
@@ -150,10 +151,10 @@ def test_compile_ahead_compiles_a_new_calls_kernels_at_once(monkeypatch, tmp_pat
     import io
     import pickle
 
-    from loop_orders import warm
+    from loop_orders import sweeps, warm
     from loop_orders.device import kernel_cache, runtime
 
-    (job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+    (job,) = sweeps.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
     launches = warm.recorded_launches(lo.get_schedule("q_outer"), job.problem, False, True)
     here, payloads, waited, workers = [], [], [], []
 
@@ -225,10 +226,10 @@ def test_a_compile_worker_links_its_cubin_only_where_no_gpu_is_needed(monkeypatc
 def test_a_compile_worker_remakes_a_kernel_from_its_factory_key():
     """What a worker is sent names the kernel: its factory, called again with the same
     compile-time constants, gives the same kernel (the factories' cache)."""
-    from loop_orders import warm
+    from loop_orders import sweeps, warm
     from loop_orders.device import runtime
 
-    (job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+    (job,) = sweeps.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
     for kernel, *_ in warm.recorded_launches(lo.get_schedule("q_outer"), job.problem, False,
                                              True):
         made_by = runtime.factory_key(kernel)
@@ -260,14 +261,14 @@ def test_warm_drops_what_the_api_refuses():
     """A sweep's job whose backward the API refuses (kv_outer's float32 backward at d = 128 on
     64 x 64 tiles needs more shared memory than a CTA may take: its build would not load)
     warms its forward only; one whose forward is refused is dropped."""
-    from loop_orders import warm
+    from loop_orders import sweeps, warm
 
-    (job,) = warm.sweep_jobs(["kv_outer"], [128], ["float32"], causal=(False,), backward=True,
+    (job,) = sweeps.sweep_jobs(["kv_outer"], [128], ["float32"], causal=(False,), backward=True,
                              block_q=64, block_k=64)
     assert warm._accepted(job) == job._replace(backward=False)
-    (fits,) = warm.sweep_jobs(["kv_outer"], [64], ["float32"], causal=(False,), backward=True)
+    (fits,) = sweeps.sweep_jobs(["kv_outer"], [64], ["float32"], causal=(False,), backward=True)
     assert warm._accepted(fits) == fits
-    (huge,) = warm.sweep_jobs(["q_outer"], [256], ["float32"], causal=(False,), block_q=512,
+    (huge,) = sweeps.sweep_jobs(["q_outer"], [256], ["float32"], causal=(False,), block_q=512,
                               block_k=512)
     assert warm._accepted(huge) is None
 

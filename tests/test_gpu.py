@@ -491,9 +491,9 @@ def test_compile_ahead_fills_an_empty_cache_with_a_calls_kernels(tmp_path):
 
     script = """
 import json, numpy as np, loop_orders as lo
-from loop_orders import warm
+from loop_orders import sweeps, warm
 from loop_orders.reference import attention_grad_reference, relative_error
-(job,) = warm.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
+(job,) = sweeps.sweep_jobs(["q_outer"], [64], ["float16"], causal=(True,), backward=True)
 built = warm.compile_ahead(job)
 rng = np.random.default_rng(7)
 q, k, v, do = (rng.standard_normal((1, 2, 300, 64)).astype(np.float16) for _ in range(4))
