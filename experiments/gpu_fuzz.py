@@ -175,7 +175,7 @@ def check_backward(c, dev, host, count: bool) -> dict:
         errs.append(err)
         if not (np.isfinite(got).all() and err <= bound):
             problems.append(f"{name} error {err:.3g} > {bound:.3g}")
-    model = lo.api.backward_traffic(bwd, g.problem.for_backward())
+    model = lo.api.backward_traffic(bwd, g.problem)
     if count and g.counts_backward != model:
         problems.append(f"backward counted {g.counts_backward} != model {model}")
     return {"errors": errs, "problems": problems}

@@ -214,15 +214,15 @@ def simulated_seconds(sched: Schedule, p: Problem, backward: bool = False) -> fl
     """A rough estimate of how long the simulator takes for p (seconds), forward and, with
     `backward`, the backward pass too (five products to the forward's two)."""
     flops = p.bh * p.visited_pairs() * p.block_q * p.block_k * (p.d + p.dv)
-    threads, pb = sched.threads(p), p.for_backward()  # the backward on its own tiles
+    threads = sched.threads(p)
+    pb = p.for_backward() if backward else p  # the backward on its own tiles
     if backward:
         flops = flops * 7 // 2
         from .core.schedule import backward_of
 
         threads = max(threads, backward_of(sched).threads(pb))
     moved = sched.model(p).total
-    ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc, pb.tr, pb.tc) if backward else
-               p.bh * max(p.tr, p.tc))
+    ctas = max(sched.ctas(p), p.bh * max(p.tr, p.tc, pb.tr, pb.tc))
     launches = len(sched.kernels(p, False)) + (3 if backward else 0)
     exchanges = sched.warp_exchanges(p)
     if exchanges and not backward:  # tensor cores: the products are NumPy's, per warp
@@ -595,9 +595,7 @@ def _prepare(q, k, v, schedule, block_q, block_k, causal, scale, save_lse, count
     scale = _check_scale(1.0 / math.sqrt(inp.d) if scale is None else scale)
     count = _check_bool("count", count)
     timed = _check_bool("timed", timed)
-    p = fitting_tiles(p, problem, block_q, block_k,
-                      lambda p: check_launch(sched, p, count, host_inputs=inp.host),
-                      first=sched.fast_tiles(p))
+    p = attention_tiles(sched, p, problem, block_q, block_k, count, inp.host)
     return _Call(sched, p, inp, scale, count, timed, clamped_blocks(p, block_q, block_k))
 
 
@@ -635,6 +633,15 @@ def fitting_tiles(p: Problem, problem, block_q, block_k, check, first=None) -> P
             if tiles != first:
                 refused = refused or exc
     raise refused
+
+
+def attention_tiles(sched: Schedule, p: Problem, problem, block_q, block_k, count: bool,
+                    host: bool, simulator_budget: bool = True, fast: bool = True) -> Problem:
+    """p on the tiles `lo.attention` runs: `fitting_tiles` over `check_launch` (its
+    `simulator_budget`), trying first the schedule's `fast_tiles` unless `fast` is False."""
+    return fitting_tiles(p, problem, block_q, block_k, lambda c: check_launch(
+        sched, c, count, host_inputs=host, simulator_budget=simulator_budget),
+        sched.fast_tiles(p) if fast else None)
 
 
 def predict_traffic(schedule: str, n: int | None, d: int, dv: int | None = None, batch: int = 1,

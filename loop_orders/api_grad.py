@@ -24,6 +24,7 @@ from .api import (
     Inputs,
     _check_bool,
     _check_scale,
+    attention_tiles,
     call_key,
     check_inputs,
     check_launch,
@@ -93,8 +94,9 @@ def check_backward(sched: Schedule, bwd: BackwardSchedule, p: Problem, count: bo
     """The backward's own refusals (on `Problem.for_backward`'s tiles): its checks, every
     kernel's shared memory, device memory of both passes together, the simulator's budget
     (unless `simulator_budget` is False)."""
-    bwd.check_kernels(p.for_backward(), count)
-    backward = backward_memory(bwd, p.for_backward(), count, host)
+    pb = p.for_backward()
+    bwd.check_kernels(pb, count)
+    backward = backward_memory(bwd, pb, count, host)
     parts = {**{f"forward {k}": v for k, v in memory_need(sched, p, count, host).items()},
              **{f"backward {k}": v for k, v in backward.items()}}
     total = sum(parts.values())
@@ -116,6 +118,7 @@ class GradCall:
     def __init__(self, sched: Schedule, bwd: BackwardSchedule, p: Problem, inputs: Inputs,
                  scale: float, count: bool, timed: bool, clamped: dict):
         self.sched, self.bwd, self.p, self.inputs = sched, bwd, p, inputs
+        self.p_backward = p.for_backward()  # the backward's tiles (`grad_tiles`)
         self.scale, self.count, self.timed, self.clamped = scale, count, timed, clamped or None
         self.out_shape = inputs.q_shape[:-1] + (p.dv,)
         self.dtype = p.kernel_dtype
@@ -183,7 +186,7 @@ class GradCall:
 
     def backward(self, saved: Saved, q, k, v, do):
         """(dq, dk, dv, backward ledger) as the caller's kind of array."""
-        p, kind, inputs = self.p.for_backward(), self.inputs.kind, self.inputs
+        p, kind, inputs = self.p_backward, self.inputs.kind, self.inputs
         operands = operands_of(inputs, q, k, v)
         do_kind = arrays.kind_of(do)
         do = do_kind.operand(do)
@@ -263,9 +266,8 @@ def grad_tiles(sched, bwd, p: Problem, problem, block_q, block_k, count: bool, h
     shape no tile sets). `simulator_budget` as for `check_grad_launch`; `forward_fast`
     False: the forward does not try its fast tiles (varlen, whose `lo.attention` does not)."""
     if block_q is None and block_k is None:
-        forward = fitting_tiles(p, problem, None, None, lambda c: check_launch(
-            sched, c, count, host_inputs=host, simulator_budget=False),
-            sched.fast_tiles(p) if forward_fast else None)
+        forward = attention_tiles(sched, p, problem, None, None, count, host,
+                                  simulator_budget=False, fast=forward_fast)
         backward = fitting_tiles(p, problem, None, None, lambda c: check_backward(
             sched, bwd, c, count, host, simulator_budget=False), bwd.fast_tiles(p))
         p = forward.with_backward_tiles(backward.block_q, backward.block_k)

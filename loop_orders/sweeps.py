@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
-from .api import check_launch, fitting_tiles, make_problem, named_tiles
+from .api import attention_tiles, make_problem, named_tiles
 from .api_grad import grad_problem, grad_tiles
 from .core.schedule import Problem, backward_of, get_schedule
 from .warm import Job
@@ -22,9 +22,6 @@ def call_problem(sched, n: int, d: int, dv, dtype: str, causal: bool, block_q, b
         return make_problem(sched, n_q=n, d=d, dv=dv, block_q=block_q, block_k=block_k,
                             causal=causal, dtype=dtype)
 
-    def forward_checked(p: Problem) -> None:
-        check_launch(sched, p, count, host_inputs=False, simulator_budget=False)
-
     problem = grad_problem(sched, n, n, d, dv, 1, 1, None, dtype, causal, None, (-1, -1),
                            False) if grad else forward
     p = problem(*named_tiles(block_q, block_k))
@@ -32,8 +29,8 @@ def call_problem(sched, n: int, d: int, dv, dtype: str, causal: bool, block_q, b
         if grad:
             return grad_tiles(sched, backward_of(sched), p, problem, block_q, block_k, count,
                               False, simulator_budget=False)
-        return fitting_tiles(p, problem, block_q, block_k, forward_checked,
-                             sched.fast_tiles(p))
+        return attention_tiles(sched, p, problem, block_q, block_k, count, False,
+                               simulator_budget=False)
     return p
 
 

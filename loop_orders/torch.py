@@ -82,7 +82,7 @@ def counting():
 def _record(call: GradCall, pass_: str, ledger: Ledger | None, collected) -> None:
     if collected is None or ledger is None:
         return
-    p = call.p if pass_ == "forward" else call.p.for_backward()
+    p = call.p if pass_ == "forward" else call.p_backward
     model = (call.sched if pass_ == "forward" else call.bwd).model(p)
     collected.append(Counted(call.sched.name, pass_, p, ledger, model))
 

@@ -646,7 +646,7 @@ def test_repeated_calls_replay_the_first_calls_launches(schedule, options, rng):
             assert relative_error(got.float().cpu().numpy(), ref) <= 1e-2
         if count:
             bwd = backward_of(lo.get_schedule(schedule))
-            assert g.counts_backward == backward_traffic(bwd, g.problem.for_backward())
+            assert g.counts_backward == backward_traffic(bwd, g.problem)
     # an output gradient 2 bytes into its buffer: another alignment, the schedule's Python
     # (16-bit tiles are copied 16 bytes at a time: refused, before anything runs)
     q, k, v, do = inputs()
